@@ -1,0 +1,1 @@
+"""stare_jax.data"""
