@@ -1,0 +1,404 @@
+"""Typed run configuration: dataclass sections, YAML files, dotted command-line overrides, strict validation.
+
+One `Config` describes a whole run (model, mesh, data, sampling, RL/STARE, optimizer, checkpointing, logging).
+YAML files may name a `base:` file (relative to themselves) whose values they override. Every key is checked:
+an unknown key (with the closest valid key suggested), a wrong type or an out-of-range value raises
+`ConfigError` naming the dotted key, the file or override it came from, and what is accepted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import pathlib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or out of range."""
+
+
+def _range(lo=None, hi=None, *, lo_open=False, hi_open=False, nonzero=False, doc: str = "") -> dict:
+    """Field metadata describing the accepted numeric range [lo, hi] (open ends where asked)."""
+    return {"range": (lo, hi, lo_open, hi_open), "nonzero": nonzero, "doc": doc}
+
+
+def _f(default, *, doc: str = "", **rng):
+    meta = _range(**rng, doc=doc) if rng else {"doc": doc}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train and how to compute with it."""
+
+    path: str | None = _f(None, doc="HF checkpoint folder (config.json + *.safetensors); None with `preset` for random init")
+    preset: str | None = _f(None, doc="named architecture (e.g. qwen2.5-7b) or 'tiny'; used when path is None")
+    dtype: DType = _f("float32", doc="compute dtype")
+    param_dtype: DType = _f("float32", doc="parameter (master) dtype")
+    attention_impl: Literal["xla", "cudnn", "splash"] = _f("xla", doc="attention kernel")
+    remat_policy: Literal["none", "full", "dots_saveable"] = _f("none", doc="per-layer rematerialisation")
+    tokenizer_path: str | None = _f(None, doc="tokenizer folder or SentencePiece .model; defaults to path")
+
+
+@dataclass
+class MeshConfig:
+    """Device mesh with named axes; -1 means 'all remaining devices' (at most one axis)."""
+
+    data: int = _f(1, lo=-1, nonzero=True)
+    fsdp: int = _f(-1, lo=-1, nonzero=True)
+    tensor: int = _f(1, lo=-1, nonzero=True)
+
+
+@dataclass
+class DataConfig:
+    """Prompt data for training and held-out evaluation."""
+
+    train_path: str | None = _f(None, doc="jsonl/parquet of {problem, answer} rows")
+    eval_paths: dict = _f({}, doc="benchmark name -> jsonl path")
+    prompt_field: str = _f("problem")
+    answer_field: str = _f("answer")
+    prompt_template: Literal["paper", "chat", "raw"] = _f("paper", doc="paper instruction, chat template, or raw")
+    max_prompt_len: int = _f(1024, lo=1)
+    shuffle: bool = _f(True)
+    seed: int = _f(0, lo=0)
+
+
+@dataclass
+class SamplingConfig:
+    """Rollout generation (training) and evaluation sampling."""
+
+    max_new_tokens: int = _f(3072, lo=1)
+    temperature: float = _f(1.0, lo=0.0)
+    top_p: float = _f(1.0, lo=0.0, hi=1.0, lo_open=True)
+    top_k: int = _f(0, lo=0, doc="0 = off")
+    kv_cache_dtype: DType = _f("bfloat16")
+    eval_temperature: float = _f(0.7, lo=0.0)
+    eval_top_p: float = _f(0.95, lo=0.0, hi=1.0, lo_open=True)
+
+
+@dataclass
+class StareConfig:
+    """STARE token reweighting and its closed-loop entropy gate (see STARE-semantics.md)."""
+
+    enabled: bool = _f(False, doc="False = plain GRPO(-ds)")
+    variant: Literal["O1", "O2", "O3", "O4", "C1", "C2", "C3", "C4"] = _f("O1")
+    top_p: float = _f(0.1, lo=0.0, hi=1.0, lo_open=True, doc="P: fraction of candidate tokens selected")
+    w: float = _f(1.1, lo=1.0, doc="amplification weight W >= 1")
+    m: float = _f(0.9, lo=0.0, hi=1.0, lo_open=True, doc="attenuation weight M in (0, 1]")
+    gate: Literal["batch", "sample", "token", "none"] = _f("batch")
+    target_entropy: float = _f(0.3, lo=0.0, lo_open=True)
+    rule: Literal["quantile", "exact_top_k"] = _f("quantile")
+    scope: Literal["batch", "micro_batch"] = _f("batch")
+    adaptive: bool = _f(False)
+    alpha: float = _f(0.01, lo=0.0)
+    w_max: float = _f(1.5, lo=1.0)
+    m_min: float = _f(0.5, lo=0.0, hi=1.0, lo_open=True)
+    adaptive_timing: Literal["same_step", "next_step"] = _f("same_step")
+    theory_diagnostics: bool = _f(False, doc="Phi, s*, Lambda, Gamma, W* in the trainer pass (slower)")
+
+
+@dataclass
+class RLConfig:
+    """GRPO-ds: group sampling, dynamic sampling, advantages and the clipped surrogate."""
+
+    train_batch_size: int = _f(64, lo=1, doc="prompts per RL step")
+    group_size: int = _f(8, lo=1, doc="G rollouts per prompt")
+    gen_batch_size: int = _f(192, lo=1, doc="prompts per generation batch")
+    dynamic_sampling: bool = _f(True)
+    max_num_gen_batches: int = _f(10, lo=1)
+    norm_adv_by_std: bool = _f(True)
+    clip_low: float = _f(0.2, lo=0.0, hi=1.0)
+    clip_high: float = _f(0.28, lo=0.0)
+    clip_c: float = _f(10.0, lo=1.0, doc="dual-clip constant")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = _f(
+        "token-mean"
+    )
+    micro_batch_size: int = _f(8, lo=1, doc="sequences per forward/backward micro-batch")
+    mini_batches: int = _f(1, lo=1, doc="optimizer steps per RL batch")
+    ppo_epochs: int = _f(1, lo=1)
+    logprob_chunk_size: int = _f(512, lo=1, doc="sequence chunk of the log-prob/entropy pass")
+    reward: Literal["binary", "signed"] = _f("binary", doc="1/0 (paper) or +1/-1 (DAPO)")
+    overlong_buffer: int = _f(0, lo=0, doc="DAPO overlong penalty buffer in tokens (0 = off)")
+    overlong_penalty: float = _f(1.0, lo=0.0)
+    stare: StareConfig = field(default_factory=StareConfig)
+
+
+@dataclass
+class OptimizerConfig:
+    """optax AdamW with global-norm clipping."""
+
+    lr: float = _f(1e-6, lo=0.0, lo_open=True)
+    b1: float = _f(0.9, lo=0.0, hi=1.0, hi_open=True)
+    b2: float = _f(0.999, lo=0.0, hi=1.0, hi_open=True)
+    eps: float = _f(1e-8, lo=0.0, lo_open=True)
+    weight_decay: float = _f(0.01, lo=0.0)
+    grad_clip: float = _f(1.0, lo=0.0, doc="0 = off")
+    schedule: Literal["constant", "cosine", "linear"] = _f("constant")
+    warmup_steps: int = _f(0, lo=0)
+
+
+@dataclass
+class CheckpointConfig:
+    """orbax-checkpoint settings."""
+
+    every_steps: int = _f(50, lo=0, doc="0 = only at the end")
+    keep: int = _f(3, lo=1)
+    async_save: bool = _f(True)
+    on_nan: Literal["skip", "stop"] = _f("skip", doc="a non-finite loss skips the update or stops the run")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics sinks."""
+
+    tensorboard: bool = _f(True)
+    wandb_project: str | None = _f(None)
+    progress_bar: bool = _f(True)
+    eval_every_steps: int = _f(0, lo=0, doc="0 = no periodic eval")
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    seed: int = _f(0, lo=0)
+    total_steps: int = _f(100, lo=1, doc="RL steps")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building a typed config from nested dicts, with errors that name the key and where it came from.
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp, key: str, where: str) -> Any:
+    """Check `value` against the annotation `tp`; return it (ints accepted for floats)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for alt in typing.get_args(tp):
+            try:
+                return _coerce(value, alt, key, where)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected {_describe(tp)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"{where}: '{key}' = {value!r} is not accepted; accepted values: "
+                f"{', '.join(repr(c) for c in choices)}{hint}"
+            )
+        return value
+    if tp is type(None):
+        if value is not None:
+            raise ConfigError(f"{where}: '{key}' = {value!r}; expected null")
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected a boolean (true/false)")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected a number")
+        if not math.isfinite(float(value)):
+            raise ConfigError(f"{where}: '{key}' = {value!r} must be a finite number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected a string")
+        return value
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected a mapping")
+        return dict(value)
+    if tp is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected a list")
+        return list(value)
+    raise TypeError(f"config annotation {tp!r} for {key} is not supported")
+
+
+def _check_range(value, meta: dict, key: str, where: str) -> None:
+    if "range" not in meta or value is None:
+        return
+    lo, hi, lo_open, hi_open = meta["range"]
+    if meta.get("nonzero") and value == 0:
+        raise ConfigError(f"{where}: '{key}' = 0 is not accepted; use a positive size or -1 (all remaining devices)")
+    bad = (lo is not None and (value < lo or (lo_open and value == lo))) or (
+        hi is not None and (value > hi or (hi_open and value == hi))
+    )
+    if bad:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        lo_s = "-inf" if lo is None else lo
+        hi_s = "inf" if hi is None else hi
+        raise ConfigError(f"{where}: '{key}' = {value!r} is out of range; accepted: {left}{lo_s}, {hi_s}{right}")
+
+
+def _build(cls, data: dict, where: dict[str, str], prefix: str = ""):
+    """Construct dataclass `cls` from `data`; `where` maps dotted keys to their source for error messages."""
+    default_where = where.get("", "<defaults>")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where.get(prefix.rstrip('.'), default_where)}: '{prefix.rstrip('.')}' must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in fields:
+            full = prefix + str(k)
+            close = difflib.get_close_matches(str(k), list(fields), n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ConfigError(
+                f"{where.get(full, default_where)}: unknown key '{full}'{hint} "
+                f"(valid keys here: {', '.join(fields)})"
+            )
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        full = prefix + name
+        src = where.get(full, default_where)
+        tp = hints[name]
+        value = data[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value if value is not None else {}, where, full + ".")
+            continue
+        value = _coerce(value, tp, full, src)
+        _check_range(value, f.metadata, full, src)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _merge(base: dict, over: dict, where: dict[str, str], source: str, prefix: str = "") -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        full = prefix + str(k)
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "eval_paths":
+            out[k] = _merge(out[k], v, where, source, full + ".")
+        else:
+            out[k] = v
+            where[full] = source
+            if isinstance(v, dict):
+                for sub in _flatten(v, full + "."):
+                    where[sub] = source
+    return out
+
+
+def _flatten(d: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in d.items():
+        keys.append(prefix + str(k))
+        if isinstance(v, dict):
+            keys.extend(_flatten(v, prefix + str(k) + "."))
+    return keys
+
+
+def _read_yaml(path: pathlib.Path, where: dict[str, str], seen: tuple = ()) -> dict:
+    """Read a YAML config, resolving a top-level `base:` chain (relative paths are relative to the file)."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"{path}: circular 'base:' chain: {' -> '.join(str(p) for p in seen + (path,))}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    base = raw.pop("base", None)
+    merged: dict = {}
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{path}: 'base' must be a file path string, got {base!r}")
+        merged = _read_yaml(path.parent / base, where, seen + (path,))
+    return _merge(merged, raw, where, str(path))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split 'rl.stare.w=1.2' into (['rl', 'stare', 'w'], 1.2); the value is parsed as YAML (so 1e-6, true, null work)."""
+    if "=" not in text:
+        raise ConfigError(f"command-line override {text!r}: expected KEY=VALUE, e.g. rl.stare.w=1.2")
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("-")
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"command-line override {text!r}: malformed key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str):
+        # YAML 1.1 leaves '1e-6' as a string; accept it as a float.
+        try:
+            value = float(value) if any(c in value.lower() for c in "e.") else value
+        except ValueError:
+            pass
+    return key.split("."), value
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a YAML config (or the defaults when path is None) and apply dotted KEY=VALUE overrides."""
+    where: dict[str, str] = {"": str(path) if path else "<defaults>"}
+    data = _read_yaml(pathlib.Path(path), where) if path else {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        nested: Any = value
+        for k in reversed(keys):
+            nested = {k: nested}
+        data = _merge(data, nested, where, f"command-line override '{text}'")
+    return _build(Config, data, where)
+
+
+def config_from_dict(data: dict, source: str = "<dict>") -> Config:
+    """Build a Config from a nested dict (e.g. read back from a run's config.yaml)."""
+    where = {"": source}
+    return _build(Config, data, where)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, run_dir: str | pathlib.Path) -> pathlib.Path:
+    """Write the fully resolved config next to a run's outputs (RUN_DIR/config.yaml) and return its path."""
+    run_dir = pathlib.Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.yaml"
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(out)
+    return out

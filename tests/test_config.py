@@ -1,0 +1,110 @@
+"""Config loading: YAML + base chains + dotted overrides, and errors that name the key, the source and what is accepted."""
+import pathlib
+
+import pytest
+import yaml
+
+from stare_jax.config import Config, ConfigError, config_from_dict, load_config, parse_override, save_config, to_dict
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+def _write(tmp_path, name, data):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_defaults_match_paper_settings():
+    cfg = load_config()
+    assert cfg.rl.stare.target_entropy == 0.3 and cfg.rl.stare.top_p == 0.1
+    assert (cfg.rl.stare.w, cfg.rl.stare.m) == (1.1, 0.9)
+    assert (cfg.rl.clip_low, cfg.rl.clip_high, cfg.rl.clip_c) == (0.2, 0.28, 10.0)
+    assert cfg.optimizer.lr == 1e-6 and cfg.optimizer.weight_decay == 0.01 and cfg.optimizer.grad_clip == 1.0
+    assert (cfg.rl.train_batch_size, cfg.rl.group_size, cfg.rl.gen_batch_size) == (64, 8, 192)
+    assert cfg.rl.loss_agg == "token-mean" and cfg.rl.stare.gate == "batch"
+
+
+def test_yaml_base_chain_and_overrides(tmp_path):
+    _write(tmp_path, "base.yaml", {"seed": 3, "rl": {"group_size": 4, "stare": {"w": 1.3}}})
+    child = _write(tmp_path, "child.yaml", {"base": "base.yaml", "rl": {"stare": {"enabled": True}}})
+    cfg = load_config(child, ["rl.stare.w=1.2", "optimizer.lr=3e-6", "model.path=null"])
+    assert cfg.seed == 3 and cfg.rl.group_size == 4
+    assert cfg.rl.stare.enabled is True and cfg.rl.stare.w == 1.2
+    assert cfg.optimizer.lr == pytest.approx(3e-6) and cfg.model.path is None
+
+
+def test_unknown_key_suggests_closest_and_names_file(tmp_path):
+    p = _write(tmp_path, "bad.yaml", {"rl": {"stare": {"targt_entropy": 0.2}}})
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert str(p) in msg and "rl.stare.targt_entropy" in msg and "did you mean 'rl.stare.target_entropy'" in msg
+
+
+def test_unknown_section_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown key 'optimiser'.*did you mean 'optimizer'"):
+        load_config(None, ["optimiser.lr=1"])
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("rl.stare.w=0.5", r"'rl.stare.w' = 0.5 is out of range; accepted: \[1.0, inf\]"),
+        ("rl.stare.m=0", r"'rl.stare.m' = 0.0 is out of range; accepted: \(0.0, 1.0\]"),
+        ("rl.stare.top_p=1.5", r"'rl.stare.top_p' = 1.5 is out of range"),
+        ("rl.stare.variant=O5", r"accepted values: 'O1', 'O2'.*'C4'"),
+        ("rl.stare.gate=batc", r"did you mean 'batch'"),
+        ("rl.group_size=2.5", r"'rl.group_size' = 2.5 has the wrong type; expected an integer"),
+        ("rl.stare.enabled=maybe", r"expected a boolean"),
+        ("optimizer.lr=abc", r"expected a number"),
+        ("mesh.fsdp=0", r"'mesh.fsdp' = 0 is not accepted"),
+        ("optimizer.lr=.nan", r"finite"),
+    ],
+)
+def test_bad_values_name_key_source_and_accepted(override, fragment):
+    with pytest.raises(ConfigError, match=fragment) as e:
+        load_config(None, [override])
+    assert f"command-line override '{override}'" in str(e.value)
+
+
+def test_bad_value_in_file_names_file(tmp_path):
+    p = _write(tmp_path, "c.yaml", {"rl": {"loss_agg": "token_mean"}})
+    with pytest.raises(ConfigError, match="token-mean") as e:
+        load_config(p)
+    assert str(p) in str(e.value) and "rl.loss_agg" in str(e.value)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("rl.stare.w")
+    with pytest.raises(ConfigError, match="malformed key"):
+        parse_override("rl..w=1")
+    assert parse_override("optimizer.lr=1e-6") == (["optimizer", "lr"], 1e-6)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rl: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    loop = _write(tmp_path, "loop.yaml", {"base": "loop.yaml"})
+    with pytest.raises(ConfigError, match="circular"):
+        load_config(loop)
+
+
+def test_resolved_config_round_trip(tmp_path):
+    cfg = load_config(None, ["rl.stare.enabled=true", "rl.stare.variant=C2", "data.eval_paths={a: x.jsonl}"])
+    out = save_config(cfg, tmp_path / "run")
+    back = config_from_dict(yaml.safe_load(out.read_text()), source=str(out))
+    assert to_dict(back) == to_dict(cfg) and isinstance(back, Config)
+    assert back.data.eval_paths == {"a": "x.jsonl"}
+
+
+def test_every_shipped_config_loads():
+    files = sorted(CONFIGS.rglob("*.yaml"))
+    assert files, "configs/ has no YAML files"
+    for f in files:
+        load_config(f)
