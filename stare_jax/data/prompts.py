@@ -1,0 +1,149 @@
+"""Prompt data: read {problem, answer} rows from jsonl/parquet, format prompts, and stream shuffled, per-process
+sharded, checkpointable batches with grain.
+
+The grain pipeline yields batches of *row indices* (int32 arrays) rather than strings: index batches stack
+cheaply, the iterator state is a tiny dict (`{"next_index": n}`) that goes into the run checkpoint, and the
+caller looks the rows up in the list this module returned. Each process reads the rows `i` with
+`i % process_count == process_index`, so multi-host runs split the data without coordination.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Iterator, Sequence
+
+import grain
+import numpy as np
+
+PAPER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+class DataError(ValueError):
+    """A data file is missing, unreadable or has a malformed row (the message names file and line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRow:
+    """One training or evaluation problem. `where` is 'file:line' (or 'file:row N' for parquet)."""
+
+    id: str
+    problem: str
+    answer: str
+    where: str
+
+
+def _row_from_mapping(obj, where: str, prompt_field: str, answer_field: str, index: int) -> PromptRow:
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object per row, got {type(obj).__name__}")
+    for name in (prompt_field, answer_field):
+        if name not in obj or obj[name] is None:
+            raise DataError(f"{where}: row has no '{name}' field (fields present: {', '.join(map(str, obj)) or 'none'})")
+    problem, answer = obj[prompt_field], obj[answer_field]
+    if not isinstance(problem, str) or not problem.strip():
+        raise DataError(f"{where}: '{prompt_field}' must be a non-empty string, got {problem!r:.80}")
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise DataError(f"{where}: '{answer_field}' must be a string or number, got {type(answer).__name__}")
+    if isinstance(answer, float) and answer.is_integer():
+        answer = int(answer)
+    return PromptRow(id=str(obj.get("id", index)), problem=problem, answer=str(answer), where=where)
+
+
+def read_rows(path: str | pathlib.Path, *, prompt_field: str = "problem", answer_field: str = "answer") -> list[PromptRow]:
+    """Read every row of a .jsonl or .parquet file; any bad row raises DataError naming the file and line."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    rows: list[PromptRow] = []
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:  # pragma: no cover - pyarrow is a runtime dependency
+            raise DataError(f"{path}: reading parquet needs pyarrow ({e})") from None
+        try:
+            records = pq.read_table(path).to_pylist()
+        except Exception as e:  # noqa: BLE001 - pyarrow raises many types for bad files
+            raise DataError(f"{path}: not a readable parquet file: {e}") from None
+        for i, obj in enumerate(records):
+            rows.append(_row_from_mapping(obj, f"{path}:row {i}", prompt_field, answer_field, i))
+    elif path.suffix in (".jsonl", ".json"):
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno})") from None
+                rows.append(_row_from_mapping(obj, f"{path}:{lineno}", prompt_field, answer_field, len(rows)))
+    else:
+        raise DataError(f"{path}: unsupported data file type '{path.suffix}' (accepted: .jsonl, .parquet)")
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def format_prompt(problem: str, template: str = "paper", tokenizer=None) -> str:
+    """The text fed to the sampler: 'paper' (question + the paper's instruction), 'chat' (that, as a user turn in
+    the tokenizer's chat template, with the generation prompt) or 'raw' (the question alone)."""
+    if template == "raw":
+        return problem
+    text = f"{problem}\n{PAPER_INSTRUCTION}"
+    if template == "paper":
+        return text
+    if template == "chat":
+        if tokenizer is None:
+            raise ValueError("prompt_template 'chat' needs a tokenizer with a chat template")
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    raise ValueError(f"unknown prompt_template {template!r}; accepted: 'paper', 'chat', 'raw'")
+
+
+def index_batches(
+    num_rows: int,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.IterDataset:
+    """An endless grain dataset of int32 row-index batches for this process: its 1/process_count share of the
+    rows, reshuffled every epoch (a full permutation per epoch), batch_size indices per batch."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} outside [0, {process_count})")
+    local = list(range(process_index, num_rows, process_count))
+    if len(local) < batch_size:
+        raise DataError(
+            f"process {process_index} has {len(local)} rows but a batch needs {batch_size} "
+            f"({num_rows} rows split over {process_count} processes)"
+        )
+    ds = grain.MapDataset.source(np.asarray(local, dtype=np.int32))
+    if shuffle:
+        ds = ds.seed(seed).shuffle()
+    ds = ds.repeat(None)
+    return ds.batch(batch_size, drop_remainder=True).to_iter_dataset()
+
+
+class PromptStream:
+    """Checkpointable iterator over batches of PromptRow for one process.
+
+    `state()` returns a JSON-able dict to store in the run checkpoint; `restore(state)` continues exactly there.
+    """
+
+    def __init__(self, rows: Sequence[PromptRow], batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 process_index: int = 0, process_count: int = 1):
+        self.rows = list(rows)
+        self._iter = iter(index_batches(len(self.rows), batch_size, seed=seed, shuffle=shuffle,
+                                        process_index=process_index, process_count=process_count))
+
+    def __iter__(self) -> Iterator[list[PromptRow]]:
+        return self
+
+    def __next__(self) -> list[PromptRow]:
+        return [self.rows[int(i)] for i in next(self._iter)]
+
+    def state(self) -> dict:
+        return dict(self._iter.get_state())
+
+    def restore(self, state: dict) -> None:
+        self._iter.set_state(dict(state))
