@@ -1,0 +1,1 @@
+"""Built-in verifiable tasks (no download needed)."""
