@@ -1,0 +1,1 @@
+"""stare_jax.eval: benchmark loading, metrics (benchmarks.py) and the sampler-driven eval CLI."""

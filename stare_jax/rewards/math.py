@@ -1,0 +1,396 @@
+"""Math answer extraction, normalisation and equivalence scoring (the verifiable reward of RLVR).
+
+Pipeline for one response:  extract_answer(text) -> normalize_answer(...) -> string match, else math-verify.
+
+Safety notes (read before changing anything here):
+- Nothing taken from model output is ever evaluated as Python.  We never call eval/exec/sympify/parse_expr
+  on response text.  Equivalence goes through math-verify with *only* `LatexExtractionConfig`, which parses
+  with latex2sympy2_extended's lark grammar into SymPy objects.  math-verify's `ExprExtractionConfig`
+  (the default second extractor) calls sympy's `parse_expr`, which uses Python `eval` internally; it is
+  deliberately NOT used here.
+- Extraction and normalisation are linear-time scans (str.rfind, brace counting, anchored regexes without
+  nested quantifiers), so a 1 MB response or 10,000 nested braces cannot cause regex backtracking blow-ups.
+- SymPy itself can still hang or explode in memory on hostile input (e.g. 9^{9^{9^{9}}}).  `score` has no
+  timeout of its own; production scoring goes through `stare_jax.rewards.pool.RewardPool`, which runs `score`
+  in worker processes with a per-item timeout and an address-space limit.
+- math-verify's own timeouts use signal.alarm and only work in a process's main thread; we switch them off
+  (parsing_timeout=None, timeout_seconds=None) and let the pool own timeouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+
+__all__ = [
+    "MAX_ANSWER_CHARS",
+    "extract_answer",
+    "normalize_answer",
+    "is_equivalent",
+    "score",
+    "reward_from_correct",
+    "overlong_penalty",
+    "reference_alternatives",
+]
+
+# Extracted answers longer than this are not handed to the SymPy-based checker (only string-compared):
+# no benchmark answer is longer than ~210 characters, and SymPy's parser cost grows quickly with size.
+MAX_ANSWER_CHARS = 1000
+# How many earlier \boxed candidates to try when the last one is malformed (each try is a linear scan).
+_MAX_BOX_TRIES = 3
+
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+logging.getLogger("latex2sympy2_extended").setLevel(logging.ERROR)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Extraction
+# ----------------------------------------------------------------------------------------------------------
+def _scan_braced(text: str, open_pos: int) -> int:
+    """Index just past the '}' matching the '{' at open_pos, or -1 if unbalanced.  Linear; skips \\x escapes."""
+    depth = 0
+    i = open_pos
+    n = len(text)
+    while i < n:
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return -1
+
+
+def _box_content(text: str, cmd_end: int) -> str | None:
+    """Argument of a \\boxed / \\fbox whose name ends at cmd_end: `{...}` (nested) or a bare `\\boxed 5` token."""
+    n = len(text)
+    if cmd_end < n and text[cmd_end].isalpha():
+        return None  # a different control word, e.g. \boxedfoo
+    i = cmd_end
+    while i < n and text[i] in " \t":
+        i += 1
+    if i >= n:
+        return None
+    if text[i] == "{":
+        end = _scan_braced(text, i)
+        if end < 0:
+            return None
+        return text[i + 1 : end - 1]
+    if i == cmd_end and not text[i].isdigit():
+        return None  # `\boxed` followed directly by punctuation: not an argument
+    j = i
+    while j < n and not text[j].isspace() and text[j] != "$":
+        j += 1
+    return text[i:j] if j > i else None
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last well-formed \\boxed{...} / \\fbox{...} / \\boxed x in text, else None."""
+    tries = 0
+    hi = len(text)
+    while tries < _MAX_BOX_TRIES:
+        pos_b = text.rfind("\\boxed", 0, hi)
+        pos_f = text.rfind("\\fbox", 0, hi)
+        pos = max(pos_b, pos_f)
+        if pos < 0:
+            return None
+        cmd_len = len("\\boxed") if pos == pos_b else len("\\fbox")
+        content = _box_content(text, pos + cmd_len)
+        if content is not None and content.strip():
+            return content.strip()
+        hi = pos
+        tries += 1
+    return None
+
+
+_FINAL_PHRASES = ("final answer:", "final answer is", "the answer is")
+_HOPE = "i hope it is correct"
+
+
+def _after_final_phrase(text: str) -> str | None:
+    """Text after the last 'Final Answer:' / 'The final answer is' / 'The answer is', to the end of its line."""
+    lower = text.lower()
+    best, best_len = -1, 0
+    for phrase in _FINAL_PHRASES:
+        pos = lower.rfind(phrase)
+        if pos > best:
+            best, best_len = pos, len(phrase)
+    if best < 0:
+        return None
+    rest = text[best + best_len :]
+    nl = rest.find("\n", 1 if rest.startswith("\n") else 0)
+    line = rest if nl < 0 else rest[:nl]
+    inner = _last_boxed(line)
+    if inner is not None:
+        return inner
+    line = line.strip().rstrip(".").strip()
+    if line.lower().endswith(_HOPE):  # Minerva style: 'The final answer is X. I hope it is correct.'
+        line = line[: -len(_HOPE)]
+    line = line.lstrip(":").strip()
+    line = line.rstrip(".").strip().strip("$").strip().rstrip(".").strip()
+    return line or None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer in a model response, or None.
+
+    Order: if the response closes a `</think>` block, only the text after the last `</think>` is searched
+    (the reasoning is a draft).  In that text: the last \\boxed{...} (nested braces), `\\boxed 5`, \\fbox{...};
+    else the text after 'Final Answer:' / 'The final answer is' / 'The answer is'; else (after </think> only)
+    the whole short tail itself.  The result is raw (not normalised), stripped of surrounding space.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"extract_answer: text must be str, got {type(text).__name__}")
+    think_end = text.rfind("</think>")
+    region = text[think_end + len("</think>") :] if think_end >= 0 else text
+    boxed = _last_boxed(region)
+    if boxed is not None:
+        return boxed
+    final = _after_final_phrase(region)
+    if final is not None:
+        return final
+    if think_end >= 0:
+        tail = region.strip()
+        if tail and len(tail) <= 100 and "\n" not in tail:
+            tail = tail.strip("$").strip().rstrip(".").strip()
+            return tail or None
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Normalisation
+# ----------------------------------------------------------------------------------------------------------
+_UNIT_WORDS = (
+    "square units|square feet|square inches|square meters|square centimeters|sq units|units|unit|"
+    "centimeters|centimeter|millimeters|millimeter|kilometers|kilometer|meters|meter|cm|mm|km|"
+    "inches|inch|in|feet|foot|ft|yards|yard|miles|mile|mph|"
+    "degrees|degree|radians|dollars|dollar|cents|cent|"
+    "hours|hour|hrs|hr|minutes|minute|mins|min|seconds|second|sec|days|day|weeks|week|years|year|"
+    "pounds|pound|lbs|lb|ounces|ounce|oz|grams|gram|kg|liters|liter|ml|"
+    "people|students|points|ways|cups|apples|eggs|marbles|times|percent"
+)
+# A trailing unit word (optionally ^2/^3), after a numeric-looking prefix.  Anchored, no nested quantifiers.
+_TRAILING_UNIT_RE = re.compile(r"^(?P<num>.*?[0-9}])\s*(?:" + _UNIT_WORDS + r")(?:\^\{?[23]\}?)?$")
+_TEXT_CMDS = ("\\text", "\\textbf", "\\textit", "\\mathrm", "\\mathbf", "\\mbox", "\\operatorname")
+_SPACING = ("\\,", "\\;", "\\:", "\\quad", "\\qquad", "\\displaystyle")
+_DEGREE = ("^{\\circ}", "^\\circ", "^{\\circ }", "\\circ", "°", "\\degree")
+_THOUSANDS_RE = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
+_VAR_PREFIX_RE = re.compile(r"^(?:\\?[A-Za-z]+(?:_\{?[A-Za-z0-9]+\}?)?|[A-Za-z]\([A-Za-z]\))\s*=\s*")
+_SQRT_BARE_RE = re.compile(r"\\sqrt(\d)")
+_FRAC_BARE_RE = re.compile(r"\\frac(\d)(\d)")
+_LEADING_ZEROS_RE = re.compile(r"^(-?)0+(\d)")
+_CHOICE_RE = re.compile(r"^\(([A-Ea-e])\)$")
+_LATEX_SPACE_RE = re.compile(r"(?<!\\)\\ ")  # a LaTeX space '\ ', not a row break '\\'
+_SCI_RE = re.compile(r"^(-?\d+(?:\.\d+)?)[eE]([+-]?\d+)$")
+
+
+def _unwrap_text_cmds(s: str, drop_trailing_unit: bool) -> str:
+    """Replace \\text{X} (and friends) by X; a trailing one after other content is a unit and is dropped."""
+    out = []
+    i = 0
+    n = len(s)
+    while i < n:
+        if s[i] == "\\":
+            cmd = next((c for c in _TEXT_CMDS if s.startswith(c + "{", i) or s.startswith(c + " {", i)), None)
+            if cmd is not None:
+                open_pos = s.index("{", i)
+                end = _scan_braced(s, open_pos)
+                if end > 0:
+                    inner = s[open_pos + 1 : end - 1]
+                    is_trailing = not s[end:].strip()
+                    prefix = "".join(out).strip()
+                    if drop_trailing_unit and is_trailing and prefix and _looks_like_unit(inner):
+                        i = end
+                        continue
+                    out.append(inner)
+                    i = end
+                    continue
+        out.append(s[i])
+        i += 1
+    return "".join(out)
+
+
+def _looks_like_unit(inner: str) -> bool:
+    """Unit text such as ' cm', 'inches', ' kcal m}^{-2': letters, spaces, ^, digits, signs and braces only."""
+    t = inner.strip()
+    return bool(t) and t[0].isalpha() and all(c.isalnum() or c in " ^{}-/." for c in t)
+
+
+def normalize_answer(ans: str) -> str:
+    """Canonical string form of an answer, for exact string comparison and before math-verify.
+
+    Handles: $...$ / \\(...\\) wrappers, \\dfrac/\\tfrac, \\left/\\right, LaTeX spacing, \\text{} wrappers and
+    trailing units, degrees, dollars, percentages, thousands separators, `x =` prefixes, trailing periods,
+    `\\sqrt2` / `\\frac12`, leading zeros of integers, `(C)` multiple-choice parentheses.  All scans linear.
+    """
+    s = ans.strip()
+    s = s.replace("\\$", "").replace("$", "")
+    s = s.replace("\\(", "").replace("\\)", "").replace("\\[", "").replace("\\]", "")
+    s = s.replace("\n", " ").replace("~", " ")
+    s = _LATEX_SPACE_RE.sub(" ", s)
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = s.replace("\\left", "").replace("\\right", "")
+    s = s.replace("\\!", "")
+    for sp in _SPACING:
+        s = s.replace(sp, " ")
+    for d in _DEGREE:
+        s = s.replace(d, "")
+    s = s.replace("\\%", "").replace("%", "")
+    s = s.replace("{,}", ",")
+    s = _unwrap_text_cmds(s, drop_trailing_unit=True)
+    s = s.strip()
+    s = s.rstrip(".").rstrip(",;").strip()
+    if s.count("=") == 1 and "\\le" not in s and "\\ge" not in s:
+        s = _VAR_PREFIX_RE.sub("", s, count=1)
+    m = _TRAILING_UNIT_RE.match(s)
+    if m is not None:
+        s = m.group("num")
+    s = s.strip()
+    if _THOUSANDS_RE.match(s):
+        s = s.replace(",", "")
+    s = _SQRT_BARE_RE.sub(r"\\sqrt{\1}", s)
+    s = _FRAC_BARE_RE.sub(r"\\frac{\1}{\2}", s)
+    s = " ".join(s.split())
+    s = _SCI_RE.sub(r"\1 \\times 10^{\2}", s)
+    s = _LEADING_ZEROS_RE.sub(r"\1\2", s)
+    m = _CHOICE_RE.match(s)
+    if m is not None:
+        s = m.group(1).upper()
+    return s
+
+
+def _string_key(s: str) -> str:
+    """Whitespace-free normalised form for the exact-match fast path."""
+    return "".join(s.split())
+
+
+def _is_text_answer(norm_ref: str) -> bool:
+    """A word answer ('Evelyn', 'ellipse', 'east') or a choice letter: compared as text, never symbolically
+    (SymPy would read 'Evelyn' as the product E*v*e*l*y*n and accept any anagram)."""
+    t = norm_ref.replace(" ", "")
+    return (len(t) >= 2 and t.isalpha() and not norm_ref.startswith("\\")) or (len(t) == 1 and t in "ABCDE")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Equivalence
+# ----------------------------------------------------------------------------------------------------------
+_LATEX_CFG = None
+
+
+def _latex_config():
+    global _LATEX_CFG
+    if _LATEX_CFG is None:
+        from math_verify import LatexExtractionConfig
+
+        _LATEX_CFG = [LatexExtractionConfig()]
+    return _LATEX_CFG
+
+
+def _mv_parse(latex: str):
+    """math-verify parse of one normalised answer, LaTeX extraction only (no Python eval path; see module doc)."""
+    from math_verify import parse
+
+    return parse("$" + latex + "$", extraction_config=_latex_config(), parsing_timeout=None)
+
+
+def is_equivalent(pred: str, reference: str) -> bool:
+    """Whether an extracted answer `pred` equals `reference`: normalised string match, else math-verify."""
+    if len(pred) > MAX_ANSWER_CHARS:
+        return pred.strip() == reference.strip()  # no reference is this long; skip all heavier work
+    p = normalize_answer(pred)
+    r = normalize_answer(reference)
+    if not p or not r:
+        return False
+    if _string_key(p) == _string_key(r):
+        return True
+    if _is_text_answer(r):
+        return _string_key(p).lower() == _string_key(r).lower()
+    from math_verify import verify
+
+    gold = _mv_parse(r)
+    if not gold:
+        return False
+    target = _mv_parse(p)
+    if not target:
+        return False
+    return bool(verify(gold, target, timeout_seconds=None))
+
+
+def score(response_text: str, reference_answer: str | Sequence[str]) -> float:
+    """1.0 if the final answer of `response_text` is equivalent to the reference (or any of a list of
+    acceptable references), else 0.0.  No timeout here: use RewardPool for untrusted output at scale."""
+    if not isinstance(response_text, str):
+        raise ValueError(f"score: response_text must be str, got {type(response_text).__name__}")
+    refs = [reference_answer] if isinstance(reference_answer, str) else list(reference_answer)
+    if not refs or not all(isinstance(r, str) for r in refs):
+        raise ValueError(f"score: reference_answer must be a str or a non-empty list of str, got {reference_answer!r}")
+    pred = extract_answer(response_text)
+    if pred is None:
+        return 0.0
+    return 1.0 if any(is_equivalent(pred, r) for r in refs) else 0.0
+
+
+def reward_from_correct(correct: float, mode: str = "binary") -> float:
+    """Map a 1/0 correctness score to a reward: 'binary' -> 1/0 (the STARE paper), 'signed' -> +1/-1 (DAPO)."""
+    if mode == "binary":
+        return 1.0 if correct > 0.5 else 0.0
+    if mode == "signed":
+        return 1.0 if correct > 0.5 else -1.0
+    raise ValueError(f"reward_from_correct: mode must be 'binary' or 'signed', got {mode!r}")
+
+
+def overlong_penalty(length_tokens, max_length: int, buffer_length: int, penalty_factor: float = 1.0):
+    """DAPO soft overlong punishment, added to the reward; lengths in tokens (scalar or array).
+
+    0 for L <= max_length - buffer_length; linear from 0 down to -penalty_factor across the buffer;
+    -penalty_factor beyond max_length.  Pure NumPy, so it works on a whole batch of lengths at once.
+    """
+    import numpy as np
+
+    if max_length <= 0 or buffer_length <= 0 or buffer_length > max_length:
+        raise ValueError(
+            f"overlong_penalty: need 0 < buffer_length <= max_length, got max_length={max_length}, "
+            f"buffer_length={buffer_length}"
+        )
+    if penalty_factor < 0:
+        raise ValueError(f"overlong_penalty: penalty_factor must be >= 0, got {penalty_factor}")
+    L = np.asarray(length_tokens, dtype=np.float64)
+    if np.any(L < 0):
+        raise ValueError("overlong_penalty: negative length_tokens")
+    expected = max_length - buffer_length
+    pen = np.clip((expected - L) / buffer_length, -1.0, 0.0) * penalty_factor
+    return float(pen) if pen.ndim == 0 else pen
+
+
+def reference_alternatives(answer: str) -> list[str]:
+    """Split a reference that lists several acceptable forms (Minerva's rows such as '0.01\\n, 0.02\\n' or
+    '-\\frac{1}{3}\\n, -1/3\\n') into its alternatives.  Only answers containing a newline are split (that is
+    how the joined lists are recognisable); commas inside brackets are not split points.  Single answers are
+    returned as [answer.strip()]."""
+    whole = answer.strip()
+    if "\n" not in answer:
+        return [whole]
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(answer):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(answer[start:i])
+            start = i + 1
+    parts.append(answer[start:])
+    alts = []
+    for p in parts:
+        p = p.strip()
+        if p and p not in alts:
+            alts.append(p)
+    if whole not in alts:
+        alts.append(whole)
+    return alts
