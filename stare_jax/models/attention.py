@@ -1,0 +1,105 @@
+"""Grouped-query attention kernels behind one switch (`ModelConfig.attention_impl`).
+
+All take q [B,T,H,Dh], k/v [B,S,K,Dh] (K divides H) and a boolean mask [B,T,S] (True = may attend) and return
+[B,T,H,Dh] in q's dtype. Softmax is always computed in float32. Rows with no allowed key (padding queries)
+give a finite uniform average, never NaN.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_NEG = -0.7 * float(np.finfo(np.float32).max)  # finite "minus infinity": fully-masked rows stay NaN-free
+
+
+def causal_padding_mask(attention_mask_BxT: jax.Array) -> jax.Array:
+    """[B,T,T] bool: query t may see key s iff s <= t and key s is a real token."""
+    t = attention_mask_BxT.shape[1]
+    causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
+    return causal_TxT[None] & (attention_mask_BxT[:, None, :] > 0)
+
+
+def cache_mask(t: int, s: int, cache_index, kv_mask_BxS: jax.Array) -> jax.Array:
+    """[B,T,S] bool for decoding into a cache: query t sits in slot cache_index+t and sees slots
+    s <= cache_index+t that hold real tokens (kv_mask_BxS == 1)."""
+    q_slot_T = cache_index + jnp.arange(t)
+    causal_TxS = jnp.arange(s)[None, :] <= q_slot_T[:, None]
+    return causal_TxS[None] & (kv_mask_BxS[:, None, :] > 0)
+
+
+def attention_xla(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
+    """Reference einsum attention: bf16/fp32 matmul inputs, fp32 logits and softmax."""
+    b, t, h, d = q_BxTxHxD.shape
+    kh = k_BxSxKxD.shape[2]
+    g = h // kh
+    q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kh, g, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD,
+                        preferred_element_type=jnp.float32) * (d ** -0.5)
+    logits = jnp.where(mask_BxTxS[:, None, None, :, :], logits, _NEG)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxKxD.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
+
+
+def attention_dot_product(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
+    """jax.nn.dot_product_attention with implementation=None: XLA picks cuDNN flash attention on GPU
+    when the shapes/dtypes allow it, else its own fused XLA path (used on CPU and TPU)."""
+    out = jax.nn.dot_product_attention(
+        q_BxTxHxD, k_BxSxKxD.astype(q_BxTxHxD.dtype), v_BxSxKxD.astype(q_BxTxHxD.dtype),
+        mask=mask_BxTxS[:, None, :, :], scale=q_BxTxHxD.shape[-1] ** -0.5, implementation=None)
+    return out.astype(q_BxTxHxD.dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(t: int, num_heads: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(num_heads)])
+    bq = min(512, t)
+    sizes = sk.BlockSizes(block_q=bq, block_kv_compute=bq, block_kv=bq, block_q_dkv=bq, block_kv_dkv=bq,
+                          block_kv_dkv_compute=bq, block_q_dq=bq, block_kv_dq=bq)
+    return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interpret: bool | None = None):
+    """Pallas splash (flash) attention for TPU, self-attention only (T == S), causal.
+
+    Padding is expressed through segment ids (real tokens 1, padding 0): a real query sees only real keys at
+    or before it, exactly like `causal_padding_mask` for real positions. Needs T to be a multiple of 128 on
+    TPU. interpret=None runs the Pallas interpreter off-TPU (CPU tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+    b, t, h, d = q_BxTxHxD.shape
+    kh = k_BxSxKxD.shape[2]
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+    kernel = _splash_kernel(t, h, bool(interpret))
+    g = h // kh
+    # splash takes [H, T, D] per example; repeat kv heads for GQA.
+    q = jnp.swapaxes(q_BxTxHxD, 1, 2) * (d ** -0.5)
+    k = jnp.repeat(jnp.swapaxes(k_BxSxKxD, 1, 2), g, axis=1).astype(q.dtype)
+    v = jnp.repeat(jnp.swapaxes(v_BxSxKxD, 1, 2), g, axis=1).astype(q.dtype)
+    seg = segment_ids_BxT.astype(jnp.int32)
+
+    def one(q1, k1, v1, s1):
+        return kernel(q1, k1, v1, segment_ids=sk.SegmentIds(q=s1, kv=s1))
+
+    out_BxHxTxD = jax.vmap(one)(q, k, v, seg)
+    return jnp.swapaxes(out_BxHxTxD, 1, 2).astype(q_BxTxHxD.dtype)
+
+
+def attend(impl: str, q, k, v, mask_BxTxS, *, attention_mask_BxT=None):
+    """Dispatch on ModelConfig.attention_impl. "splash" needs the [B,T] padding mask (self-attention)."""
+    if impl == "xla":
+        return attention_xla(q, k, v, mask_BxTxS)
+    if impl in ("dot_product", "cudnn"):
+        return attention_dot_product(q, k, v, mask_BxTxS)
+    if impl == "splash":
+        if attention_mask_BxT is None or q.shape[1] != k.shape[1]:
+            return attention_xla(q, k, v, mask_BxTxS)  # decode steps: T != S, splash is for full sequences
+        return attention_splash(q, k, v, attention_mask_BxT)
+    raise ValueError(f"attention_impl={impl!r} not in ('xla', 'dot_product', 'cudnn', 'splash')")

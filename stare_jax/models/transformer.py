@@ -1,0 +1,296 @@
+"""Decoder-only transformer (Llama / Qwen2 / Qwen2.5 / Qwen3) in Flax NNX.
+
+One module family covers the three HF architectures: GQA attention with RoPE (optionally Llama-3 scaled),
+optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm (Qwen3), SwiGLU MLP, RMSNorm, tied or untied
+embeddings. Parameters are stored in `param_dtype` (fp32 master weights) and cast to `dtype` for compute;
+softmax and norms run in fp32. Weight layouts put heads on their own axis (q: [D,H,Dh]) so the sharding rules
+can split heads; HF import/export (hf_io.py) handles the reshapes.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from stare_jax.models import attention as attn_lib
+from stare_jax.models.config import ModelConfig
+from stare_jax.models.sharding import constrain
+
+_DT = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def _dtype(name):
+    return _DT[name] if isinstance(name, str) else name
+
+
+def _param(rngs, init, shape, names, cfg: ModelConfig):
+    dt = _dtype(cfg.param_dtype)
+    if init == "ones":
+        value = jnp.ones(shape, dt)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dt)
+    else:
+        value = (jax.random.normal(rngs.params(), shape, jnp.float32) * cfg.initializer_range).astype(dt)
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+# ----------------------------------------------------------------------------- RoPE
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """[Dh/2] float32 inverse frequencies, computed like transformers' ROPE_INIT_FUNCTIONS (float32)."""
+    dh = cfg.head_dim
+    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dh, 2, dtype=np.int64).astype(np.float32)
+                                                  / np.float32(dh)))).astype(np.float32)
+    rt = cfg.rope_type
+    if rt == "linear":
+        inv = (inv / np.float32(cfg.rope_scaling["factor"])).astype(np.float32)
+    elif rt == "llama3":
+        s = cfg.rope_scaling
+        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old = float(s["original_max_position_embeddings"])
+        lo_wavelen, hi_wavelen = old / lo, old / hi
+        wavelen = 2 * np.pi / inv
+        inv_l = np.where(wavelen > lo_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        medium = ~(wavelen < hi_wavelen) & ~(wavelen > lo_wavelen)
+        inv = np.where(medium, smoothed, inv_l).astype(np.float32)
+    return inv
+
+
+def rope_cos_sin(positions_BxT, inv_freq, dtype):
+    """cos/sin [B,T,Dh] in `dtype` (angles computed in fp32), HF "rotate_half" layout."""
+    ang_BxTxF = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
+    ang = jnp.concatenate([ang_BxTxF, ang_BxTxF], axis=-1)
+    return jnp.cos(ang).astype(dtype), jnp.sin(ang).astype(dtype)
+
+
+def apply_rope(x_BxTxHxD, cos_BxTxD, sin_BxTxD):
+    half = x_BxTxHxD.shape[-1] // 2
+    x1, x2 = x_BxTxHxD[..., :half], x_BxTxHxD[..., half:]
+    rot = jnp.concatenate([-x2, x1], axis=-1)
+    return x_BxTxHxD * cos_BxTxD[:, :, None, :] + rot * sin_BxTxD[:, :, None, :]
+
+
+# ----------------------------------------------------------------------------- layers
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.weight = _param(rngs, "ones", (dim,), ("norm",), cfg)
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, x):
+        dt = x.dtype
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(dt) * xf.astype(dt)
+
+
+class Linear(nnx.Module):
+    """A weight of arbitrary shape (+ optional bias); the caller supplies the einsum."""
+
+    def __init__(self, shape, names, cfg, rngs, bias_shape=None, bias_names=None):
+        self.kernel = _param(rngs, "normal", shape, names, cfg)
+        self.bias = _param(rngs, "zeros", bias_shape, bias_names, cfg) if bias_shape is not None else None
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        b = cfg.qkv_bias
+        self.q_proj = Linear((d, h, dh), ("embed", "q_heads", "head_dim"), cfg, rngs,
+                             (h, dh) if b else None, ("q_heads", "head_dim"))
+        self.k_proj = Linear((d, k, dh), ("embed", "kv_heads", "head_dim"), cfg, rngs,
+                             (k, dh) if b else None, ("kv_heads", "head_dim"))
+        self.v_proj = Linear((d, k, dh), ("embed", "kv_heads", "head_dim"), cfg, rngs,
+                             (k, dh) if b else None, ("kv_heads", "head_dim"))
+        self.o_proj = Linear((h, dh, d), ("q_heads", "head_dim", "embed"), cfg, rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(dh, cfg, rngs)
+            self.k_norm = RMSNorm(dh, cfg, rngs)
+        else:
+            self.q_norm = self.k_norm = None
+        self.dtype = _dtype(cfg.dtype)
+        self.impl = cfg.attention_impl
+
+    def _proj(self, lin: Linear, x_BxTxD):
+        y = jnp.einsum("btd,dhk->bthk", x_BxTxD, lin.kernel[...].astype(self.dtype))
+        if lin.bias is not None:
+            y = y + lin.bias[...].astype(self.dtype)
+        return y
+
+    def qkv(self, x_BxTxD, cos, sin):
+        q = self._proj(self.q_proj, x_BxTxD)
+        k = self._proj(self.k_proj, x_BxTxD)
+        v = self._proj(self.v_proj, x_BxTxD)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = constrain(apply_rope(q, cos, sin), ("batch", "seq", "act_heads", None))
+        k = apply_rope(k, cos, sin)
+        return q, k, v
+
+    def out(self, o_BxTxHxD):
+        return jnp.einsum("bthk,hkd->btd", o_BxTxHxD, self.o_proj.kernel[...].astype(self.dtype))
+
+    def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, attention_mask_BxT):
+        q, k, v = self.qkv(x_BxTxD, cos, sin)
+        o = attn_lib.attend(self.impl, q, k, v, mask_BxTxS, attention_mask_BxT=attention_mask_BxT)
+        return self.out(o)
+
+    def decode(self, x_BxTxD, cos, sin, mask_BxTxS, cache: dict, cache_index):
+        q, k, v = self.qkv(x_BxTxD, cos, sin)
+        ck = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, cache_index, 0, 0))
+        cv = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, cache_index, 0, 0))
+        impl = "xla" if self.impl == "splash" else self.impl
+        o = attn_lib.attend(impl, q, ck.astype(self.dtype), cv.astype(self.dtype), mask_BxTxS)
+        return self.out(o), {"k": ck, "v": cv}
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear((d, i), ("embed", "mlp"), cfg, rngs)
+        self.up_proj = Linear((d, i), ("embed", "mlp"), cfg, rngs)
+        self.down_proj = Linear((i, d), ("mlp", "embed"), cfg, rngs)
+        self.dtype = _dtype(cfg.dtype)
+
+    def __call__(self, x_BxTxD):
+        dt = self.dtype
+        g = x_BxTxD @ self.gate_proj.kernel[...].astype(dt)
+        u = x_BxTxD @ self.up_proj.kernel[...].astype(dt)
+        hdn = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
+        return hdn @ self.down_proj.kernel[...].astype(dt)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg, rngs)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, cos, sin, mask_BxTxS, attention_mask_BxT):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask_BxTxS, attention_mask_BxT)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+    def decode(self, x, cos, sin, mask_BxTxS, cache, cache_index):
+        a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, mask_BxTxS, cache, cache_index)
+        x = x + a
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+def _block_forward(block: Block, x, cos, sin, mask_BxTxS, attention_mask_BxT):
+    return block(x, cos, sin, mask_BxTxS, attention_mask_BxT)
+
+
+_POLICIES = {
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def default_positions(attention_mask_BxT):
+    """cumsum(mask) - 1 clipped at 0: a left-padded row gets the same positions as the unpadded one."""
+    return jnp.maximum(jnp.cumsum(attention_mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. Call: logits_BxTxV = model(input_ids_BxT, attention_mask=None, positions=None)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed_tokens = _param(rngs, "normal", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
+        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg, rngs)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _param(rngs, "normal", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def dtype(self):
+        return _dtype(self.config.dtype)
+
+    def unembed_matrix(self) -> jax.Array:
+        """[V, D] output projection in param dtype (the embedding table when tied)."""
+        return self.embed_tokens[...] if self.lm_head is None else self.lm_head[...]
+
+    def embed(self, input_ids_BxT):
+        x = jnp.take(self.embed_tokens[...], input_ids_BxT, axis=0).astype(self.dtype)
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+    def _cos_sin(self, positions_BxT):
+        return rope_cos_sin(positions_BxT, rope_inv_freq(self.config), self.dtype)
+
+    def logits_from_hidden(self, hidden_BxTxD):
+        """fp32 logits; fp32 config: exactly hidden.astype(f32) @ unembed.astype(f32).T. With bf16 compute the
+        matmul inputs are bf16 with fp32 accumulation."""
+        w = self.unembed_matrix().astype(self.dtype)
+        logits = jnp.einsum("btd,vd->btv", hidden_BxTxD.astype(self.dtype), w,
+                            preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "act_vocab"))
+
+    # ------------------------------------------------------------------ full-sequence forward
+    def hidden_states(self, input_ids_BxT, attention_mask=None, positions=None):
+        """[B,T,D] in compute dtype, after the final norm."""
+        input_ids_BxT = jnp.asarray(input_ids_BxT)
+        if attention_mask is None:
+            attention_mask = jnp.ones(input_ids_BxT.shape, jnp.int32)
+        attention_mask = jnp.asarray(attention_mask)
+        if positions is None:
+            positions = default_positions(attention_mask)
+        cos, sin = self._cos_sin(positions)
+        mask_BxTxT = attn_lib.causal_padding_mask(attention_mask)
+        x = self.embed(input_ids_BxT)
+        policy = self.config.remat_policy
+        fwd = _block_forward if policy == "none" else nnx.remat(_block_forward, policy=_POLICIES[policy])
+        for block in self.layers:
+            x = fwd(block, x, cos, sin, mask_BxTxT, attention_mask)
+        return self.norm(x)
+
+    def __call__(self, input_ids_BxT, attention_mask=None, positions=None):
+        return self.logits_from_hidden(self.hidden_states(input_ids_BxT, attention_mask, positions))
+
+    # ------------------------------------------------------------------ KV-cache decoding
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> list:
+        """Per layer {"k", "v"}: [B, max_len, Hkv, Dh] zeros (dtype defaults to the compute dtype)."""
+        cfg = self.config
+        dt = self.dtype if dtype is None else dtype
+        shape = (batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(cfg.num_layers)]
+
+    def decode_step(self, input_ids_BxT, positions_BxT, cache, cache_index, kv_mask_BxS):
+        """Run T new tokens against the cache. Writes their k/v to slots [cache_index, cache_index+T);
+        query t (slot cache_index+t) attends to slots s <= cache_index+t with kv_mask_BxS[b, s] == 1.
+        Returns (fp32 logits [B,T,V], new cache)."""
+        input_ids_BxT = jnp.asarray(input_ids_BxT)
+        t = input_ids_BxT.shape[1]
+        s = cache[0]["k"].shape[1]
+        mask_BxTxS = attn_lib.cache_mask(t, s, cache_index, jnp.asarray(kv_mask_BxS))
+        cos, sin = self._cos_sin(jnp.asarray(positions_BxT))
+        x = self.embed(input_ids_BxT)
+        new_cache = []
+        for block, layer_cache in zip(self.layers, cache):
+            x, layer_cache = block.decode(x, cos, sin, mask_BxTxS, layer_cache, cache_index)
+            new_cache.append(layer_cache)
+        return self.logits_from_hidden(self.norm(x)), new_cache
+
+
+def init_model(cfg: ModelConfig, seed: int = 0, mesh=None, rules=None) -> Transformer:
+    """Random init (normal(0, initializer_range) weights, unit norms, zero biases); sharded onto mesh if given."""
+    if mesh is None:
+        return Transformer(cfg, rngs=nnx.Rngs(seed))
+    from stare_jax.models.sharding import state_shardings
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    graphdef, abs_state = nnx.split(abstract)
+    shardings = state_shardings(abs_state, mesh, rules)
+
+    def make():
+        return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
+
+    state = jax.jit(make, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,154 @@
+"""Transformer forward vs transformers (PyTorch fp32), hidden/unembed identity, bf16, remat, KV-cache decode."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from _model_fixtures import FAMILIES, hf_checkpoints, hf_logits, padded_batch  # noqa: F401
+from stare_jax.models import ModelConfig, from_pretrained, init_model
+from stare_jax.models.transformer import rope_inv_freq
+
+LENGTHS = [5, 12, 1, 9]
+T = 12
+
+
+@pytest.fixture(scope="module")
+def loaded(hf_checkpoints):
+    return {fam: from_pretrained(folder) for fam, (folder, _) in hf_checkpoints.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("left", [True, False], ids=["left_pad", "right_pad"])
+def test_logits_match_transformers(hf_checkpoints, loaded, family, left):
+    _, hf_model = hf_checkpoints[family]
+    ids, mask, pos = padded_batch(LENGTHS, T, left=left, seed=1)
+    ref = hf_logits(hf_model, ids, mask, pos)
+    out = np.asarray(jax.jit(lambda m, i, a: m(i, a))(loaded[family], ids, mask))
+    real = mask.astype(bool)
+    assert out.dtype == np.float32
+    assert np.abs(ref[real]).max() > 0.5  # logits are not trivially small
+    np.testing.assert_allclose(out[real], ref[real], atol=1e-4, rtol=0)
+
+
+def test_explicit_positions_and_padding_invariance(loaded):
+    """A left-padded row gives the same real-token logits as the same row unpadded."""
+    model = loaded["qwen2"]
+    ids, mask, pos = padded_batch([6], 10, left=True, seed=2)
+    padded = np.asarray(model(ids, mask, positions=pos))[0, 4:]
+    alone = np.asarray(model(ids[:, 4:]))[0]
+    np.testing.assert_allclose(padded, alone, atol=1e-5)
+
+
+def test_rope_llama3_inv_freq_matches_transformers(hf_checkpoints, loaded):
+    _, hf_model = hf_checkpoints["llama"]
+    ref = hf_model.model.rotary_emb.inv_freq.numpy()
+    np.testing.assert_allclose(rope_inv_freq(loaded["llama"].config), ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_hidden_states_times_unembed_is_logits(loaded, family):
+    model = loaded[family]
+    ids, mask, _ = padded_batch([4, 8], 8, left=True, seed=3)
+    hidden = model.hidden_states(ids, mask)
+    w = model.unembed_matrix()
+    assert w.shape == (model.config.vocab_size, model.config.hidden_size)
+    if model.config.tie_word_embeddings:
+        assert w is model.embed_tokens[...]
+    np.testing.assert_allclose(np.asarray(hidden.astype(jnp.float32) @ w.astype(jnp.float32).T),
+                               np.asarray(model(ids, mask)), atol=1e-5)
+
+
+def test_bf16_compute_close(hf_checkpoints, loaded):
+    folder, _ = hf_checkpoints["qwen2"]
+    m16 = from_pretrained(folder, dtype=jnp.bfloat16)
+    assert m16.embed_tokens[...].dtype == jnp.float32  # fp32 master weights
+    ids, mask, _ = padded_batch(LENGTHS, T, left=True, seed=4)
+    l16 = np.asarray(m16(ids, mask))
+    l32 = np.asarray(loaded["qwen2"](ids, mask))
+    real = mask.astype(bool)
+    assert l16.dtype == np.float32 and np.isfinite(l16).all()
+    assert np.abs(l16[real] - l32[real]).max() < 0.1 * np.abs(l32[real]).max()
+    mb = from_pretrained(folder, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    assert mb.embed_tokens[...].dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(mb(ids, mask))).all()
+
+
+def _loss_and_grads(model, ids, mask):
+    graphdef, state = nnx.split(model)
+
+    def loss_fn(state):
+        m = nnx.merge(graphdef, state)
+        logits = m(ids, mask)
+        logp = jax.nn.log_softmax(logits[:, :-1], -1)
+        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0]
+        return (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+
+    return jax.jit(jax.value_and_grad(loss_fn))(state)
+
+
+@pytest.mark.parametrize("policy", ["full", "dots_saveable"])
+def test_remat_same_loss_and_grads(hf_checkpoints, policy):
+    folder, _ = hf_checkpoints["qwen3"]
+    ids, mask, _ = padded_batch([6, 8], 8, left=True, seed=5)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    l0, g0 = _loss_and_grads(from_pretrained(folder), ids, mask)
+    l1, g1 = _loss_and_grads(from_pretrained(folder, remat_policy=policy), ids, mask)
+    np.testing.assert_allclose(l0, l1, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g0, g1)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_decode_with_kv_cache_matches_full_forward(loaded, family):
+    """Prefill a left-padded prompt bucket, then decode token by token: logits equal the full forward."""
+    model = loaded[family]
+    prompt_lens, p_len, n_new = [3, 6, 1], 6, 5
+    b = len(prompt_lens)
+    ids, mask, _ = padded_batch(prompt_lens, p_len, left=True, seed=6)
+    rng = np.random.default_rng(7)
+    new_ids = rng.integers(3, 256, size=(b, n_new)).astype(np.int32)
+    full_ids = np.concatenate([ids, new_ids], 1)
+    full_mask = np.concatenate([mask, np.ones((b, n_new), np.int32)], 1)
+    full_pos = np.maximum(np.cumsum(full_mask, 1) - 1, 0)
+    ref = np.asarray(model(full_ids, full_mask, full_pos))
+
+    s = p_len + n_new + 3  # cache longer than needed: empty slots must be ignored
+    cache = model.init_cache(b, s, dtype=jnp.float32)
+    kv_mask = np.zeros((b, s), np.int32)
+    kv_mask[:, :p_len] = mask
+    step = jax.jit(lambda m, i, p, c, ci, km: m.decode_step(i, p, c, ci, km))
+    logits, cache = step(model, ids, full_pos[:, :p_len], cache, 0, kv_mask)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(logits)[real], ref[:, :p_len][real], atol=1e-5)
+    for t in range(n_new):
+        idx = p_len + t
+        kv_mask[:, idx] = 1
+        logits, cache = step(model, new_ids[:, t:t + 1], full_pos[:, idx:idx + 1], cache, idx, kv_mask)
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], ref[:, idx], atol=1e-5)
+    assert cache[0]["k"].shape == (b, s, model.config.num_kv_heads, model.config.head_dim)
+
+
+def test_dot_product_impl_matches_xla(hf_checkpoints, loaded):
+    folder, _ = hf_checkpoints["qwen2"]
+    m = from_pretrained(folder, attention_impl="dot_product")
+    ids, mask, _ = padded_batch(LENGTHS, T, left=True, seed=8)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(m(ids, mask))[real], np.asarray(loaded["qwen2"](ids, mask))[real],
+                               atol=1e-5)
+
+
+def test_init_model_and_config_validation():
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                      intermediate_size=48, tie_word_embeddings=True)
+    model = init_model(cfg, seed=0)
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n == cfg.num_params()
+    assert model(np.ones((1, 3), np.int32)).shape == (1, 3, 64)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        cfg.replace(num_kv_heads=3)
+    with pytest.raises(ValueError, match="hidden_size"):
+        cfg.replace(hidden_size=0)
+    with pytest.raises(ValueError, match="attention_impl"):
+        cfg.replace(attention_impl="flash9")
+    with pytest.raises(ValueError, match="remat_policy"):
+        cfg.replace(remat_policy="some")
