@@ -50,7 +50,9 @@ def _cmd_smoke(args) -> int:
     else:
         model_dir = run_dir / "tiny-model"
         if not (model_dir / "config.json").is_file():
-            tiny = models.ModelConfig.preset("tiny")
+            tiny = models.ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                      intermediate_size=128, max_position_embeddings=512, architecture="Qwen2ForCausalLM",
+                                      qkv_bias=True)
             models.save_pretrained(models.init_model(tiny, seed=cfg.seed), model_dir)
     model = models.from_pretrained(model_dir, dtype=jnp.float32)
     prompt = [[1, 5, 9, 13], [2, 4, 6]]
