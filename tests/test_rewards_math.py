@@ -1,0 +1,254 @@
+"""Math reward: extraction, normalisation, equivalence (labelled cases from real benchmark answers),
+reward modes, DAPO overlong penalty, linear-time behaviour on hostile text, no Python evaluation."""
+
+import importlib.util
+import json
+import pathlib
+import time
+
+import numpy as np
+import pytest
+
+from stare_jax.eval.benchmarks import load_benchmark
+from stare_jax.rewards.math import (
+    MAX_ANSWER_CHARS,
+    extract_answer,
+    is_equivalent,
+    normalize_answer,
+    overlong_penalty,
+    reference_alternatives,
+    reward_from_correct,
+    score,
+)
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+CASES_PATH = DATA / "reward_cases.jsonl"
+
+
+def _cases():
+    with CASES_PATH.open() as f:
+        return [json.loads(line) for line in f]
+
+
+# ------------------------------------------------------------------------------------------- labelled set
+def test_labelled_cases_are_many_and_balanced():
+    cases = _cases()
+    assert len(cases) >= 200
+    kinds = {c["kind"] for c in cases}
+    n_pos = sum(c["verdict"] for c in cases)
+    assert 0.3 < n_pos / len(cases) < 0.7
+    for must in ["frac_slash", "frac_decimal", "frac_dfrac", "radical_merge", "list_reordered", "tuple_swapped",
+                 "interval_open_closed", "interval_endpoint", "text_plain", "units", "percent",
+                 "thousands_sep", "int_off_by_one", "int_wrong_sign", "tuple_left_right", "degrees_plain"]:
+        assert must in kinds, must
+
+
+def test_labelled_cases_generator_is_reproducible(shared_data_dir):
+    spec = importlib.util.spec_from_file_location("make_reward_cases", DATA / "make_reward_cases.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    regenerated = mod.main(shared_data_dir / "math")
+    assert regenerated == _cases()
+
+
+def test_labelled_cases_all_agree():
+    wrong = []
+    for c in _cases():
+        got = score(c["response"], c["reference"])
+        if got != float(c["verdict"]):
+            wrong.append((c["kind"], c["response"][-60:], c["reference"], got))
+    assert not wrong, f"{len(wrong)} disagreements, e.g. {wrong[:5]}"
+
+
+def _self_match_failures(shared_data_dir, stride):
+    failures = []
+    for name in ["aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench"]:
+        for row in load_benchmark(shared_data_dir / "math" / f"{name}.jsonl")[::stride]:
+            for alt in row["answers"]:
+                if score(f"So the answer is $\\boxed{{{alt}}}$.", row["answers"]) != 1.0:
+                    failures.append((name, alt))
+    return failures
+
+
+def test_benchmark_answers_match_themselves_boxed(shared_data_dir):
+    """Each reference (and each listed alternative) boxed in a sentence scores 1 against the row's answers
+    (every 3rd row of each eval benchmark; all rows under --runslow)."""
+    failures = _self_match_failures(shared_data_dir, stride=3)
+    assert not failures, failures[:10]
+
+
+@pytest.mark.slow
+def test_all_benchmark_answers_match_themselves_boxed(shared_data_dir):
+    failures = _self_match_failures(shared_data_dir, stride=1)
+    assert not failures, failures[:10]
+
+
+# ------------------------------------------------------------------------------------------- extraction
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so \\boxed{42}.", "42"),
+        ("\\boxed{1} then \\boxed{2}", "2"),
+        ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{1}{\\sqrt{2}}"),
+        ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),
+        ("\\boxed{{{x}}}", "{{x}}"),
+        ("\\boxed{\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),
+        ("the answer is \\boxed 5", "5"),
+        ("$\\boxed 17$ is it", "17"),
+        ("\\fbox{7}", "7"),
+        ("\\boxed {3}", "3"),
+        ("\\boxed{2} and a broken \\boxed{3", "2"),
+        ("Final Answer: 12", "12"),
+        ("Final Answer: The final answer is $\\frac{3}{4}$. I hope it is correct.", "\\frac{3}{4}"),
+        ("blah\nThe final answer is 8.\nmore text", "8"),
+        ("The answer is $x = 3$.", "x = 3"),
+        ("<think>maybe \\boxed{1}</think>\n\\boxed{2}", "2"),
+        ("<think>maybe \\boxed{1}</think>\n\n  14  ", "14"),
+        ("<think>maybe \\boxed{1}</think>\n", None),
+        ("no answer here", None),
+        ("", None),
+        ("\\boxed{}", None),
+        ("\\boxed{" + "{" * 50, None),
+        ("\\boxedfoo{3}", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_extract_answer_rejects_non_str():
+    with pytest.raises(ValueError, match="text must be str"):
+        extract_answer(None)
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ("\\dfrac{1}{2}", "\\frac{1}{2}"),
+        ("\\tfrac12", "\\frac{1}{2}"),
+        ("\\left( 1, 2 \\right)", "( 1, 2 )"),
+        ("5\\text{ cm}", "5"),
+        ("10 inches", "10"),
+        ("\\text{Evelyn}", "Evelyn"),
+        ("\\text{(C)}", "C"),
+        ("50\\%", "50"),
+        ("2,220", "2220"),
+        ("10,\\!080", "10080"),
+        ("1,-2", "1,-2"),
+        ("90^\\circ", "90"),
+        ("\\$32", "32"),
+        ("7.", "7"),
+        ("x = 5", "5"),
+        ("f(x)=2x", "2x"),
+        ("a=1, b=2", "a=1, b=2"),
+        ("025", "25"),
+        ("11\\sqrt2", "11\\sqrt{2}"),
+        ("$\\frac{25}{2}$", "\\frac{25}{2}"),
+        ("4.4e7", "4.4 \\times 10^{7}"),
+        ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),
+    ],
+)
+def test_normalize_answer(raw, expected):
+    assert normalize_answer(raw) == expected
+
+
+def test_is_equivalent_is_not_fooled_by_anagrams_or_prefixes():
+    assert not is_equivalent("Levyen", "\\text{Evelyn}")
+    assert not is_equivalent("12", "123")
+    assert is_equivalent("\\frac{\\sqrt{3}}{2}", "\\frac{1}{2}\\sqrt{3}")
+
+
+def test_score_accepts_alternatives_and_validates():
+    assert score("\\boxed{-1/3}", ["-\\frac{1}{3}", "-1/3"]) == 1.0
+    assert score("\\boxed{1/3}", ["-\\frac{1}{3}", "-1/3"]) == 0.0
+    with pytest.raises(ValueError, match="reference_answer"):
+        score("\\boxed{1}", [])
+    with pytest.raises(ValueError, match="response_text"):
+        score(3, "3")
+
+
+def test_reference_alternatives():
+    assert reference_alternatives("0.01\n, 0.02\n") == ["0.01", "0.02", "0.01\n, 0.02"]
+    assert reference_alternatives("(1, 2)\n") == ["(1, 2)"]
+    assert reference_alternatives("1,-2") == ["1,-2"]
+    assert reference_alternatives("\\frac{a}{b}\n, \\frac{a}{b}") == ["\\frac{a}{b}", "\\frac{a}{b}\n, \\frac{a}{b}"]
+
+
+# ------------------------------------------------------------------------------------------- reward modes
+def test_reward_modes():
+    assert [reward_from_correct(c, "binary") for c in (1.0, 0.0)] == [1.0, 0.0]
+    assert [reward_from_correct(c, "signed") for c in (1.0, 0.0)] == [1.0, -1.0]
+    with pytest.raises(ValueError, match="mode"):
+        reward_from_correct(1.0, "dapo")
+
+
+def _overlong_reference(L, max_len, buf, factor):
+    expected = max_len - buf
+    if L <= expected:
+        return 0.0
+    if L <= max_len:
+        return (expected - L) / buf * factor
+    return -1.0 * factor
+
+
+def test_overlong_penalty_matches_piecewise_definition():
+    max_len, buf, factor = 20480, 4096, 1.0
+    lengths = np.array([0, 100, 16384, 16385, 18432, 20479, 20480, 20481, 50000])
+    got = overlong_penalty(lengths, max_len, buf, factor)
+    want = np.array([_overlong_reference(int(L), max_len, buf, factor) for L in lengths])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    assert got[0] == 0.0 and got[-1] == -1.0 and got[4] == pytest.approx(-0.5)
+    assert overlong_penalty(18432, max_len, buf, 0.5) == pytest.approx(-0.25)
+    assert isinstance(overlong_penalty(5, 10, 4), float)
+
+
+@pytest.mark.parametrize("args", [(10, 10, 11), (10, 0, 4), (10, 10, 0)])
+def test_overlong_penalty_rejects_bad_config(args):
+    L, max_len, buf = args
+    with pytest.raises(ValueError):
+        overlong_penalty(L, max_len, buf)
+    with pytest.raises(ValueError, match="penalty_factor"):
+        overlong_penalty(1, 10, 4, -1.0)
+    with pytest.raises(ValueError, match="negative"):
+        overlong_penalty([-1], 10, 4)
+
+
+# ------------------------------------------------------------------------------------------- hostile text
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x" * 1_000_000,
+        "\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}",
+        "\\boxed{" + "{" * 100_000,
+        "\\boxed{" * 100_000,
+        "Final Answer:" + " " * 1_000_000 + "x",
+        "The final answer is " + "\\text{" * 50_000,
+        "<think>" + "(" * 500_000 + "</think>" + " " * 500_000,
+        "\\boxed{" + "1" * 1_000_000 + "}",
+    ],
+)
+def test_hostile_text_is_linear_time_and_scores_zero(text):
+    t0 = time.perf_counter()
+    extract_answer(text)
+    assert score(text, "1") == 0.0
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_long_answers_skip_the_symbolic_checker():
+    long_ans = "1+" * (MAX_ANSWER_CHARS // 2) + "1"
+    assert not is_equivalent(long_ans, str(MAX_ANSWER_CHARS // 2 + 1))
+
+
+def test_model_output_is_never_evaluated_as_python(tmp_path):
+    marker = tmp_path / "pwned"
+    payloads = [
+        f"\\boxed{{__import__('os').system('touch {marker}')}}",
+        f"\\boxed{{import os; os.system('touch {marker}')}}",
+        f"Final Answer: __import__('os').system('touch {marker}')",
+        f"\\boxed{{exec(\"open('{marker}','w')\")}}",
+        f"\\boxed{{eval(\"__import__('os').system('touch {marker}')\")}}",
+    ]
+    for p in payloads:
+        assert score(p, "0") == 0.0
+        assert score(p, p) in (0.0, 1.0)  # even when the reference itself is hostile
+    assert not marker.exists()
