@@ -252,3 +252,31 @@ def test_model_output_is_never_evaluated_as_python(tmp_path):
         assert score(p, "0") == 0.0
         assert score(p, p) in (0.0, 1.0)  # even when the reference itself is hostile
     assert not marker.exists()
+
+
+def test_score_works_off_the_main_thread():
+    """math-verify's signal-based timeouts would raise in threads; ours are off (the pool owns timeouts)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(score, ["\\boxed{\\sqrt{18}}", "\\boxed{(1,2)}"], ["3\\sqrt{2}", "(2,1)"]))
+    assert got == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "response, reference",
+    [
+        ("\\boxed{3 \\text{ or } 4}", "4"),
+        ("\\boxed{3, 4}", "4"),
+        ("\\boxed{\\{4, 5\\}}", "4"),
+        ("\\boxed{\\pm 4}", "4"),
+        ("\\boxed{3 \\le x \\le 4}", "4"),
+        ("\\boxed{x}", "5"),
+        ("\\boxed{4.0000001}", "4"),
+        ("\\boxed{1000001}", "1000000"),
+        ("\\boxed{4} \\boxed{5}", "4"),
+    ],
+)
+def test_hedged_or_multiple_answers_do_not_score(response, reference):
+    """Guards against reward hacking by listing several candidates or hedging."""
+    assert score(response, reference) == 0.0

@@ -14,6 +14,9 @@ Dead or killed workers are replaced at once; the caller always gets one score pe
 Workers start with the 'forkserver' method (preloading the scoring modules, so replacing a worker costs a
 fork, not a SymPy import) or 'spawn'; never plain 'fork', which is unsafe in a process running JAX threads.
 Nothing from model output is evaluated as Python anywhere in the scoring path (see rewards/math.py).
+
+Like any spawn/forkserver user, a script that creates a RewardPool needs the `if __name__ == "__main__":`
+guard; the workers re-import the main module (not its guarded block) before they start scoring.
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ def _on_alarm(signum, frame):
     raise _ItemTimeout()
 
 
+def _address_space_bytes() -> int:
+    """Current virtual address space of this process (0 where /proc is unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _worker_main(conn, score_fn, timeout_s: float, memory_mb: int | None) -> None:
     """Worker loop: limit memory, warm up the parser, then score (idx, response, reference) items until None."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it closes us
@@ -49,7 +61,7 @@ def _worker_main(conn, score_fn, timeout_s: float, memory_mb: int | None) -> Non
         if memory_mb is not None:
             import resource
 
-            limit = int(memory_mb) * 1024 * 1024
+            limit = _address_space_bytes() + int(memory_mb) * 1024 * 1024
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         score_fn("\\boxed{\\frac{1}{2}}", "0.5")  # loads the LaTeX grammar once, before any deadline runs
     except BaseException as e:  # noqa: BLE001 - reported to the parent as a start-up failure
@@ -115,7 +127,9 @@ class RewardPool:
     Args:
       num_workers: worker processes.
       timeout_s: per-item time limit (wall clock, counted from when the worker receives the item).
-      memory_mb: address-space limit (RLIMIT_AS) per worker in MiB, None for no limit.
+      memory_mb: how far (MiB) each worker's address space may grow beyond its start-up footprint
+        (RLIMIT_AS = footprint + memory_mb; relative, so a worker that inherited a big main module still
+        works); None for no limit.  A blow-up past it raises MemoryError in the worker: score 0, n_error.
       score_fn: module-level (picklable) function (response, reference) -> float; default
         `stare_jax.rewards.math.score` (1.0/0.0).
       start_method: 'forkserver' (default) or 'spawn'.
