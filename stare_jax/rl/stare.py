@@ -249,20 +249,17 @@ def gate_mask(*, gate: str, gate_on=True, entropy_BxT=None, mask_BxT=None, shape
     raise ValueError(f"STARE option gate={gate!r} is not supported; accepted values: {list(GATES)}")
 
 
-def token_weights(logprobs_BxT, advantages_B, mask_BxT, *, variant: str = "O1", top_p: float = 0.1,
-                  w=1.1, m=0.9, gate_on=True, entropy_BxT=None, gate: str = "batch",
-                  target_entropy: float = 0.3, rule: str = "quantile", scope: str = "batch",
-                  micro_batch_size: int | None = None):
-    """STARE per-token weights omega [B, T] (float32, stop-gradient): W / M on the variant's selected sets where
-    the gate is on, 1 elsewhere. gate_on is read by gate="batch" only; sample/token gates need entropy_BxT."""
+def _weights_and_sets(logprobs_BxT, advantages_B, mask_BxT, *, variant, top_p, w, m, gate_on, entropy_BxT, gate,
+                      target_entropy, rule, scope, micro_batch_size, extra_sets=()):
     validate_stare_options(variant=variant, top_p=top_p, w=w, m=m, gate=gate, rule=rule, scope=scope,
                            micro_batch_size=micro_batch_size, target_entropy=target_entropy)
     w_sets, m_sets = VARIANT_SETS[variant]
+    need = tuple(dict.fromkeys(w_sets + m_sets + tuple(extra_sets)))
     shape = jnp.shape(logprobs_BxT)
     g = gate_mask(gate=gate, gate_on=gate_on, entropy_BxT=entropy_BxT, mask_BxT=mask_BxT, shape=shape,
                   target_entropy=target_entropy)
-    sets, _, _ = _select(logprobs_BxT, advantages_B, mask_BxT, top_p=top_p, rule=rule, scope=scope,
-                         micro_batch_size=micro_batch_size, need=w_sets + m_sets)
+    sets, cand_pos, cand_neg = _select(logprobs_BxT, advantages_B, mask_BxT, top_p=top_p, rule=rule, scope=scope,
+                                       micro_batch_size=micro_batch_size, need=need)
     sel_w = jnp.zeros(shape, bool)
     for name in w_sets:
         sel_w = sel_w | sets[name]
@@ -272,7 +269,18 @@ def token_weights(logprobs_BxT, advantages_B, mask_BxT, *, variant: str = "O1", 
     w = jnp.asarray(w, jnp.float32)
     m = jnp.asarray(m, jnp.float32)
     omega = jnp.where(sel_w & g, w, jnp.where(sel_m & g, m, 1.0)).astype(jnp.float32)
-    return lax.stop_gradient(omega)
+    return lax.stop_gradient(omega), sets, g, cand_pos, cand_neg
+
+
+def token_weights(logprobs_BxT, advantages_B, mask_BxT, *, variant: str = "O1", top_p: float = 0.1,
+                  w=1.1, m=0.9, gate_on=True, entropy_BxT=None, gate: str = "batch",
+                  target_entropy: float = 0.3, rule: str = "quantile", scope: str = "batch",
+                  micro_batch_size: int | None = None):
+    """STARE per-token weights omega [B, T] (float32, stop-gradient): W / M on the variant's selected sets where
+    the gate is on, 1 elsewhere. gate_on is read by gate="batch" only; sample/token gates need entropy_BxT."""
+    return _weights_and_sets(logprobs_BxT, advantages_B, mask_BxT, variant=variant, top_p=top_p, w=w, m=m,
+                             gate_on=gate_on, entropy_BxT=entropy_BxT, gate=gate, target_entropy=target_entropy,
+                             rule=rule, scope=scope, micro_batch_size=micro_batch_size)[0]
 
 
 def micro_batch_token_weights(logprobs_BxT, advantages_B, mask_BxT, *, micro_batch_size: int, **kwargs):
@@ -357,11 +365,33 @@ def update_controller(state: StareState, batch_entropy, cfg: StareConfig | None 
     return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, state)
 
 
-def stare_omega(logprobs_BxT, advantages_B, mask_BxT, state: StareState, cfg: StareConfig, entropy_BxT=None):
-    """omega for a config and controller state (all ones when cfg.enabled is False)."""
+def stare_omega(logprobs_BxT, advantages_B, mask_BxT, state: StareState, cfg: StareConfig, entropy_BxT=None,
+                extra_sets: tuple[str, ...] = (), scope: str | None = None):
+    """(omega [B, T], info) for a config and controller state; omega == 1 when cfg.enabled is False.
+
+    info: {"sets": {name: bool [B, T]} (the variant's sets plus extra_sets), "gate": bool mask, "metrics": realised
+    fractions frac_<set>, n_pos, n_neg, omega_mean (over valid tokens), frac_reweighted (omega != 1)}.
+    scope overrides cfg.scope (train_step passes "batch" / "micro_batch" explicitly)."""
+    scope = cfg.scope if scope is None else scope
+    shape = jnp.shape(logprobs_BxT)
+    valid = jnp.asarray(mask_BxT) > 0
+    n_valid = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
+    if not cfg.enabled and not extra_sets:
+        omega = jnp.ones(shape, jnp.float32)
+        return omega, {"sets": {}, "gate": jnp.zeros(shape, bool),
+                       "metrics": {"omega_mean": jnp.float32(1.0), "frac_reweighted": jnp.float32(0.0)}}
+    omega, sets, g, cand_pos, cand_neg = _weights_and_sets(
+        logprobs_BxT, advantages_B, mask_BxT, variant=cfg.variant, top_p=cfg.top_p, w=state.w, m=state.m,
+        gate_on=state.gate_on, entropy_BxT=entropy_BxT, gate=cfg.gate, target_entropy=cfg.target_entropy,
+        rule=cfg.rule, scope=scope, micro_batch_size=cfg.micro_batch_size, extra_sets=extra_sets)
     if not cfg.enabled:
-        return jnp.ones(jnp.shape(logprobs_BxT), jnp.float32)
-    return token_weights(logprobs_BxT, advantages_B, mask_BxT, variant=cfg.variant, top_p=cfg.top_p,
-                         w=state.w, m=state.m, gate_on=state.gate_on, entropy_BxT=entropy_BxT, gate=cfg.gate,
-                         target_entropy=cfg.target_entropy, rule=cfg.rule, scope=cfg.scope,
-                         micro_batch_size=cfg.micro_batch_size)
+        omega = jnp.ones(shape, jnp.float32)
+    n = {"pos": jnp.sum(cand_pos, dtype=jnp.int32), "neg": jnp.sum(cand_neg, dtype=jnp.int32)}
+    metrics = {"n_pos": n["pos"], "n_neg": n["neg"],
+               "omega_mean": jnp.sum(jnp.where(valid, omega, 0.0)) / n_valid,
+               "frac_reweighted": jnp.sum(valid & (omega != 1.0)) / n_valid,
+               "gate_frac": jnp.sum(valid & g) / n_valid}
+    for name, sel in sets.items():
+        metrics["frac_" + name] = (jnp.sum(sel, dtype=jnp.int32)
+                                   / jnp.maximum(n[name.split("_")[0]], 1).astype(jnp.float32))
+    return omega, {"sets": sets, "gate": g, "metrics": metrics}

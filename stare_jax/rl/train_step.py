@@ -1,0 +1,368 @@
+"""The RL train step: ONE pure function (train_state, batch, stare_state) -> (train_state, stare_state, metrics),
+compiled with jax.jit, in/out shardings on a Mesh (Auto axes), train state donated.
+
+Batch layout (a dict of arrays, leading axis B = responses):
+- input_ids_BxT      int   [B, L]  prompt + response tokens (any padding, left or right).
+- attention_mask_BxT int   [B, L]  1 = real token, 0 = padding.
+- response_mask_BxT  int   [B, L]  ALIGNED WITH input_ids: 1 where input_ids[b, t] is a response token whose
+                                   log-prob counts in the loss (0 on prompt and padding).
+- advantages_B       float [B]     trajectory advantage (grpo_advantages, flattened in batch order).
+Shift: the model's hidden state at position t predicts input_ids[t + 1], so every per-token array the step
+computes (log-probs, entropy, omega) has shape [B, L - 1] with index t meaning "the token input_ids[:, t + 1]",
+and its loss mask is response_mask[:, 1:] * attention_mask[:, 1:].
+
+Data flow (STARE-semantics.md, "Closed-loop gate"):
+ 1. no-grad forward over the whole batch (micro-batched with lax.map): old log-probs and per-token entropy;
+ 2. batch entropy H_bar -> update_controller (gate, W, M);
+ 3. selection sets / omega from that pass (scope batch);
+ 4. for each of ppo_epochs x num_mini_batches updates (mini-batches contiguous, in batch order): lax.scan over
+    num_micro_batches micro-batches, forward + backward with the mini-batch's global normaliser (so gradient
+    accumulation is exactly the full-mini-batch gradient), then one optax update. With scope micro_batch, omega is
+    recomputed inside each micro-batch from the current policy's log-probs (and, for sample/token gates, its
+    entropies); the batch gate still comes from the controller.
+ 5. A non-finite loss or gradient norm skips that update (params and optimizer state unchanged) and is counted in
+    metrics["skipped_updates"].
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from stare_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
+from stare_jax.rl.losses import AGG_MODES, loss_normalizer, policy_loss
+from stare_jax.rl.stare import StareConfig, StareState, stare_omega, update_controller
+from stare_jax.rl.theory import batch_entropy_terms
+
+BATCH_KEYS = ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT", "advantages_B")
+SCHEDULES = ("constant", "linear_warmup", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW + global-norm clipping; defaults are the paper's (lr 1e-6, constant schedule, no warm-up)."""
+    lr: float = 1e-6
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optimizer schedule={self.schedule!r} unknown; accepted values: {list(SCHEDULES)}")
+        if not self.lr > 0:
+            raise ValueError(f"optimizer lr={self.lr} must be > 0")
+        if self.schedule == "cosine" and not self.total_steps:
+            raise ValueError("optimizer schedule='cosine' needs total_steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStepConfig:
+    """Everything the compiled step depends on (static)."""
+    optimizer: OptimizerConfig = OptimizerConfig()
+    stare: StareConfig = StareConfig()
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float = 10.0
+    loss_agg: str = "token-mean"
+    loss_agg_constant: float | None = None  # seq-mean-token-sum-norm divisor; None -> L - 1
+    num_micro_batches: int = 1
+    num_mini_batches: int = 1
+    ppo_epochs: int = 1
+    logprob_chunk_size: int = DEFAULT_CHUNK_SIZE
+    theory_diagnostics: bool = False
+    debug_outputs: bool = False  # metrics["debug/..."]: omega, old log-probs, entropy, last update's grads
+
+    def __post_init__(self):
+        if self.loss_agg not in AGG_MODES:
+            raise ValueError(f"loss_agg={self.loss_agg!r} unknown; accepted values: {list(AGG_MODES)}")
+        for name in ("num_micro_batches", "num_mini_batches", "ppo_epochs", "logprob_chunk_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """params: the nnx.Param state of nnx.split(model); rest: any other model state (usually empty);
+    opt_state: optax state; step: int32 count of train-step calls."""
+    params: Any
+    rest: Any
+    opt_state: Any
+    step: jax.Array
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    if cfg.schedule == "constant":
+        lr = optax.constant_schedule(cfg.lr) if not cfg.warmup_steps else optax.linear_schedule(
+            0.0, cfg.lr, cfg.warmup_steps)
+    elif cfg.schedule == "linear_warmup":
+        lr = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
+    else:
+        lr = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.total_steps)
+    chain = []
+    if cfg.grad_clip and cfg.grad_clip > 0:
+        chain.append(optax.clip_by_global_norm(cfg.grad_clip))
+    chain.append(optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+    return optax.chain(*chain)
+
+
+def split_model(model: nnx.Module):
+    """(graphdef, params, rest) with params = the nnx.Param variables."""
+    return nnx.split(model, nnx.Param, ...)
+
+
+def init_train_state(model: nnx.Module, cfg: TrainStepConfig):
+    """(graphdef, TrainState) from a (possibly mesh-sharded) model; optimizer state follows the param shardings."""
+    graphdef, params, rest = split_model(model)
+    tx = make_optimizer(cfg.optimizer)
+    opt_state = jax.jit(tx.init)(params)
+    return graphdef, TrainState(params=params, rest=rest, opt_state=opt_state, step=jnp.zeros((), jnp.int32))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure pieces (usable on their own, e.g. by tests and the trainer's logging)
+
+
+def shift_batch(batch):
+    """(input_ids, attention_mask, targets [B, L-1], loss_mask [B, L-1], advantages) from the batch dict."""
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"train batch is missing keys {missing}; expected {list(BATCH_KEYS)}")
+    ids = jnp.asarray(batch["input_ids_BxT"], jnp.int32)
+    attn = jnp.asarray(batch["attention_mask_BxT"], jnp.int32)
+    resp = jnp.asarray(batch["response_mask_BxT"])
+    if ids.ndim != 2 or ids.shape[1] < 2:
+        raise ValueError(f"input_ids_BxT must be [B, L] with L >= 2, got {ids.shape}")
+    for k in ("attention_mask_BxT", "response_mask_BxT"):
+        if jnp.shape(batch[k]) != ids.shape:
+            raise ValueError(f"{k} must have shape {ids.shape}, got {jnp.shape(batch[k])}")
+    if jnp.shape(batch["advantages_B"]) != ids.shape[:1]:
+        raise ValueError(f"advantages_B must have shape {ids.shape[:1]}, got {jnp.shape(batch['advantages_B'])}")
+    loss_mask = ((resp[:, 1:] > 0) & (attn[:, 1:] > 0)).astype(jnp.float32)
+    return ids, attn, ids[:, 1:], loss_mask, jnp.asarray(batch["advantages_B"], jnp.float32)
+
+
+def policy_forward(graphdef, params, rest, ids, attn, targets, loss_mask, *, chunk_size, theory=False):
+    """Per-token log-probs and entropies [b, L-1] of `targets` under the model (chunked, no [B,T,V] logits)."""
+    model = nnx.merge(graphdef, params, rest)
+    hidden = model.hidden_states(ids, attention_mask=attn)
+    return token_logprobs_and_entropy(hidden[:, :-1], model.unembed_matrix(), targets, loss_mask,
+                                      chunk_size=chunk_size, theory=theory)
+
+
+def _split_micro(x, n, mesh, batch_axes):
+    """[B, ...] -> [n, B/n, ...] contiguous micro-batches, each spread over the batch shards when they divide."""
+    y = x.reshape((n, x.shape[0] // n) + x.shape[1:])
+    if mesh is not None:
+        shards = 1
+        for a in batch_axes:
+            shards *= mesh.shape[a]
+        if y.shape[1] % shards == 0:
+            y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, batch_axes)))
+    return y
+
+
+def _masked_mean(x, m):
+    return jnp.sum(jnp.where(m > 0, x, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=("data", "fsdp")) -> Callable:
+    """The pure (un-jitted) step function (train_state, batch, stare_state) -> (train_state, stare_state, metrics)."""
+    tx = make_optimizer(cfg.optimizer)
+    scfg = cfg.stare
+    chunk = cfg.logprob_chunk_size
+    n_micro, n_mini, epochs = cfg.num_micro_batches, cfg.num_mini_batches, cfg.ppo_epochs
+    per_micro_scope = scfg.enabled and scfg.scope == "micro_batch"
+
+    def forward(params, rest, ids, attn, tgt, lm, theory=False):
+        return policy_forward(graphdef, params, rest, ids, attn, tgt, lm, chunk_size=chunk, theory=theory)
+
+    def step_fn(train_state: TrainState, batch, stare_state: StareState):
+        ids, attn, tgt, lm, adv = shift_batch(batch)
+        B = ids.shape[0]
+        if B % (n_mini * n_micro):
+            raise ValueError(f"batch size {B} must be divisible by num_mini_batches*num_micro_batches="
+                             f"{n_mini}*{n_micro}")
+        mini = B // n_mini
+        micro = mini // n_micro
+        if per_micro_scope and micro % scfg.micro_batch_size:
+            raise ValueError(f"stare scope='micro_batch': micro-batch size {micro} must be a multiple of "
+                             f"micro_batch_size={scfg.micro_batch_size}")
+        params, rest = train_state.params, train_state.rest
+        theory = cfg.theory_diagnostics
+
+        # 1. no-grad pass over the whole batch, micro-batched (B / (n_mini*n_micro) sequences at a time).
+        n_pass = n_mini * n_micro
+        xs = tuple(_split_micro(a, n_pass, mesh, batch_axes) for a in (ids, attn, tgt, lm))
+        outs = jax.lax.map(lambda x: forward(jax.lax.stop_gradient(params), rest, *x, theory=theory), xs)
+        flat = jax.tree.map(lambda o: o.reshape((B,) + o.shape[2:]), outs)
+        old_lp, ent = jax.lax.stop_gradient(flat[0]), jax.lax.stop_gradient(flat[1])
+
+        # 2. controller from the batch entropy, 3. omega from the same pass (scope batch).
+        batch_entropy = _masked_mean(ent, lm)
+        stare_state = update_controller(stare_state, batch_entropy, scfg)
+        extra = ("pos_high", "neg_high") if theory else ()
+        omega, info = stare_omega(old_lp, adv, lm, stare_state, scfg, entropy_BxT=ent, extra_sets=extra,
+                                  scope="batch")
+        if per_micro_scope:
+            omega = jnp.ones_like(omega)  # recomputed per micro-batch below
+        metrics = {"entropy": batch_entropy, "gate_on": stare_state.gate_on.astype(jnp.float32),
+                   "stare_w": stare_state.w, "stare_m": stare_state.m,
+                   "response_tokens": jnp.sum(lm)}
+        metrics.update({"stare/" + k: v for k, v in info["metrics"].items()})
+        if theory:
+            th = flat[2]
+            terms = batch_entropy_terms(th["phi"], adv, lm, omega_BxT=omega, pos_set_BxT=info["sets"]["pos_high"],
+                                        neg_set_BxT=info["sets"]["neg_high"])
+            metrics.update({"theory/" + k: v for k, v in terms.items()})
+            s = -old_lp
+            sel = info["sets"]["pos_high"]
+            metrics["theory/frac_pos_high_above_sstar"] = (
+                jnp.sum(sel & (s > th["s_star"])) / jnp.maximum(jnp.sum(sel), 1))
+            metrics["theory/s_star_mean"] = _masked_mean(th["s_star"], lm)
+
+        # 4. updates: epochs x mini-batches, each a scan over micro-batches.
+        agg_const = cfg.loss_agg_constant if cfg.loss_agg_constant is not None else float(lm.shape[1])
+
+        def micro_loss(p, mb, normalizer):
+            m_ids, m_attn, m_tgt, m_lm, m_adv, m_old, m_omega = mb
+            lp, m_ent = forward(p, rest, m_ids, m_attn, m_tgt, m_lm)
+            if per_micro_scope:
+                m_omega, _ = stare_omega(jax.lax.stop_gradient(lp), m_adv, m_lm, stare_state, scfg,
+                                         entropy_BxT=jax.lax.stop_gradient(m_ent), scope="micro_batch")
+            loss, met = policy_loss(lp, m_old, m_adv, m_lm, omega_BxT=m_omega, clip_low=cfg.clip_low,
+                                    clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg=cfg.loss_agg,
+                                    normalizer=normalizer)
+            met = {k: met[k] for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum", "token_count")}
+            met["omega_sum"] = jnp.sum(jnp.where(m_lm > 0, m_omega, 0.0))
+            return loss, met
+
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+        per_tok = (ids, attn, tgt, lm, adv, old_lp, omega)
+
+        def one_update(carry, u):
+            p, opt_state = carry
+            start = (u % n_mini) * mini
+            mb_arrays = tuple(jax.lax.dynamic_slice_in_dim(a, start, mini, axis=0) for a in per_tok)
+            if cfg.loss_agg == "seq-mean-token-sum-norm":
+                normalizer = jnp.float32(agg_const)
+            else:
+                normalizer = loss_normalizer(mb_arrays[3], cfg.loss_agg)
+            micro_xs = tuple(_split_micro(a, n_micro, mesh, batch_axes) for a in mb_arrays)
+
+            def acc(c, mb):
+                g_sum, l_sum, m_sum = c
+                (loss, met), g = grad_fn(p, mb, normalizer)
+                g_sum = jax.tree.map(jnp.add, g_sum, g)
+                m_sum = jax.tree.map(jnp.add, m_sum, met)
+                return (g_sum, l_sum + loss, m_sum), None
+
+            zeros_g = jax.tree.map(jnp.zeros_like, p)
+            zeros_m = {k: jnp.float32(0.0) for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum",
+                                                      "token_count", "omega_sum")}
+            (grads, loss, msum), _ = jax.lax.scan(acc, (zeros_g, jnp.float32(0.0), zeros_m), micro_xs)
+            gnorm = optax.tree.norm(grads)
+            finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+            safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+            updates, new_opt = tx.update(safe_grads, opt_state, p)
+            new_p = optax.apply_updates(p, updates)
+            new_p = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_p, p)
+            new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt, opt_state)
+            out = dict(msum, loss=loss, grad_norm=gnorm, skipped=(~finite).astype(jnp.float32))
+            if cfg.debug_outputs:
+                out["grads"] = grads
+            return (new_p, new_opt), out
+
+        (params, opt_state), ups = jax.lax.scan(one_update, (params, train_state.opt_state),
+                                                jnp.arange(epochs * n_mini))
+        cnt = jnp.maximum(jnp.sum(ups["token_count"]), 1.0)
+        metrics.update({
+            "loss": jnp.mean(ups["loss"]), "grad_norm": jnp.mean(ups["grad_norm"]),
+            "clipfrac": jnp.sum(ups["clipfrac_sum"]) / cnt,
+            "clipfrac_lower": jnp.sum(ups["clipfrac_lower_sum"]) / cnt,
+            "approx_kl": jnp.sum(ups["approx_kl_sum"]) / cnt,
+            "omega_mean_used": jnp.sum(ups["omega_sum"]) / cnt,
+            "skipped_updates": jnp.sum(ups["skipped"]), "num_updates": jnp.float32(epochs * n_mini),
+        })
+        if cfg.debug_outputs:
+            metrics.update({"debug/omega": omega, "debug/old_logprobs": old_lp, "debug/entropy": ent,
+                            "debug/loss_mask": lm, "debug/grads": jax.tree.map(lambda g: g[-1], ups["grads"])})
+        new_state = TrainState(params=params, rest=rest, opt_state=opt_state, step=train_state.step + 1)
+        return new_state, stare_state, metrics
+
+    return step_fn
+
+
+def train_state_shardings(train_state: TrainState, mesh):
+    """Each leaf's NamedSharding on `mesh` if it has one, else replicated (scalars such as step / optax counts)."""
+    rep = NamedSharding(mesh, P())
+
+    def f(x):
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, NamedSharding) and sh.mesh.shape == mesh.shape:
+            return NamedSharding(mesh, sh.spec)
+        return rep
+
+    return jax.tree.map(f, train_state)
+
+
+def place_train_state(train_state: TrainState, mesh):
+    """device_put every leaf onto its train_state_shardings sharding (call once before the first step)."""
+    return jax.device_put(train_state, train_state_shardings(train_state, mesh))
+
+
+def batch_shardings(mesh, batch_axes=("data", "fsdp")):
+    """NamedSharding for each batch key: leading (batch) axis over batch_axes."""
+    return {k: NamedSharding(mesh, P(batch_axes)) for k in BATCH_KEYS}
+
+
+def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: TrainState | None = None,
+                    rules=None, batch_axes=("data", "fsdp"), donate: bool = True):
+    """jax.jit-compiled step. With a mesh: in/out shardings = the train_state's current shardings (pass the
+    initialised train_state), batch sharded over batch_axes on its leading axis, controller state and metrics
+    replicated; the model's activation constraints use `rules` (default: stare_jax.models.sharding rules)."""
+    step_fn = build_step_fn(graphdef, cfg, mesh=mesh, batch_axes=batch_axes if mesh is not None else ())
+    donate_argnums = (0,) if donate else ()
+    if mesh is None:
+        return jax.jit(step_fn, donate_argnums=donate_argnums)
+    from stare_jax.models.sharding import DEFAULT_RULES, activation_rules
+
+    if train_state is None:
+        raise ValueError("make_train_step(mesh=...) needs the initialised train_state to read its shardings")
+    rules = DEFAULT_RULES if rules is None else rules
+    rep = NamedSharding(mesh, P())
+    state_sh = train_state_shardings(train_state, mesh)
+    jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(mesh, batch_axes), rep),
+                     out_shardings=(state_sh, rep, rep), donate_argnums=donate_argnums)
+
+    def run(train_state, batch, stare_state):
+        batch = {k: batch[k] for k in BATCH_KEYS}
+        with jax.set_mesh(mesh), activation_rules(rules):
+            return jitted(train_state, batch, stare_state)
+
+    run.jitted = jitted
+    run.lower = lambda *a: _lower(jitted, mesh, rules, *a)
+    return run
+
+
+def _lower(jitted, mesh, rules, *args):
+    from stare_jax.models.sharding import activation_rules
+    with jax.set_mesh(mesh), activation_rules(rules):
+        return jitted.lower(*args)
+
+
+def batch_entropy(graphdef, params, rest, batch, *, chunk_size=DEFAULT_CHUNK_SIZE):
+    """Mean per-token entropy over valid response tokens (the controller's H_bar) of `batch` under params."""
+    ids, attn, tgt, lm, _ = shift_batch(batch)
+    _, ent = policy_forward(graphdef, params, rest, ids, attn, tgt, lm, chunk_size=chunk_size)
+    return _masked_mean(ent, lm)
