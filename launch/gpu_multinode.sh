@@ -167,7 +167,7 @@ if [[ "$MODE" == slurm ]]; then
     "# Written by launch/gpu_multinode.sh: one process per node, each on all $GPN local GPUs."
     "set -euo pipefail"
     "cd $(shq "$ROOT")"
-    'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"'
+    'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"  # not head: SIGPIPE under pipefail'
     "$port_line"
     'export JAX_COORDINATOR_ADDRESS="$head_node:$JAX_COORDINATOR_PORT"'
     'export JAX_NUM_PROCESSES="$SLURM_NNODES"'
@@ -185,7 +185,7 @@ if [[ "$MODE" == slurm ]]; then
 else
   for ((i = 0; i < NODES; i++)); do
     train="$(cmdline .venv/bin/stare-jax "${TRAIN_ARGS[@]}" --coordinator-address "$COORD" --num-processes "$NODES" --process-id "$i")"
-    remote="cd $(shq "$REMOTE_DIR") && mkdir -p logs && nohup env JAX_LOCAL_DEVICE_IDS=$LOCAL_IDS $train > logs/train-proc$i.log 2>&1 < /dev/null & echo \$! > logs/train-proc$i.pid"
+    remote="cd $(shq "$REMOTE_DIR") && mkdir -p logs && { nohup env JAX_LOCAL_DEVICE_IDS=$LOCAL_IDS $train > logs/train-proc$i.log 2>&1 < /dev/null & echo \$! > logs/train-proc$i.pid; }"
     run ssh ${SSH_OPTS[@]+"${SSH_OPTS[@]}"} -o BatchMode=yes "${HOST_LIST[$i]}" "$remote"
   done
   [[ "$DRY_RUN" == 1 ]] || info "started $NODES processes; logs: $REMOTE_DIR/logs/train-proc<i>.log on each host"

@@ -1,0 +1,119 @@
+"""The paper's run configs (configs/paper/): 5 models x 3 arms load, differ only under rl.stare, carry the paper's
+hyper-parameters (STARE-semantics.md, "The paper's run settings") and fit the model's context; their named TPU
+slice (the `launch.accelerator:` comment) is one launch/tpu_vm.sh accepts and the mesh fits it."""
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+import subprocess
+
+import pytest
+import yaml
+
+from stare_jax.config import load_config, to_dict
+from stare_jax.models import PRESETS
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAPER = ROOT / "configs" / "paper"
+MODELS = ["qwen2.5-math-7b", "qwen2.5-14b-instruct", "qwen2.5-32b", "r1-distill-qwen-1.5b", "qwen3-8b-base"]
+ARMS = ["grpo_ds", "stare_o1", "stare_c2"]
+# Fallback context table (the public config.json values); presets in stare_jax.models win when they exist.
+MAX_POSITIONS = {"qwen2.5-math-7b": 4096, "qwen2.5-14b-instruct": 32768, "qwen2.5-32b": 32768,
+                 "r1-distill-qwen-1.5b": 131072, "qwen3-8b-base": 32768}
+# prompt + response per model (the semantics file: 4k for Qwen2.5-Math-7B, 8k for 14B/32B, 16k long CoT).
+TOTAL_TOKENS = {"qwen2.5-math-7b": 4096, "qwen2.5-14b-instruct": 8192, "qwen2.5-32b": 8192,
+                "r1-distill-qwen-1.5b": 16384, "qwen3-8b-base": 16384}
+BENCHMARKS = {"aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench"}
+
+
+def _path(model: str, arm: str) -> pathlib.Path:
+    return PAPER / f"{model}_{arm}.yaml"
+
+
+@pytest.fixture(scope="module")
+def cfgs():
+    return {(m, a): load_config(_path(m, a)) for m in MODELS for a in ARMS}
+
+
+def test_exactly_the_fifteen_run_files():
+    names = sorted(p.name for p in PAPER.glob("*.yaml") if not p.name.startswith("_"))
+    assert names == sorted(f"{m}_{a}.yaml" for m in MODELS for a in ARMS)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_arms_differ_only_under_rl_stare(cfgs, model):
+    dicts = {a: to_dict(cfgs[(model, a)]) for a in ARMS}
+    stares = {a: d["rl"].pop("stare") for a, d in dicts.items()}
+    assert dicts["grpo_ds"] == dicts["stare_o1"] == dicts["stare_c2"]
+    assert stares["grpo_ds"]["enabled"] is False
+    assert (stares["stare_o1"]["enabled"], stares["stare_o1"]["variant"]) == (True, "O1")
+    assert (stares["stare_c2"]["enabled"], stares["stare_c2"]["variant"]) == (True, "C2")
+    for s in stares.values():  # the arms share W/M/P/H_tgt/gate; only enabled/variant differ
+        for key in ("enabled", "variant"):
+            s.pop(key)
+    assert stares["grpo_ds"] == stares["stare_o1"] == stares["stare_c2"]
+    # and each arm file itself touches nothing but rl.stare
+    for arm in ARMS:
+        raw = yaml.safe_load(_path(model, arm).read_text())
+        assert raw["base"] == f"_base_{model}.yaml"
+        assert set(raw) == {"base", "rl"} and set(raw["rl"]) == {"stare"}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_paper_hyper_parameters(cfgs, model):
+    for arm in ARMS:
+        c = cfgs[(model, arm)]
+        o, rl, st, s = c.optimizer, c.rl, c.rl.stare, c.sampling
+        assert (o.lr, o.b1, o.b2, o.weight_decay, o.grad_clip, o.schedule, o.warmup_steps) == (
+            1e-6, 0.9, 0.999, 0.01, 1.0, "constant", 0)
+        assert (rl.train_batch_size, rl.group_size, rl.gen_batch_size) == (64, 8, 192)
+        assert rl.dynamic_sampling and rl.max_num_gen_batches == 10
+        assert (rl.clip_low, rl.clip_high, rl.loss_agg) == (0.2, 0.28, "token-mean")
+        assert (rl.mini_batches, rl.ppo_epochs) == (1, 1)  # one gradient step per batch (on-policy)
+        assert (s.temperature, s.top_p, s.eval_temperature, s.eval_top_p) == (1.0, 1.0, 0.7, 0.95)
+        big = model in ("qwen2.5-14b-instruct", "qwen2.5-32b")
+        assert (st.w, st.m) == ((1.05, 0.95) if big else (1.1, 0.9))
+        assert (st.target_entropy, st.top_p, st.gate) == (0.3, 0.1, "batch")
+        assert c.model.path and c.model.path.startswith("/path/to/")  # placeholder the user must set
+        assert c.data.train_path and c.data.train_path.startswith("/path/to/")
+        assert set(c.data.eval_paths) == BENCHMARKS
+        assert c.data.max_prompt_len + s.max_new_tokens == TOTAL_TOKENS[model]
+        assert c.data.max_prompt_len == 1024
+        # micro-batches tile the 64 x 8 training batch
+        assert (rl.train_batch_size * rl.group_size) % rl.micro_batch_size == 0
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_prompt_plus_response_fit_the_context(cfgs, model):
+    """Against the preset's max_position_embeddings and the checkpoint's own (the table; e.g. Qwen3-8B-Base has
+    32768 where the qwen3-8b preset says 40960)."""
+    c = cfgs[(model, "grpo_ds")]
+    assert c.model.preset in PRESETS, f"{model}: model.preset {c.model.preset!r} is not a stare_jax preset"
+    total = c.data.max_prompt_len + c.sampling.max_new_tokens
+    assert total <= PRESETS[c.model.preset].max_position_embeddings
+    assert total <= MAX_POSITIONS[model]
+
+
+def _accelerator(model: str) -> str:
+    m = re.search(r"^#\s*launch\.accelerator:\s*(\S+)", (PAPER / f"_base_{model}.yaml").read_text(), re.M)
+    assert m, f"_base_{model}.yaml has no '# launch.accelerator:' line"
+    return m.group(1)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_mesh_fits_the_named_tpu_slice(cfgs, model):
+    accel = _accelerator(model)
+    out = subprocess.run(["bash", str(ROOT / "launch" / "tpu_vm.sh"), "info", "--accelerator-type", accel],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    chips = int(re.search(r"chips (\d+)", out.stdout).group(1))
+    c = cfgs[(model, "stare_c2")]
+    arch = PRESETS[c.model.preset]
+    mesh = c.mesh
+    fixed = math.prod(v for v in (mesh.data, mesh.fsdp, mesh.tensor) if v != -1)
+    assert chips % fixed == 0
+    fsdp = chips // fixed if mesh.fsdp == -1 else mesh.fsdp
+    assert mesh.data * fsdp * mesh.tensor == chips
+    assert arch.num_kv_heads % mesh.tensor == 0 and arch.num_heads % mesh.tensor == 0
+    assert c.rl.micro_batch_size % (mesh.data * fsdp) == 0  # whole sequences per batch-sharded device
