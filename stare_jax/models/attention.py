@@ -59,7 +59,7 @@ def _splash_kernel(t: int, num_heads: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(num_heads)])
-    bq = min(512, t)
+    bq = next((b for b in (512, 256, 128) if t % b == 0), t)
     sizes = sk.BlockSizes(block_q=bq, block_kv_compute=bq, block_kv=bq, block_q_dkv=bq, block_kv_dkv=bq,
                           block_kv_dkv_compute=bq, block_q_dq=bq, block_kv_dq=bq)
     return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
@@ -69,11 +69,17 @@ def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interp
     """Pallas splash (flash) attention for TPU, self-attention only (T == S), causal.
 
     Padding is expressed through segment ids (real tokens 1, padding 0): a real query sees only real keys at
-    or before it, exactly like `causal_padding_mask` for real positions. Needs T to be a multiple of 128 on
-    TPU. interpret=None runs the Pallas interpreter off-TPU (CPU tests)."""
+    or before it, exactly like `causal_padding_mask` for real positions. T is padded up to a multiple of
+    128 (the kernel's block granularity) with an extra segment. interpret=None runs the Pallas interpreter off-TPU (CPU tests)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     b, t, h, d = q_BxTxHxD.shape
+    pad = -t % 128  # the kernel needs whole 128-token blocks: pad the tail as a separate segment (id 0)
+    if pad:
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        out = attention_splash(jnp.pad(q_BxTxHxD, widths), jnp.pad(k_BxSxKxD, widths), jnp.pad(v_BxSxKxD, widths),
+                               jnp.pad(segment_ids_BxT, ((0, 0), (0, pad))), interpret=interpret)
+        return out[:, :t]
     kh = k_BxSxKxD.shape[2]
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
