@@ -254,7 +254,8 @@ do_sync() {
   else
     local tarball="${TMPDIR:-/tmp}/stare_jax-${NAME}.tar.gz"
     run tar -czf "$tarball" --exclude=.git --exclude=.venv --exclude=.cache --exclude=.pytest_cache \
-      --exclude=__pycache__ --exclude=runs --exclude=logs -C "$ROOT" . || return 1
+      --exclude=.notes --exclude=__pycache__ --exclude=*.egg-info --exclude=runs --exclude=logs --exclude=artifacts \
+      -C "$ROOT" . || return 1
     run "${GC[@]}" tpu-vm scp "$tarball" "$NAME:stare_jax.tar.gz" "${LOC[@]}" --worker=all || return 1
     ssh_all "mkdir -p $RDIR && tar -xzf ~/stare_jax.tar.gz -C $RDIR && rm -f ~/stare_jax.tar.gz"
   fi

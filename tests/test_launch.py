@@ -126,7 +126,8 @@ def test_tpu_setup_installs_on_all_workers():
 def test_tpu_sync_tarball_and_git():
     lines = dry("tpu_vm.sh", "sync", *TPU)
     assert lines[0] == (f"tar -czf /tmp/stare_jax-stare-v5p.tar.gz --exclude=.git --exclude=.venv --exclude=.cache "
-                        f"--exclude=.pytest_cache --exclude=__pycache__ --exclude=runs --exclude=logs -C {ROOT} .")
+                        "--exclude=.pytest_cache --exclude=.notes --exclude=__pycache__ '--exclude=*.egg-info' "
+                        f"--exclude=runs --exclude=logs --exclude=artifacts -C {ROOT} .")
     assert lines[1] == (f"{GC} tpu-vm scp /tmp/stare_jax-stare-v5p.tar.gz stare-v5p:stare_jax.tar.gz "
                         "--zone=us-east5-a --worker=all")
     assert "--worker=all" in lines[2]
@@ -205,8 +206,11 @@ esac
     assert "training finished" in out.stderr
     calls = (stub / "calls").read_text().splitlines()
     kinds = [c.split()[0] for c in calls]
-    assert kinds[:8] == ["describe", "delete", "create", "describe", "scp", "extract", "setup", "run"]
-    assert kinds[8] == "describe" and kinds[-1] == "status" and set(kinds[8:]) <= {"describe", "status"}
+    assert kinds[:4] == ["describe", "delete", "create", "describe"]
+    # then sync (scp + extract), setup, run -- a bootstrap round may repeat if tar saw a file change under it
+    rest = iter(kinds[4:])
+    assert all(k in rest for k in ["scp", "extract", "setup", "run", "describe", "status"])
+    assert kinds.count("create") == 1 and kinds.count("delete") == 1 and kinds[-1] == "status"
     assert "--spot" in calls[2] and "--accelerator-type=v5p-64" in calls[2]
     (run,) = read_stub_outputs(stub / "home", 1)
     assert run["args"] == ["train", "--config", CFG, "--run-dir", RUN, "--resume"]
