@@ -19,8 +19,26 @@ Corruption: a step that cannot be read raises CheckpointCorruptError naming it. 
 step is restored. A state whose tree or shapes do not match the checkpoint raises CheckpointMismatchError
 instead (a config error, not corruption: no fallback, nothing moved).
 
-Multi-host: every process constructs the Checkpointer and calls save/restore (orbax coordinates the
-writes); moving corrupt steps aside is done by process 0 only.
+Multi-host: every process constructs the Checkpointer and calls save/restore/wait (orbax coordinates the
+writes and deletes); moving corrupt steps aside is done by process 0 only.
+
+Wiring in a training loop (what tests/test_checkpoint.py::_train does):
+
+    ck = Checkpointer(run_dir / "ckpt", keep=cfg.keep, every_steps=cfg.every_steps,
+                      async_save=cfg.async_save, must_exist=resume)
+    if resume:
+        r = ck.restore(abstract_state=with_shardings(jax.eval_shape(init_fn), state_shardings),
+                       fallback_to_intact=True)
+        state, start = r.state, r.step; data_iter.set_state(r.extra["data"])
+    writer = MetricsWriter(run_dir, resume_step=start if resume else None)
+    preempt = install_preemption_handler()
+    for step in range(start + 1, total + 1):
+        state, metrics = train_step(state, batch); writer.log(step, metrics)
+        extra = {"data": data_iter.get_state()}
+        if preempt.should_stop(step):
+            ck.save(step, state, extra, force=True); break
+        ck.save(step, state, extra, force=step == total)
+    ck.close(); writer.close(); preempt.uninstall()
 """
 
 from __future__ import annotations
@@ -77,6 +95,15 @@ def _to_abstract(x: Any) -> Any:
     if isinstance(x, jax.Array):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     return x
+
+
+def with_shardings(abstract_tree: Any, sharding_tree: Any) -> Any:
+    """Attach shardings to an abstract state (e.g. jax.eval_shape output): the restore target for a mesh.
+
+    `sharding_tree` has the same structure (or is one Sharding used for every leaf)."""
+    if isinstance(sharding_tree, jax.sharding.Sharding):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding_tree), abstract_tree)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_tree, sharding_tree)
 
 
 def _path_str(path) -> str:
@@ -201,8 +228,7 @@ class Checkpointer:
         self._prune(exclude=None)
 
     def _prune(self, exclude: int | None) -> None:
-        if jax.process_index() != 0:
-            return
+        # called on every process: orbax's delete removes files on the primary host and then syncs all hosts
         complete = sorted(s for s in self._mngr.all_steps() if s != exclude)
         for old in complete[: max(0, len(complete) - self.keep)]:
             log.info("deleting old checkpoint step %d in %s (keep=%d)", old, self.directory, self.keep)
@@ -313,16 +339,21 @@ class Checkpointer:
             raise CheckpointMismatchError(f"{where} does not match the requested state shapes: {details}")
 
     def _move_aside(self, step: int) -> None:
-        if jax.process_index() != 0 or "://" in str(self.directory):
-            return
-        src = pathlib.Path(self.directory) / str(step)
-        dst = pathlib.Path(self.directory) / f"{CORRUPT_PREFIX}{step}"
-        n = 1
-        while dst.exists():
-            dst = pathlib.Path(self.directory) / f"{CORRUPT_PREFIX}{step}.{n}"
-            n += 1
-        if src.exists():
-            os.replace(src, dst)
+        """Rename DIR/<step> to DIR/corrupt_step_<step> (process 0; all processes then sync and reload).
+        Object stores (gs://) have no atomic rename: there the step is left in place and only skipped."""
+        if jax.process_index() == 0 and "://" not in str(self.directory):
+            src = pathlib.Path(self.directory) / str(step)
+            dst = pathlib.Path(self.directory) / f"{CORRUPT_PREFIX}{step}"
+            n = 1
+            while dst.exists():
+                dst = pathlib.Path(self.directory) / f"{CORRUPT_PREFIX}{step}.{n}"
+                n += 1
+            if src.exists():
+                os.replace(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"stare_jax_checkpoint_move_aside_{step}")
         self._mngr.reload()
 
     def close(self) -> None:

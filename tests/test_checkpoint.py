@@ -121,14 +121,14 @@ def test_restore_onto_a_different_mesh_and_a_single_device(tmp_path):
             "w": NamedSharding(mesh24, P("b", "a")),  # rows over 4, columns over 2: a different partitioning
             "v": NamedSharding(mesh24, P("a")),
         }
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), src, targets)
+        abstract = C.with_shardings(jax.eval_shape(lambda: src), targets)
         out = ck.restore(abstract_state=abstract).state
         for k in src:
             assert out[k].sharding == targets[k]
             np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(src[k]))
         assert out["w"].addressable_shards[0].data.shape == (4, 4)
         one = SingleDeviceSharding(jax.devices()[3])
-        single = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), src)
+        single = C.with_shardings(jax.eval_shape(lambda: src), one)
         out1 = ck.restore(abstract_state=single).state
         for k in src:
             assert out1[k].sharding == one
@@ -214,3 +214,99 @@ def test_sigterm_sets_the_flag_and_handler_is_restored():
     finally:
         handler.uninstall()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+# ------------------------------------------------------------------------------------------------------
+# Resume continues exactly: a toy training loop wired like the real one (Checkpointer + MetricsWriter +
+# preemption flag), preempted by SIGTERM, then crashed after a checkpoint, then finished; the final state
+# and the metrics (timing keys aside) equal an uninterrupted run's.
+
+_DATA_X = np.linspace(-1.0, 1.0, 40 * 8, dtype=np.float32).reshape(40, 8)
+_OPT = optax.adam(3e-2)
+
+
+def _init_state():
+    mesh = _mesh((8,), ("d",))
+    params = {"w": jax.device_put(jnp.full((8, 4), 0.1, jnp.float32), NamedSharding(mesh, P("d")))}
+    return {
+        "params": params,
+        "opt_state": _OPT.init(params),
+        "controller": ControllerState(w=jnp.float32(1.0), m=jnp.float32(1.0), gate_on=jnp.bool_(False)),
+        "rng": jax.random.key(0),
+        "step": jnp.int32(0),
+    }
+
+
+@jax.jit
+def _toy_step(state, x_B):
+    rng, sub = jax.random.split(state["rng"])
+    noise = jax.random.normal(sub, (4,)) * 0.01
+
+    def loss_fn(params):
+        return jnp.mean((x_B @ params["w"] - noise) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+    updates, opt_state = _OPT.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    c = state["controller"]
+    gate = loss < 0.01
+    controller = ControllerState(w=jnp.where(gate, c.w + 0.01, c.w), m=c.m, gate_on=gate)
+    new = {"params": params, "opt_state": opt_state, "controller": controller, "rng": rng, "step": state["step"] + 1}
+    return new, {"loss": loss, "gate_on": gate, "stare_w": controller.w}
+
+
+class _Crash(Exception):
+    pass
+
+
+def _train(run_dir, total, *, resume=False, preempt_at=None, crash_after=None):
+    from stare_jax import metrics as M
+
+    ck = C.Checkpointer(run_dir / "ckpt", keep=2, every_steps=3, async_save=True, must_exist=resume)
+    state, data_pos, start = _init_state(), 0, 0
+    if resume:
+        restored = ck.restore(abstract_state=jax.eval_shape(_init_state) | {"params": state["params"]})
+        state, data_pos, start = restored.state, restored.extra["data"]["pos"], restored.step
+        assert int(state["step"]) == start
+    writer = M.MetricsWriter(run_dir, tensorboard=False, is_main_process=True, resume_step=start if resume else None)
+    handler = C.install_preemption_handler()
+    try:
+        for step in range(start + 1, total + 1):
+            x_B = _DATA_X[data_pos * 4 : data_pos * 4 + 4]
+            data_pos += 1
+            state, m = _toy_step(state, x_B)
+            writer.log(step, {**m, "step_time_s": 0.001 * step * (2 if resume else 1)})
+            if step == preempt_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            extra = {"data": {"pos": data_pos}}
+            if handler.should_stop(step):
+                ck.save(step, state, extra, force=True)
+                return "preempted", step
+            ck.save(step, state, extra, force=step == total)
+            if step == crash_after:
+                raise _Crash(step)
+        return "done", state
+    finally:
+        handler.uninstall()
+        ck.close()
+        writer.close()
+
+
+def test_preempt_crash_resume_equals_uninterrupted_run(tmp_path):
+    from stare_jax import metrics as M
+
+    status, straight = _train(tmp_path / "straight", 10)
+    assert status == "done"
+    run = tmp_path / "interrupted"
+    assert _train(run, 10, preempt_at=5) == ("preempted", 5)
+    with pytest.raises(_Crash):
+        _train(run, 10, resume=True, crash_after=8)  # checkpoint at 6, metrics logged up to 8
+    with C.Checkpointer(run / "ckpt", must_exist=True) as ck:
+        assert ck.all_steps() == [5, 6]
+    status, resumed = _train(run, 10, resume=True)
+    assert status == "done"
+    _assert_same(straight, resumed)
+    assert [r["step"] for r in M.read_metrics(run)] == list(range(1, 11))
+    assert M.canonical_metrics(run) == M.canonical_metrics(tmp_path / "straight")
+    with C.Checkpointer(run / "ckpt", must_exist=True) as ck:
+        assert ck.all_steps() == [9, 10]
