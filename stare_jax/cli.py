@@ -1,6 +1,7 @@
 """The `stare-jax` command line: one entry point with subcommands.
 
   stare-jax demo     [--run-dir DIR]              the README's main job on its embedded CPU default
+  stare-jax train    --config FILE --run-dir DIR [--resume] [KEY=VALUE ...]   RL training
   stare-jax smoke    [--run-dir DIR] [--model P]  load a model (a tiny random one by default), generate a few tokens
   stare-jax config   [--config FILE] [KEY=VALUE ...]  print the resolved configuration
   stare-jax plan     CONFIG [--accelerator A] [--json]  memory/FLOP estimate of a config on an accelerator
@@ -91,6 +92,20 @@ def _greedy_reference(model, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
+def _cmd_train(args) -> int:
+    from stare_jax.train import TrainingError, run_training
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        summary = run_training(cfg, args.run_dir, resume=args.resume)
+    except TrainingError as e:
+        print(f"stare-jax train: {e}", file=sys.stderr)
+        return 1
+    print(f"train: {summary['steps_run']} steps in {summary['wall_s']:.1f}s; outputs in {summary['run_dir']}"
+          + (f" ({summary['stopped']})" if summary["stopped"] else ""))
+    return 0
+
+
 def _cmd_demo(args) -> int:
     """The README's main job. Until the RL loop lands it is the model smoke job."""
     return _cmd_smoke(args)
@@ -135,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=8, help=argparse.SUPPRESS)
     _add_config_args(p)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("train", help="RL training (GRPO-ds or STARE) of a config")
+    p.add_argument("--run-dir", required=True, help="output folder: metrics.jsonl, checkpoints/, config.yaml, ...")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN_DIR")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("smoke", help="load a model and generate a few tokens")
     p.add_argument("--run-dir", default="runs/smoke")

@@ -68,6 +68,7 @@ class DataConfig:
     eval_paths: dict = _f({}, doc="benchmark name -> jsonl path")
     prompt_field: str = _f("problem")
     answer_field: str = _f("answer")
+    task: Literal["math", "digit_sum"] = _f("math", doc="verifier: math answers (sandboxed) or the toy digit-sum task")
     prompt_template: Literal["paper", "chat", "raw"] = _f("paper", doc="paper instruction, chat template, or raw")
     max_prompt_len: int = _f(1024, lo=1)
     shuffle: bool = _f(True)
@@ -85,6 +86,7 @@ class SamplingConfig:
     kv_cache_dtype: DType = _f("bfloat16")
     eval_temperature: float = _f(0.7, lo=0.0)
     eval_top_p: float = _f(0.95, lo=0.0, hi=1.0, lo_open=True)
+    eval_num_samples: int = _f(0, lo=0, doc="samples per eval problem; 0 = the paper's protocol per benchmark")
 
 
 @dataclass
@@ -169,6 +171,24 @@ class LoggingConfig:
 
 
 @dataclass
+class ToyConfig:
+    """The embedded CPU default (stare_jax/toy.py): when enabled, the run builds (or reuses from cache_dir) the
+    digit-sum data, a SentencePiece tokenizer and an SFT warm-started tiny model, and trains that."""
+
+    enabled: bool = _f(False)
+    cache_dir: str = _f(".cache/toy")
+    seed: int = _f(0, lo=0)
+    num_train: int = _f(4000, lo=1)
+    num_eval: int = _f(200, lo=1)
+    k_min: int = _f(3, lo=1)
+    k_max: int = _f(5, lo=1)
+    hidden_size: int = _f(128, lo=8)
+    num_layers: int = _f(4, lo=1)
+    sft_steps: int = _f(150, lo=0)
+    sft_lr: float = _f(3e-3, lo=0.0, lo_open=True)
+
+
+@dataclass
 class LaunchConfig:
     """Where the run is meant to go (used by `stare-jax plan` and the launch/ scripts)."""
 
@@ -191,6 +211,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    toy: ToyConfig = field(default_factory=ToyConfig)
 
 
 # ----------------------------------------------------------------------------------------------------------------

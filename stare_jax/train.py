@@ -1,0 +1,443 @@
+"""`stare-jax train`: the RL loop that joins the parts.
+
+One RL step (DESIGN.md's data flow):
+    PromptStream (grain)  -> prompts (paper instruction / chat template / raw) -> tokens
+    Sampler               -> G rollouts per prompt (array API, left-padded prompt bucket)
+    verifier              -> rewards (math: sandboxed RewardPool; digit_sum: exact string check)
+    dynamic sampling      -> keep groups with reward spread, top up from further generation batches
+    grpo_advantages       -> per-response advantages
+    train step (jitted)   -> no-grad pass (old log-probs, entropy) -> gate/W/M -> omega -> micro-batch scan -> AdamW
+    MetricsWriter         -> RUN_DIR/metrics.jsonl (+ timing.jsonl, TensorBoard); periodic eval; orbax checkpoints
+
+Randomness is a pure function of (seed, step, generation batch), and the data iterator state is checkpointed, so a
+resumed run continues exactly where the interrupted one was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stare_jax.config import Config, save_config
+from stare_jax.data.prompts import PromptRow, PromptStream, format_prompt, read_rows
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (the message says why and what was saved)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configuration of the compiled step from the run config
+
+
+def data_shards(mesh) -> int:
+    return 1 if mesh is None else int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+
+
+def train_step_config(cfg: Config, mesh=None):
+    """The static TrainStepConfig of the jitted step, derived from the run config."""
+    from stare_jax.rl.stare import StareConfig
+    from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig
+
+    rl, s, o = cfg.rl, cfg.rl.stare, cfg.optimizer
+    B = rl.train_batch_size * rl.group_size
+    if B % rl.mini_batches:
+        raise TrainingError(f"rl.train_batch_size x rl.group_size = {B} is not divisible by rl.mini_batches={rl.mini_batches}")
+    mini = B // rl.mini_batches
+    per_micro = rl.micro_batch_size * data_shards(mesh)
+    if mini % per_micro:
+        raise TrainingError(
+            f"a mini-batch of {mini} sequences does not split into micro-batches of rl.micro_batch_size="
+            f"{rl.micro_batch_size} x {data_shards(mesh)} data shards")
+    stare = StareConfig(
+        enabled=s.enabled, variant=s.variant, top_p=s.top_p, w=s.w, m=s.m, gate=s.gate,
+        target_entropy=s.target_entropy, rule=s.rule, scope=s.scope,
+        micro_batch_size=rl.micro_batch_size if s.scope == "micro_batch" else None, adaptive=s.adaptive,
+        alpha=s.alpha, w_max=s.w_max, m_min=s.m_min, adaptive_timing=s.adaptive_timing)
+    schedule = {"constant": "constant", "linear": "linear_warmup", "cosine": "cosine"}[o.schedule]
+    opt = OptimizerConfig(lr=o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
+                          schedule=schedule, warmup_steps=o.warmup_steps, total_steps=cfg.total_steps)
+    return TrainStepConfig(
+        optimizer=opt, stare=stare, clip_low=rl.clip_low, clip_high=rl.clip_high, clip_c=rl.clip_c,
+        loss_agg=rl.loss_agg, loss_agg_constant=float(cfg.sampling.max_new_tokens),
+        num_micro_batches=mini // per_micro, num_mini_batches=rl.mini_batches, ppo_epochs=rl.ppo_epochs,
+        logprob_chunk_size=rl.logprob_chunk_size, theory_diagnostics=s.theory_diagnostics)
+
+
+def build_mesh(cfg: Config):
+    """None on a single device; otherwise the configured (data, fsdp, tensor) mesh over all devices."""
+    if jax.device_count() == 1:
+        return None
+    from stare_jax.models.sharding import make_mesh
+    from stare_jax.plan import resolve_mesh
+
+    return make_mesh(resolve_mesh(cfg.mesh, jax.device_count()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rollouts
+
+
+def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.full((len(prompts), length), pad_id, np.int32)
+    mask = np.zeros((len(prompts), length), np.int32)
+    for r, p in enumerate(prompts):
+        ids[r, length - len(p):] = p
+        mask[r, length - len(p):] = 1
+    return ids, mask
+
+
+@dataclasses.dataclass
+class RewardFn:
+    """Scores decoded responses against reference answers: digit_sum in-process (a pure string check); math in
+    a sandboxed worker pool (model output is untrusted). Returns correctness in {0, 1} and pool stats."""
+
+    task: str
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    _pool: object = None
+
+    def __call__(self, texts: Sequence[str], answers: Sequence[str]) -> tuple[np.ndarray, dict]:
+        if self.task == "digit_sum":
+            from stare_jax.tasks import digit_sum
+
+            return np.asarray([digit_sum.score(t, a) for t, a in zip(texts, answers)], np.float32), {}
+        if self._pool is None:
+            from stare_jax.rewards.pool import RewardPool
+
+            self._pool = RewardPool(num_workers=self.num_workers, timeout_s=self.timeout_s)
+        scores, stats = self._pool.score_batch(list(texts), list(answers))
+        return np.asarray(scores, np.float32), dict(stats)
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """One generation batch, prompt-major: arrays with leading prompt axis P (and group axis G)."""
+
+    prompt_ids_PxT: np.ndarray
+    prompt_mask_PxT: np.ndarray
+    tokens_PxGxN: np.ndarray
+    lengths_PxG: np.ndarray
+    logprobs_PxGxN: np.ndarray
+    correct_PxG: np.ndarray
+
+
+def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
+                      reward_fn: RewardFn, prompt_len: int, max_new_tokens: int, num_samples: int,
+                      temperature: float, top_p: float, top_k: int, seed: int, index_offset: int = 0):
+    """Sample num_samples responses per prompt and score them; returns (Rollouts, texts, reward stats)."""
+    P = len(prompts)
+    P_pad = sampler.batch_bucket(P)
+    ids, mask = left_pad(list(prompts) + [[tokenizer.bos_id if tokenizer.bos_id is not None else 0]] * (P_pad - P),
+                         prompt_len, sampler.pad_id)
+    active = np.arange(P_pad) < P
+    out = sampler.generate_arrays(ids, mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=tokenizer.eos_ids,
+                                  seed=seed, prompt_index_P=np.arange(P_pad, dtype=np.int32) + index_offset,
+                                  active_P=active)
+    tokens, logprobs, lengths = jax.device_get((out.tokens_BxN, out.logprobs_BxN, out.lengths_B))
+    G, N = num_samples, tokens.shape[1]
+    tokens = np.asarray(tokens)[: P * G].reshape(P, G, N)
+    logprobs = np.asarray(logprobs)[: P * G].reshape(P, G, N)
+    lengths = np.asarray(lengths)[: P * G].reshape(P, G)
+    texts = [tokenizer.decode(tokens[p, g, : lengths[p, g]].tolist()) for p in range(P) for g in range(G)]
+    correct, stats = reward_fn(texts, [answers[p] for p in range(P) for _ in range(G)])
+    return Rollouts(ids[:P], mask[:P], tokens, lengths, logprobs, correct.reshape(P, G)), texts, stats
+
+
+def rewards_from_correct(correct_PxG: np.ndarray, lengths_PxG: np.ndarray, cfg: Config) -> np.ndarray:
+    """Reward 1/0 (paper) or +1/-1 (DAPO), plus DAPO's overlong penalty when configured."""
+    from stare_jax.rewards.math import overlong_penalty
+
+    r = correct_PxG if cfg.rl.reward == "binary" else 2.0 * correct_PxG - 1.0
+    if cfg.rl.overlong_buffer > 0:
+        r = r + np.asarray(overlong_penalty(lengths_PxG, cfg.sampling.max_new_tokens, cfg.rl.overlong_buffer,
+                                            cfg.rl.overlong_penalty), np.float32)
+    return r.astype(np.float32)
+
+
+def train_batch_from_rollouts(r: Rollouts, advantages_PxG: np.ndarray) -> dict:
+    """[P*G, T+N] prompt + response ids with attention/response masks, response-major within each prompt."""
+    P, G, N = r.tokens_PxGxN.shape
+    T = r.prompt_ids_PxT.shape[1]
+    resp_mask = (np.arange(N)[None, None, :] < r.lengths_PxG[..., None]).astype(np.int32)
+    ids = np.concatenate([np.repeat(r.prompt_ids_PxT[:, None], G, 1), r.tokens_PxGxN], axis=2)
+    attn = np.concatenate([np.repeat(r.prompt_mask_PxT[:, None], G, 1), resp_mask], axis=2)
+    resp = np.concatenate([np.zeros((P, G, T), np.int32), resp_mask], axis=2)
+    ids = np.where(attn > 0, ids, 0)
+    return {"input_ids_BxT": ids.reshape(P * G, T + N), "attention_mask_BxT": attn.reshape(P * G, T + N),
+            "response_mask_BxT": resp.reshape(P * G, T + N),
+            "advantages_B": advantages_PxG.reshape(P * G).astype(np.float32)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@dataclasses.dataclass
+class EvalSet:
+    name: str
+    prompts: list[list[int]]
+    answers: list[str]
+    num_samples: int
+
+
+def evaluate(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn: RewardFn, prompt_len: int,
+             max_new_tokens: int, temperature: float, top_p: float, seed: int) -> dict:
+    """avg@N accuracy (and mean response length) per eval set, plus their mean as eval/accuracy."""
+    out = {}
+    for es in eval_sets:
+        r, _, _ = generate_rollouts(sampler, es.prompts, es.answers, tokenizer=tokenizer, reward_fn=reward_fn,
+                                    prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                                    num_samples=es.num_samples, temperature=temperature, top_p=top_p, top_k=0,
+                                    seed=seed)
+        out[f"eval/{es.name}/accuracy"] = float(r.correct_PxG.mean())
+        out[f"eval/{es.name}/response_len_mean"] = float(r.lengths_PxG.mean())
+    out["eval/accuracy"] = float(np.mean([out[f"eval/{es.name}/accuracy"] for es in eval_sets]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclasses.dataclass
+class RunInputs:
+    model_path: pathlib.Path
+    tokenizer_path: pathlib.Path
+    train_path: pathlib.Path
+    eval_paths: dict
+
+
+def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, RunInputs]:
+    """Paths of the model, tokenizer and data; for the embedded toy default, builds (or reuses) its assets."""
+    if cfg.toy.enabled:
+        from stare_jax import toy
+
+        t = cfg.toy
+        assets = toy.prepare(toy.ToyAssetConfig(seed=t.seed, num_train=t.num_train, num_eval=t.num_eval,
+                                                k_min=t.k_min, k_max=t.k_max, hidden_size=t.hidden_size,
+                                                num_layers=t.num_layers, sft_steps=t.sft_steps, sft_lr=t.sft_lr),
+                             t.cache_dir, log=log)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task="digit_sum", prompt_template="raw"))
+        return cfg, RunInputs(assets.model_dir, assets.model_dir / "tokenizer.model", assets.train_path,
+                              {"heldout": str(assets.eval_path)})
+    if not cfg.model.path:
+        raise TrainingError("model.path is not set: point it at a Hugging Face checkpoint folder")
+    if not cfg.data.train_path:
+        raise TrainingError("data.train_path is not set: point it at a jsonl/parquet file of {problem, answer} rows")
+    model_path = pathlib.Path(cfg.model.path)
+    if not (model_path / "config.json").is_file():
+        raise TrainingError(f"model.path {model_path} has no config.json (not a Hugging Face checkpoint folder)")
+    tok_path = pathlib.Path(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else model_path
+    return cfg, RunInputs(model_path, tok_path, pathlib.Path(cfg.data.train_path), dict(cfg.data.eval_paths))
+
+
+def encode_rows(rows: Sequence[PromptRow], tokenizer, cfg: Config) -> tuple[list[list[int]], list[int]]:
+    """Token ids of each row's prompt; rows longer than data.max_prompt_len are reported and left out."""
+    ids, keep = [], []
+    for i, row in enumerate(rows):
+        text = format_prompt(row.problem, cfg.data.prompt_template, tokenizer)
+        toks = tokenizer.encode(text, add_bos=True) if cfg.data.prompt_template != "chat" else tokenizer.encode(text)
+        if len(toks) <= cfg.data.max_prompt_len:
+            ids.append(toks)
+            keep.append(i)
+    return ids, keep
+
+
+def _seed_for(seed: int, step: int, j: int) -> int:
+    return (seed * 1_000_003 + step * 1_009 + j) % (2**31 - 1)
+
+
+def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = False,
+                 log: Callable[[str], None] = print) -> dict:
+    """Train per `cfg`, writing everything under run_dir; returns a summary dict."""
+    from flax import nnx
+
+    from stare_jax import models
+    from stare_jax.checkpoint import Checkpointer, install_preemption_handler
+    from stare_jax.metrics import REQUIRED_STEP_KEYS, MetricsWriter, ProgressBar
+    from stare_jax.rl.advantages import DynamicSamplingAccumulator, dynamic_sampling_keep_mask, grpo_advantages
+    from stare_jax.rl.stare import init_stare_state
+    from stare_jax.rl.train_step import init_train_state, make_train_step, place_train_state
+    from stare_jax.sampling import Sampler, next_bucket
+    from stare_jax.tokenizer import load_tokenizer
+
+    run_dir = pathlib.Path(run_dir)
+    t_start = time.time()
+    cfg, inputs = resolve_inputs(cfg, log)
+    if (run_dir / "metrics.jsonl").exists() and not resume:
+        raise TrainingError(f"{run_dir} already holds a run (metrics.jsonl); use --resume or a new --run-dir")
+    save_config(cfg, run_dir)
+    mesh = build_mesh(cfg)
+    tokenizer = load_tokenizer(inputs.tokenizer_path)
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+    model = models.from_pretrained(inputs.model_path, dtype=dtype[cfg.model.dtype],
+                                   param_dtype=dtype[cfg.model.param_dtype], mesh=mesh)
+
+    rows = read_rows(inputs.train_path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
+    prompt_ids, keep = encode_rows(rows, tokenizer, cfg)
+    if len(keep) < len(rows):
+        log(f"data: {len(rows) - len(keep)} of {len(rows)} rows of {inputs.train_path} have prompts longer than "
+            f"data.max_prompt_len={cfg.data.max_prompt_len} tokens and are left out")
+    rows = [rows[i] for i in keep]
+    prompt_of = {id(r): p for r, p in zip(rows, prompt_ids)}
+    stream = PromptStream(rows, cfg.rl.gen_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
+                          process_index=jax.process_index(), process_count=jax.process_count())
+    eval_sets = []
+    for name, path in inputs.eval_paths.items():
+        erows = read_rows(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
+        eids, ekeep = encode_rows(erows, tokenizer, cfg)
+        from stare_jax.eval.benchmarks import protocol_for
+
+        n = cfg.sampling.eval_num_samples or protocol_for(name)["n"]
+        eval_sets.append(EvalSet(name, eids, [erows[i].answer for i in ekeep], n))
+    prompt_len = next_bucket(max(len(p) for p in prompt_ids + [q for es in eval_sets for q in es.prompts]), 16)
+
+    tcfg = train_step_config(cfg, mesh)
+    graphdef, train_state = init_train_state(model, tcfg)
+    if mesh is not None:
+        train_state = place_train_state(train_state, mesh)
+    step_fn = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
+    stare_state = init_stare_state(tcfg.stare)
+    sampler = Sampler(model, mesh=mesh, cache_dtype=dtype[cfg.sampling.kv_cache_dtype],
+                      pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else None)
+    reward_fn = RewardFn(cfg.data.task)
+
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=cfg.checkpoint.every_steps,
+                        async_save=cfg.checkpoint.async_save, must_exist=resume)
+    start_step = 0
+    if resume:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                {"train_state": train_state, "stare_state": stare_state})
+        restored = ckpt.restore(abstract_state=abstract, fallback_to_intact=True)
+        train_state, stare_state = restored.state["train_state"], restored.state["stare_state"]
+        stream.restore(restored.extra["data"])
+        start_step = int(restored.extra["step"])
+        log(f"resumed from {run_dir / 'checkpoints'} at step {start_step}")
+    writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
+                           resume_step=start_step if resume else None, required_keys=REQUIRED_STEP_KEYS)
+    preempt = install_preemption_handler()
+    bar = ProgressBar(cfg.total_steps, start_step=start_step, enabled=cfg.logging.progress_bar)
+
+    def refresh_sampler():
+        sampler.update_params(nnx.merge(graphdef, train_state.params, train_state.rest))
+
+    def run_eval(step: int) -> dict:
+        if not eval_sets:
+            return {}
+        refresh_sampler()
+        return evaluate(sampler, eval_sets, tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
+                        max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.eval_temperature,
+                        top_p=cfg.sampling.eval_top_p, seed=_seed_for(cfg.seed, step, 99_991))
+
+    def save(step: int, force: bool = False):
+        ckpt.save(step, {"train_state": train_state, "stare_state": stare_state},
+                  {"data": stream.state(), "step": step, "seed": cfg.seed}, force=force)
+
+    eval_every = cfg.logging.eval_every_steps
+    pending_eval = run_eval(start_step) if (eval_every and start_step == 0) else {}
+    summary = {"steps_run": 0, "stopped": None}
+    last_record = {}
+    G = cfg.rl.group_size
+    try:
+        for step in range(start_step, cfg.total_steps):
+            t0 = time.time()
+            refresh_sampler()
+            acc = DynamicSamplingAccumulator(cfg.rl.train_batch_size,
+                                             cfg.rl.max_num_gen_batches if cfg.rl.dynamic_sampling else 1)
+            gen_correct, gen_lengths, reward_stats = [], [], {}
+            j = 0
+            while not acc.ready:
+                batch_rows = next(stream)
+                r, _, stats = generate_rollouts(
+                    sampler, [prompt_of[id(x)] for x in batch_rows], [x.answer for x in batch_rows],
+                    tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
+                    max_new_tokens=cfg.sampling.max_new_tokens, num_samples=G,
+                    temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+                    seed=_seed_for(cfg.seed, step, j), index_offset=j * cfg.rl.gen_batch_size)
+                gen_correct.append(r.correct_PxG)
+                gen_lengths.append(r.lengths_PxG)
+                for k, v in stats.items():
+                    reward_stats[k] = reward_stats.get(k, 0) + v
+                keep = (np.asarray(dynamic_sampling_keep_mask(r.correct_PxG)) if cfg.rl.dynamic_sampling
+                        else np.ones(r.correct_PxG.shape[0], bool))
+                acc.add(dataclasses.asdict(r), keep)
+                j += 1
+            kept = Rollouts(**acc.result())
+            t_gen = time.time() - t0
+            rewards = rewards_from_correct(kept.correct_PxG, kept.lengths_PxG, cfg)
+            adv = np.asarray(grpo_advantages(jnp.asarray(rewards), norm_by_std=cfg.rl.norm_adv_by_std))
+            batch = train_batch_from_rollouts(kept, adv)
+            t1 = time.time()
+            train_state, stare_state, m = step_fn(train_state, batch, stare_state)
+            m = jax.device_get(m)
+            t_train = time.time() - t1
+            all_correct = np.concatenate([c.reshape(-1) for c in gen_correct])
+            all_len = np.concatenate([x.reshape(-1) for x in gen_lengths])
+            record = {
+                "entropy": float(m["entropy"]), "target_entropy": cfg.rl.stare.target_entropy,
+                "reward_mean": float(rewards.mean()), "accuracy": float(all_correct.mean()),
+                "train_accuracy": float(kept.correct_PxG.mean()),
+                "response_len_mean": float(all_len.mean()), "gate_on": bool(m["gate_on"]),
+                "stare_enabled": cfg.rl.stare.enabled,
+                "stare_w": float(m["stare_w"]), "stare_m": float(m["stare_m"]),
+                "selected_frac_pos": float(m.get("stare/frac_pos_high", m.get("stare/frac_pos_low", 0.0))),
+                "selected_frac_neg": float(m.get("stare/frac_neg_high", m.get("stare/frac_neg_low", 0.0))),
+                "clipfrac": float(m["clipfrac"]), "clipfrac_lower": float(m["clipfrac_lower"]),
+                "approx_kl": float(m["approx_kl"]), "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
+                "skipped_updates": float(m["skipped_updates"]),
+                "kept_groups_frac": acc.num_kept / max(acc.num_prompts_seen, 1),
+                "num_gen_batches": j,
+                **{f"stare/{k[6:]}": float(v) for k, v in m.items() if k.startswith("stare/")},
+                **{k: float(v) for k, v in m.items() if k.startswith("theory/")},
+                **{f"reward/{k}": v for k, v in reward_stats.items()},
+                "step_time_s": time.time() - t0, "gen_time_s": t_gen, "train_time_s": t_train,
+            }
+            if not math.isfinite(record["loss"]) or record["skipped_updates"] > 0:
+                if cfg.checkpoint.on_nan == "stop":
+                    writer.log(step + 1, record)
+                    save(step, force=True)
+                    raise TrainingError(
+                        f"non-finite loss/gradient at step {step + 1}: the update was skipped and the run stopped "
+                        f"(checkpoint.on_nan=stop); parameters from before this step are saved at "
+                        f"{run_dir / 'checkpoints'} step {step}")
+                log(f"step {step + 1}: non-finite loss/gradient, update skipped (checkpoint.on_nan=skip)")
+            done = step + 1
+            if eval_every and (done % eval_every == 0 or done == cfg.total_steps):
+                pending_eval.update(run_eval(done))
+            record.update(pending_eval)
+            pending_eval = {}
+            last_record = writer.log(done, record)
+            bar.update(last_record)
+            save(done)
+            summary["steps_run"] += 1
+            if preempt.should_stop(done):
+                save(done, force=True)
+                summary["stopped"] = f"preempted (signal) after step {done}"
+                log(f"preemption signal: saved checkpoint at step {done}, exiting")
+                break
+        else:
+            save(cfg.total_steps, force=True)
+    finally:
+        ckpt.wait()
+        ckpt.close()
+        writer.close()
+        bar.close()
+        reward_fn.close()
+        preempt.uninstall()
+    summary.update({"run_dir": str(run_dir), "wall_s": time.time() - t_start, "last": last_record})
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
