@@ -280,3 +280,20 @@ def test_score_works_off_the_main_thread():
 def test_hedged_or_multiple_answers_do_not_score(response, reference):
     """Guards against reward hacking by listing several candidates or hedging."""
     assert score(response, reference) == 0.0
+
+
+@pytest.mark.parametrize(
+    "response, reference, expected",
+    [
+        ("\\boxed{\\frac{1}{2^{99}}}", "\\frac{1}{2^{98}}", 0.0),  # math-verify alone says equal (chop=True)
+        ("\\boxed{2^{-98}}", "\\frac{1}{2^{98}}", 1.0),
+        ("\\boxed{4.6 \\times 10^{-25}}", "4.6 \\times 10^{-24}", 0.0),
+        ("\\boxed{4.6e-24}", "4.6 \\times 10^{-24}", 1.0),
+        ("\\boxed{0.333333}", "\\frac{1}{3}", 1.0),  # math-verify's 6-decimal rounding is kept
+        ("\\boxed{12_6}", "12_5", 0.0),  # math-verify alone drops the base
+        ("\\boxed{12}", "12_5", 1.0),
+        ("\\boxed{A5_{11}}", "\\text{A5}_{11}", 1.0),
+    ],
+)
+def test_tiny_magnitudes_and_bases(response, reference, expected):
+    assert score(response, reference) == expected

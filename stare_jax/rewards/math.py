@@ -188,6 +188,7 @@ _FRAC_BARE_RE = re.compile(r"\\frac(\d)(\d)")
 _LEADING_ZEROS_RE = re.compile(r"^(-?)0+(\d)")
 _CHOICE_RE = re.compile(r"^\(([A-Ea-e])\)$")
 _LATEX_SPACE_RE = re.compile(r"(?<!\\)\\ ")  # a LaTeX space '\ ', not a row break '\\'
+_BASE_RE = re.compile(r"^(-?[0-9A-Za-z]+)_\{?(\d+)\}?$")
 _SCI_RE = re.compile(r"^(-?\d+(?:\.\d+)?)[eE]([+-]?\d+)$")
 
 
@@ -345,6 +346,9 @@ def is_equivalent(pred: str, reference: str) -> bool:
             return True
         if pv.denominator == 1 and rv.denominator == 1:
             return False
+    pb, rb = _BASE_RE.match(p), _BASE_RE.match(r)
+    if pb is not None and rb is not None:  # numbers in an explicit base, e.g. 52_8 (math-verify drops the base)
+        return pb.group(2) == rb.group(2) and pb.group(1).lower() == rb.group(1).lower()
     from math_verify import verify
 
     gold = _mv_parse(r)
@@ -353,7 +357,33 @@ def is_equivalent(pred: str, reference: str) -> bool:
     target = _mv_parse(p)
     if not target:
         return False
-    return bool(verify(gold, target, timeout_seconds=None))
+    if not verify(gold, target, timeout_seconds=None):
+        return False
+    return not _relative_veto(gold[0], target[0])
+
+
+def _relative_veto(gold, target) -> bool:
+    """True if two scalar numbers that math-verify called equal differ by more than 1e-5 relative.
+
+    math-verify compares `(a - b).evalf(chop=True) == 0`, and chop zeroes any tiny difference, so
+    2^{-98} == 2^{-99} and 4.6e-24 == 4.6e-25 (Minerva's physics answers live at such scales).  Works on the
+    SymPy objects math-verify already built (no string evaluation).
+    """
+    import sympy
+
+    try:
+        if not (isinstance(gold, sympy.Expr) and isinstance(target, sympy.Expr)):
+            return False
+        if not (gold.is_number and target.is_number):
+            return False
+        a = complex(sympy.N(gold, 30))
+        b = complex(sympy.N(target, 30))
+    except Exception:  # noqa: BLE001 - not a plain number: no veto
+        return False
+    scale = max(abs(a), abs(b))
+    if not (scale > 0.0) or scale == float("inf"):
+        return False
+    return abs(a - b) / scale > 1e-5
 
 
 def score(response_text: str, reference_answer: str | Sequence[str]) -> float:

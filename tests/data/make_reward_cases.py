@@ -222,6 +222,16 @@ def main(data_dir: pathlib.Path) -> list[dict]:
         mant, ex = m.groups()
         add("sci_e_notation", r["id"], f"\\boxed{{{mant}e{ex}}}", r["answer"], 1)
         add("sci_wrong_exponent", r["id"], f"\\boxed{{{mant} \\times 10^{{{int(ex) + 1}}}}}", r["answer"], 0)
+    for r in [x for x in minerva if re.fullmatch(r"\d+(\.\d+)? \\times 10\^\{-\d+\}\n?", x["answer"])][:6]:
+        mant, ex = re.fullmatch(r"(\d+(?:\.\d+)?) \\times 10\^\{(-\d+)\}\n?", r["answer"]).groups()
+        add("sci_tiny_e_notation", r["id"], f"\\boxed{{{mant}e{ex}}}", r["answer"], 1)
+        add("sci_tiny_wrong_exponent", r["id"], f"\\boxed{{{mant} \\times 10^{{{int(ex) - 1}}}}}", r["answer"], 0)
+
+    # ---- numbers written in a base (MATH-500): base dropped is accepted, a different base is not
+    for r in [x for x in math500 if re.fullmatch(r"\d+_\{?\d+\}?", x["answer"])]:
+        digits, base = re.fullmatch(r"(\d+)_\{?(\d+)\}?", r["answer"]).groups()
+        add("base_braced", r["id"], f"\\boxed{{{digits}_{{{base}}}}}", r["answer"], 1)
+        add("base_wrong", r["id"], f"\\boxed{{{digits}_{{{int(base) + 1}}}}}", r["answer"], 0)
     return cases
 
 
