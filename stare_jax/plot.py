@@ -118,7 +118,9 @@ def plot_runs(
     return out_path
 
 
-def build_figure(run_dirs: Sequence[str | os.PathLike], *, target_entropy: float | None = None, title: str | None = None):
+def build_figure(
+    run_dirs: Sequence[str | os.PathLike], *, target_entropy: float | None = None, title: str | None = None
+):
     """The matplotlib Figure plot_runs saves (panels in reading order: entropy, reward, accuracy, length,
     gate, W/M)."""
     if not run_dirs:
@@ -128,7 +130,9 @@ def build_figure(run_dirs: Sequence[str | os.PathLike], *, target_entropy: float
 
     runs = [load_run(d) for d in run_dirs]
     labels = run_labels(run_dirs)
-    targets = [target_entropy if target_entropy is not None else run_target_entropy(d, r) for d, r in zip(run_dirs, runs)]
+    targets = [
+        target_entropy if target_entropy is not None else run_target_entropy(d, r) for d, r in zip(run_dirs, runs)
+    ]
 
     fig = Figure(figsize=(12, 11), layout="constrained")
     ax_h, ax_r, ax_acc, ax_len, ax_gate, ax_w = fig.subplots(3, 2).ravel()

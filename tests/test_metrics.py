@@ -3,7 +3,6 @@ truncation, durability against a killed process, TensorBoard events, main-proces
 import io
 import json
 import math
-import os
 import pathlib
 import struct
 import subprocess
@@ -89,7 +88,10 @@ def test_timing_keys_split_and_determinism_view(tmp_path):
     m0 = M.read_metrics(runs[0], drop_timing=False)
     assert m0[0]["step_time_s"] == 1.25  # the spec wants step_time_s in metrics.jsonl too
     t0 = [json.loads(x) for x in (runs[0] / "timing.jsonl").read_text().splitlines()]
-    assert t0 == [{"step": 1, "step_time_s": 1.25, "timing/sample": 1.25}, {"step": 2, "step_time_s": 2.5, "timing/sample": 1.25}]
+    assert t0 == [
+        {"step": 1, "step_time_s": 1.25, "timing/sample": 1.25},
+        {"step": 2, "step_time_s": 2.5, "timing/sample": 1.25},
+    ]
     assert "step_time_s" not in M.read_metrics(runs[0])[0]
     assert M.canonical_metrics(runs[0]) == M.canonical_metrics(runs[1])
     assert (runs[0] / "metrics.jsonl").read_bytes() != (runs[1] / "metrics.jsonl").read_bytes()
@@ -98,7 +100,8 @@ def test_timing_keys_split_and_determinism_view(tmp_path):
 def test_required_keys(tmp_path):
     M.check_required_keys({"step": 1, **_full_record(1)})
     with pytest.raises(ValueError, match=r"step 4.*\['grad_norm', 'step_time_s'\]"):
-        M.check_required_keys({k: v for k, v in {"step": 4, **_full_record(4)}.items() if k not in ("grad_norm", "step_time_s")})
+        rec = {"step": 4, **_full_record(4)}
+        M.check_required_keys({k: v for k, v in rec.items() if k not in ("grad_norm", "step_time_s")})
     with M.MetricsWriter(tmp_path, tensorboard=False, is_main_process=True, required_keys=M.REQUIRED_STEP_KEYS) as w:
         w.log(1, _full_record(1))
         with pytest.raises(ValueError, match="clipfrac"):
@@ -163,6 +166,9 @@ def test_non_main_process_writes_nothing(tmp_path):
         rec = w.log(1, {"entropy": jnp.float32(0.5)})
     assert rec == {"step": 1, "entropy": 0.5}
     assert not run.exists()
+    with M.MetricsWriter(run, tensorboard=False) as w:  # default: jax.process_index() == 0 writes
+        w.log(1, {"entropy": 0.5})
+    assert M.read_metrics(run) == [{"step": 1, "entropy": 0.5}]
 
 
 def _read_tb_scalars(event_dir: pathlib.Path) -> dict[str, list[tuple[int, float]]]:
@@ -206,7 +212,8 @@ def test_wandb_missing_is_a_clear_error(tmp_path):
 def test_progress_bar_shows_live_values():
     buf = io.StringIO()
     with M.ProgressBar(10, start_step=2, file=buf) as bar:
-        text = bar.update({"step": 3, "entropy": jnp.float32(0.3125), "reward_mean": 0.5, "gate_on": True, "stare_w": 1.1})
+        rec = {"step": 3, "entropy": jnp.float32(0.3125), "reward_mean": 0.5, "gate_on": True, "stare_w": 1.1}
+        text = bar.update(rec)
     assert text == "step=3 H=0.3125 reward=0.5 gate=1 W=1.1"
     assert "W=1.1" in buf.getvalue() and "3/10" in buf.getvalue()
     assert M.ProgressBar(5, enabled=False).update({"step": 1}) == "step=1"
