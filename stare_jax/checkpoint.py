@@ -237,7 +237,7 @@ class Checkpointer:
     # ------------------------------------------------------------------ querying
 
     def all_steps(self) -> list[int]:
-        self._mngr.reload()
+        """Steps on disk plus the one an async save may have in flight (orbax's own bookkeeping)."""
         return sorted(self._mngr.all_steps())
 
     def latest_step(self) -> int | None:

@@ -101,6 +101,8 @@ def test_async_save_keeps_old_step_until_new_one_is_complete(tmp_path):
         ck.wait()
         assert ck.save(2, {"w": big["w"] * 2}, {"i": 2})
         assert (tmp_path / "1").is_dir()  # still there while step 2 may be in flight
+        assert not ck.save(2, big, {"i": 3}, force=True)  # e.g. a preemption save right after a periodic one
+        assert ck.latest_step() == 2
         ck.wait()
         assert ck.all_steps() == [2]
         out = ck.restore(abstract_state=big)
