@@ -3,6 +3,8 @@
 `load_tokenizer(path)` returns an object with
 
     encode(text, add_bos=None) -> list[int]
+    encode_batch(texts, add_bos=None) -> list[list[int]]
+    encode_chat(messages, add_generation_prompt=True, **kwargs) -> list[int]
     decode(ids, skip_special_tokens=True) -> str
     batch_encode(texts, padding_side="left", max_length=None, pad_to_multiple_of=None, ...) -> (ids_BxT, mask_BxT)
     apply_chat_template(messages, add_generation_prompt=True, **kwargs) -> str
@@ -328,6 +330,18 @@ class _TokenizerBase:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:  # pragma: no cover
         raise NotImplementedError
 
+    def encode_batch(self, texts: Sequence[str], add_bos: bool | None = None) -> list[list[int]]:
+        """encode() of each text (the HF backend runs them in parallel in Rust)."""
+        if isinstance(texts, str):
+            raise TypeError("expected a list of strings, got one string")
+        return [self.encode(t, add_bos=add_bos) for t in texts]
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs
+    ) -> list[int]:
+        """Token ids of the rendered chat (HF `apply_chat_template(tokenize=True)`: no extra special tokens)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_bos=False)
+
     @property
     def padding_id(self) -> int:
         """Id written into padded slots: pad_id, else eos_id, else 0 (always masked out anyway)."""
@@ -354,9 +368,7 @@ class _TokenizerBase:
         truncation_side: str = "left",
     ) -> tuple[np.ndarray, np.ndarray]:
         """Encode and pad texts -> (ids_BxT int32, mask_BxT int32). See `pad_sequences` for the options."""
-        if isinstance(texts, str):
-            raise TypeError("batch_encode takes a list of strings, got one string")
-        seqs = [self.encode(t, add_bos=add_bos) for t in texts]
+        seqs = self.encode_batch(texts, add_bos=add_bos)
         return pad_sequences(
             seqs,
             self.padding_id,
@@ -495,8 +507,24 @@ class HFTokenizer(_TokenizerBase):
             ids = [self.bos_id] + ids
         return ids
 
+    def encode_batch(self, texts: Sequence[str], add_bos: bool | None = None) -> list[list[int]]:
+        if isinstance(texts, str):
+            raise TypeError("expected a list of strings, got one string")
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise TypeError(f"text {i} is {type(t).__name__}, not str")
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=add_bos is None)
+        if not add_bos:
+            return [e.ids for e in encodings]
+        if self.bos_id is None:
+            raise ValueError(f"add_bos=True but tokenizer {self.name_or_path} has no bos_token")
+        return [[self.bos_id] + e.ids for e in encodings]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. Ids >= vocab_size (unused rows of a padded embedding) are dropped, as transformers does."""
         ids = [int(i) for i in np.asarray(ids).reshape(-1)] if not isinstance(ids, list) else [int(i) for i in ids]
+        if any(i < 0 for i in ids):
+            raise ValueError(f"negative token ids in decode: {[i for i in ids if i < 0][:5]}")
         text = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up else text
 

@@ -73,7 +73,9 @@ EXTRAS_TEMPLATE = """{{- bos_token }}
 {%- set ns = namespace(n_user=0) %}
 {{- "Today: " + date_string + "\\n" }}
 {%- for message in messages %}
-    {%- if message['role'] not in ['system', 'user', 'assistant'] %}{{- raise_exception('bad role ' + message['role']) }}{%- endif %}
+    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{- raise_exception('bad role ' + message['role']) }}
+    {%- endif %}
     {%- if message['role'] == 'system' %}{% continue %}{% endif %}
     {%- if message['role'] == 'user' %}{% set ns.n_user = ns.n_user + 1 %}{% endif %}
     {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + eos_token }}
@@ -252,6 +254,12 @@ def test_encode_decode_match_transformers(pair):
         assert ours.encode(s, add_bos=False) == ref.encode(s, add_special_tokens=False), s
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), s
         assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False), s
+    assert ours.encode_batch(STRINGS) == [ref.encode(s) for s in STRINGS]
+    assert ours.encode_batch(STRINGS, add_bos=False) == [ref.encode(s, add_special_tokens=False) for s in STRINGS]
+    if ours.bos_id is not None:
+        assert ours.encode_batch(STRINGS, add_bos=True) == [ours.encode(s, add_bos=True) for s in STRINGS]
+    with pytest.raises(ValueError, match="negative"):
+        ours.decode([-1])
     # byte-level BPE round-trips text exactly
     for s in STRINGS:
         assert ours.decode(ours.encode(s)) == s
@@ -288,6 +296,7 @@ def test_chat_template_matches_transformers(pair, conv, gen_prompt):
     # tokenized chat: HF encodes the rendering with add_special_tokens=False
     ref_ids = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=gen_prompt, return_dict=False)
     assert ours.encode(text, add_bos=False) == list(ref_ids)
+    assert ours.encode_chat(messages, add_generation_prompt=gen_prompt) == list(ref_ids)
     if kind == "llama3":
         assert text.startswith("<|begin_of_text|>")
 
@@ -295,11 +304,13 @@ def test_chat_template_matches_transformers(pair, conv, gen_prompt):
 def test_qwen_tools_and_tojson(qwen_dir):
     ours = load_tokenizer(qwen_dir)
     ref = transformers.AutoTokenizer.from_pretrained(str(qwen_dir))
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers → sum (ü)",
-                                               "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}]
+    params = {"type": "object", "properties": {"a": {"type": "number"}}}
+    tools = [{"type": "function",
+              "function": {"name": "add", "description": "Add two numbers → sum (ü)", "parameters": params}}]
+    call = {"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
     messages = [
         {"role": "user", "content": "add 2 and 3"},
-        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "content": "5"},
     ]
     ours_text = ours.apply_chat_template(messages, tools=tools)

@@ -39,7 +39,9 @@ _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _FORMAT_VERSION = 1
 # llama.cpp pre-tokenizers that split each digit before the GPT-2 byte-level regex.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
-_REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+_REQUIRED_FILES = (
+    "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
+)
 
 
 def _import_convert_deps():
