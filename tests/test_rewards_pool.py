@@ -99,7 +99,7 @@ def test_worker_ignoring_its_alarm_is_killed_and_replaced(test_pool):
     pids_before = set(test_pool.worker_pids())
     scores, stats = test_pool.score_batch(["hang:30", "\\boxed{2}", "\\boxed{3}"], ["1", "2", "3"])
     assert scores == [0.0, 1.0, 1.0]
-    assert stats["n_timeout"] == 1 and stats["n_restarts"] == 1
+    assert stats["n_timeout"] == 1 and stats["n_restarts"] == 1 and stats["timeout_idx"] == [0]
     assert len(set(test_pool.worker_pids()) - pids_before) == 1
     _normal_check(test_pool)
 
@@ -112,7 +112,7 @@ def test_worker_killed_mid_item_counts_as_crash_and_is_replaced(test_pool):
     scores, stats = test_pool.score_batch(["sleep:1.0", "sleep:1.0", "\\boxed{7}"], ["1", "1", "7"])
     killer.join()
     assert scores == [0.0, 0.0, 1.0]
-    assert stats["n_crash"] == 2 and stats["n_restarts"] == 2
+    assert stats["n_crash"] == 2 and stats["n_restarts"] == 2 and stats["crash_idx"] == [0, 1]
     assert set(test_pool.worker_pids()).isdisjoint(pids_before)
     _normal_check(test_pool)
 
@@ -135,7 +135,7 @@ def test_errors_and_memory_blowups_score_zero_and_worker_survives(test_pool):
     pids_before = test_pool.worker_pids()
     scores, stats = test_pool.score_batch(["raise", "alloc:4096", "\\boxed{2}"], ["1", "1", "2"])
     assert scores == [0.0, 0.0, 1.0]
-    assert stats["n_error"] == 2 and stats["n_restarts"] == 0
+    assert stats["n_error"] == 2 and stats["n_restarts"] == 0 and stats["error_idx"] == [0, 1]
     assert test_pool.worker_pids() == pids_before
 
 

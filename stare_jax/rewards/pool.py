@@ -244,8 +244,8 @@ class RewardPool:
     def score_batch(
         self, responses: Sequence[str], references: Sequence[str | Sequence[str]]
     ) -> tuple[list[float], dict]:
-        """Scores for each (response, reference) pair, in order, and stats:
-        n_items, n_ok, n_correct, n_timeout, n_crash, n_error, n_restarts, wall_s."""
+        """Scores for each (response, reference) pair, in order, and stats: n_items, n_ok, n_correct,
+        n_timeout, n_crash, n_error, n_restarts, wall_s, and timeout_idx / crash_idx / error_idx (the items)."""
         if self._closed:
             raise RuntimeError("RewardPool.score_batch: the pool is closed")
         if len(responses) != len(references):
@@ -259,6 +259,7 @@ class RewardPool:
         n = len(responses)
         scores = [0.0] * n
         stats = dict(n_items=n, n_ok=0, n_correct=0, n_timeout=0, n_crash=0, n_error=0, n_restarts=0)
+        failed_idx: dict[str, list[int]] = {"n_timeout": [], "n_crash": [], "n_error": []}
         pending = collections.deque(range(n))
         startup_failures = 0
 
@@ -266,6 +267,7 @@ class RewardPool:
             w = self._workers[i]
             if w.item is not None:
                 stats[kind] += 1
+                failed_idx[kind].append(w.item)
                 w.item = None
             stats["n_restarts"] += 1
             self._replace(i)
@@ -330,6 +332,8 @@ class RewardPool:
                 w.item = None
                 scores[idx] = value if status == "ok" else 0.0
                 stats["n_ok" if status == "ok" else f"n_{status}"] += 1
+                if status != "ok":
+                    failed_idx[f"n_{status}"].append(idx)
                 stats["n_correct"] += int(status == "ok" and value > 0.5)
             # 3) kill workers past their hard deadline (or stuck in start-up)
             now = time.monotonic()
@@ -338,5 +342,7 @@ class RewardPool:
                     fail_item(i, "n_timeout")
                 elif not w.ready and now > w.started_at + self.startup_timeout_s:
                     raise RuntimeError(f"RewardPool: replacement worker did not start in {self.startup_timeout_s} s")
+        for kind, idxs in failed_idx.items():
+            stats[kind.replace("n_", "") + "_idx"] = sorted(idxs)
         stats["wall_s"] = time.monotonic() - t0
         return scores, stats
