@@ -661,7 +661,9 @@ def train_sentencepiece(
     """Train a SentencePiece model on `texts`; returns the path of `<model_prefix>.model`.
 
     Deterministic: one thread, fixed random seed, every sentence used in order (no sampling/shuffling), so the
-    same texts and options give a byte-identical model. Defaults suit toy LMs: BPE, byte fallback (no unknown
+    same texts, options and model_prefix give a byte-identical model (the prefix is recorded inside it).
+    Too large a vocab_size for the corpus raises ValueError (sentencepiece's hard limit; pass
+    hard_vocab_limit=False to accept a smaller vocabulary). Defaults suit toy LMs: BPE, byte fallback (no unknown
     characters), digits split one per token, identity normalisation (text round-trips exactly),
     unk/bos/eos/pad = 0/1/2/3. `user_defined_symbols` (e.g. "<|im_start|>") are always single pieces."""
     import sentencepiece as spm

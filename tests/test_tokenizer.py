@@ -457,6 +457,8 @@ def test_train_sentencepiece_is_deterministic(sp_model, tmp_path):
     a, b = spm.SentencePieceProcessor(model_file=str(sp_model)), spm.SentencePieceProcessor(model_file=str(again))
     pieces = lambda p: [(p.id_to_piece(i), p.get_score(i)) for i in range(p.get_piece_size())]  # noqa: E731
     assert pieces(a) == pieces(b)
+    same = [train_sentencepiece(_corpus(300, seed=1), 400, tmp_path / "same" / "m").read_bytes() for _ in range(2)]
+    assert same[0] == same[1]  # byte-identical for the same prefix
     assert a.get_piece_size() == 400
     assert [a.unk_id(), a.bos_id(), a.eos_id(), a.pad_id()] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="failed"):
