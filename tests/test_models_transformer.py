@@ -13,6 +13,16 @@ LENGTHS = [5, 12, 1, 9]
 T = 12
 
 
+@jax.jit
+def _fwd(model, ids, mask, pos=None):
+    return model(ids, mask, pos)
+
+
+@jax.jit
+def _hidden(model, ids, mask):
+    return model.hidden_states(ids, mask)
+
+
 @pytest.fixture(scope="module")
 def loaded(hf_checkpoints):
     return {fam: from_pretrained(folder) for fam, (folder, _) in hf_checkpoints.items()}
@@ -24,7 +34,7 @@ def test_logits_match_transformers(hf_checkpoints, loaded, family, left):
     _, hf_model = hf_checkpoints[family]
     ids, mask, pos = padded_batch(LENGTHS, T, left=left, seed=1)
     ref = hf_logits(hf_model, ids, mask, pos)
-    out = np.asarray(jax.jit(lambda m, i, a: m(i, a))(loaded[family], ids, mask))
+    out = np.asarray(_fwd(loaded[family], ids, mask))
     real = mask.astype(bool)
     assert out.dtype == np.float32
     assert np.abs(ref[real]).max() > 0.5  # logits are not trivially small
@@ -35,8 +45,8 @@ def test_explicit_positions_and_padding_invariance(loaded):
     """A left-padded row gives the same real-token logits as the same row unpadded."""
     model = loaded["qwen2"]
     ids, mask, pos = padded_batch([6], 10, left=True, seed=2)
-    padded = np.asarray(model(ids, mask, positions=pos))[0, 4:]
-    alone = np.asarray(model(ids[:, 4:]))[0]
+    padded = np.asarray(_fwd(model, ids, mask, pos))[0, 4:]
+    alone = np.asarray(_fwd(model, ids[:, 4:], np.ones((1, 6), np.int32)))[0]
     np.testing.assert_allclose(padded, alone, atol=1e-5)
 
 
@@ -50,13 +60,13 @@ def test_rope_llama3_inv_freq_matches_transformers(hf_checkpoints, loaded):
 def test_hidden_states_times_unembed_is_logits(loaded, family):
     model = loaded[family]
     ids, mask, _ = padded_batch([4, 8], 8, left=True, seed=3)
-    hidden = model.hidden_states(ids, mask)
+    hidden = _hidden(model, ids, mask)
     w = model.unembed_matrix()
     assert w.shape == (model.config.vocab_size, model.config.hidden_size)
     if model.config.tie_word_embeddings:
         assert w is model.embed_tokens[...]
     np.testing.assert_allclose(np.asarray(hidden.astype(jnp.float32) @ w.astype(jnp.float32).T),
-                               np.asarray(model(ids, mask)), atol=1e-5)
+                               np.asarray(_fwd(model, ids, mask)), atol=1e-5)
 
 
 def test_bf16_compute_close(hf_checkpoints, loaded):
@@ -64,14 +74,14 @@ def test_bf16_compute_close(hf_checkpoints, loaded):
     m16 = from_pretrained(folder, dtype=jnp.bfloat16)
     assert m16.embed_tokens[...].dtype == jnp.float32  # fp32 master weights
     ids, mask, _ = padded_batch(LENGTHS, T, left=True, seed=4)
-    l16 = np.asarray(m16(ids, mask))
-    l32 = np.asarray(loaded["qwen2"](ids, mask))
+    l16 = np.asarray(_fwd(m16, ids, mask))
+    l32 = np.asarray(_fwd(loaded["qwen2"], ids, mask))
     real = mask.astype(bool)
     assert l16.dtype == np.float32 and np.isfinite(l16).all()
     assert np.abs(l16[real] - l32[real]).max() < 0.1 * np.abs(l32[real]).max()
     mb = from_pretrained(folder, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     assert mb.embed_tokens[...].dtype == jnp.bfloat16
-    assert np.isfinite(np.asarray(mb(ids, mask))).all()
+    assert np.isfinite(np.asarray(_fwd(mb, ids, mask))).all()
 
 
 def _loss_and_grads(model, ids, mask):
@@ -110,7 +120,7 @@ def test_decode_with_kv_cache_matches_full_forward(loaded, family):
     full_ids = np.concatenate([ids, new_ids], 1)
     full_mask = np.concatenate([mask, np.ones((b, n_new), np.int32)], 1)
     full_pos = np.maximum(np.cumsum(full_mask, 1) - 1, 0)
-    ref = np.asarray(model(full_ids, full_mask, full_pos))
+    ref = np.asarray(_fwd(model, full_ids, full_mask, full_pos))
 
     s = p_len + n_new + 3  # cache longer than needed: empty slots must be ignored
     cache = model.init_cache(b, s, dtype=jnp.float32)
@@ -133,8 +143,8 @@ def test_dot_product_impl_matches_xla(hf_checkpoints, loaded):
     m = from_pretrained(folder, attention_impl="dot_product")
     ids, mask, _ = padded_batch(LENGTHS, T, left=True, seed=8)
     real = mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(m(ids, mask))[real], np.asarray(loaded["qwen2"](ids, mask))[real],
-                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(_fwd(m, ids, mask))[real],
+                               np.asarray(_fwd(loaded["qwen2"], ids, mask))[real], atol=1e-5)
 
 
 def test_init_model_and_config_validation():
@@ -143,7 +153,7 @@ def test_init_model_and_config_validation():
     model = init_model(cfg, seed=0)
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n == cfg.num_params()
-    assert model(np.ones((1, 3), np.int32)).shape == (1, 3, 64)
+    assert _fwd(model, np.ones((1, 3), np.int32), np.ones((1, 3), np.int32)).shape == (1, 3, 64)
     with pytest.raises(ValueError, match="num_kv_heads"):
         cfg.replace(num_kv_heads=3)
     with pytest.raises(ValueError, match="hidden_size"):
