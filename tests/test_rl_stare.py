@@ -239,3 +239,19 @@ def test_selection_on_sharded_mesh_matches_single_device():
     np.testing.assert_array_equal(np.asarray(g(jax.device_put(lp, sh2), jax.device_put(adv, sh1),
                                                jax.device_put(mask, sh2))),
                                   np.asarray(token_weights(lp, adv, mask, variant="C2", gate="none")))
+
+
+@pytest.mark.parametrize("rule", ["quantile", "exact_top_k"])
+def test_bisection_selection_equals_sort_reference(rule):
+    from stare_jax.rl import stare as st
+    lp, adv, mask, _ = _batch(8, B=8, T=50, ties=True)
+    lp[2, :5] = 0.0  # surprisal -0.0 / +0.0 ties
+    lp[3, :4] = -0.0
+    lp[4, :3] = np.float32(-1e-30)  # subnormal-ish tiny values
+    s, cp, cn = st._candidates(lp, adv, mask)
+    args = (s.reshape(-1), cp.reshape(-1), cn.reshape(-1))
+    for P_ in (0.1, 0.37, 1.0):
+        a = st._select_flat_bisect(*args, top_p=P_, rule=rule, need=SETS)
+        b = st._select_flat_sort(*args, top_p=P_, rule=rule, need=SETS)
+        for name in SETS:
+            np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=f"{name} P={P_}")

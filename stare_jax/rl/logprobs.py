@@ -1,7 +1,8 @@
 """Per-token log-probs of the targets and entropy of the full next-token distribution, without [B, T, V] logits.
 
 The sequence axis is cut into chunks of `chunk_size` positions; each chunk computes its [B, c, V] logits in fp32
-(hidden.f32 @ unembed.f32^T, as the model contract defines logits), a log-softmax, the target log-prob and the
+(hidden.f32 @ unembed.f32^T for fp32 master weights, as the model contract defines logits; bf16 x bf16 with fp32
+accumulation when the unembed table itself is bf16), a log-softmax, the target log-prob and the
 entropy, under jax.checkpoint inside lax.map, so the forward pass keeps one chunk of logits alive at a time and the
 backward pass recomputes each chunk's logits instead of storing them. Gradients w.r.t. hidden and unembed are
 those of the naive full-logits computation.
@@ -17,11 +18,20 @@ from jax import lax
 
 from stare_jax.rl.theory import critical_surprisal_from_stats
 
-DEFAULT_CHUNK_SIZE = 256
+DEFAULT_CHUNK_SIZE = 128
+
+
+def _logits(h_BxcxD, w_VxD):
+    """fp32 logits. fp32 unembed (master weights): exactly hidden.f32 @ unembed.f32^T (the model contract).
+    Low-precision unembed: matmul in that dtype with fp32 accumulation (the model's bf16-compute logits), so
+    the [V, D] table is never copied to fp32."""
+    if w_VxD.dtype == jnp.float32:
+        return jnp.einsum("bcd,vd->bcv", h_BxcxD.astype(jnp.float32), w_VxD)
+    return jnp.einsum("bcd,vd->bcv", h_BxcxD.astype(w_VxD.dtype), w_VxD, preferred_element_type=jnp.float32)
 
 
 def _chunk_stats(h_BxcxD, t_Bxc, w_VxD, theory: bool):
-    logits = jnp.einsum("bcd,vd->bcv", h_BxcxD.astype(jnp.float32), w_VxD.astype(jnp.float32))
+    logits = _logits(h_BxcxD, w_VxD)
     logp = jax.nn.log_softmax(logits, axis=-1)
     lp_t = jnp.take_along_axis(logp, t_Bxc[..., None], axis=-1)[..., 0]
     p = jnp.exp(logp)

@@ -129,8 +129,9 @@ def _group_quantile(sorted_x, offset, n, q_num: int, q_den: int):
     return jnp.where(n > 0, _lerp(a, b, t), jnp.nan)
 
 
-def _select_flat(s_N, cand_pos_N, cand_neg_N, *, top_p: float, rule: str, need: tuple[str, ...]):
-    """Selection sets over one flat token array. Returns {name: bool_N} for the names in `need`."""
+def _select_flat_sort(s_N, cand_pos_N, cand_neg_N, *, top_p: float, rule: str, need: tuple[str, ...]):
+    """Sort-based selection over one flat token array (reference implementation, same result as
+    _select_flat_bisect). Returns {name: bool_N} for the names in `need`."""
     num, den = _p_fraction(top_p)
     size = s_N.shape[0]
     group_N = jnp.where(cand_pos_N, 0, jnp.where(cand_neg_N, 1, 2)).astype(jnp.int32)
@@ -172,6 +173,105 @@ def _select_flat(s_N, cand_pos_N, cand_neg_N, *, top_p: float, rule: str, need: 
             chosen_sorted = (g_sorted == gid) & (rank < ks[sign])
             out[name] = jnp.zeros((size,), bool).at[perm].set(chosen_sorted)
     return out
+
+
+_UMAX = 0xFFFFFFFF
+
+
+def _sortable_key(x_N):
+    """float32 -> uint32 with the same order (-0.0 mapped to +0.0 first, so they tie as floats do)."""
+    x_N = jnp.where(x_N == 0, jnp.float32(0.0), x_N.astype(jnp.float32))
+    b = lax.bitcast_convert_type(x_N, jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _from_key(k):
+    b = jnp.where((k >> 31) == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
+    return lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _order_stat_keys(key_N, group_N, gid_K, rank_K):
+    """Key of the rank_K-th smallest (0-indexed) element of group gid_K, for K targets at once, by bisection on the
+    32-bit key space: 32 rounds of a masked count (elementwise + one reduction each; no sort, shards cleanly)."""
+    def body(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo) // 2
+        inside = (group_N[None, :] == gid_K[:, None]) & (key_N[None, :] <= mid[:, None])
+        ok = jnp.sum(inside, axis=1, dtype=jnp.int32) >= rank_K + 1
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    K = gid_K.shape[0]
+    lo, _ = lax.fori_loop(0, 32, body, (jnp.zeros((K,), jnp.uint32), jnp.full((K,), _UMAX, jnp.uint32)))
+    return lo
+
+
+def _select_flat_bisect(s_N, cand_pos_N, cand_neg_N, *, top_p: float, rule: str, need: tuple[str, ...]):
+    """Selection over one flat token array via order statistics found by bisection (see _order_stat_keys).
+    Same sets as the sort-based reference; cost O(32 K N) elementwise work, K <= 4 targets."""
+    num, den = _p_fraction(top_p)
+    group_N = jnp.where(cand_pos_N, 0, jnp.where(cand_neg_N, 1, 2)).astype(jnp.int32)
+    key_N = _sortable_key(s_N)
+    counts = {"pos": jnp.sum(group_N == 0, dtype=jnp.int32), "neg": jnp.sum(group_N == 1, dtype=jnp.int32)}
+    cands = {"pos": cand_pos_N, "neg": cand_neg_N}
+    gids = {"pos": 0, "neg": 1}
+    names = list(need)
+    if not names:
+        return {}
+    out = {}
+    if rule == "quantile":
+        ranks, fracs = [], []
+        for name in names:
+            sign, side = name.split("_")
+            n_m1 = jnp.maximum(counts[sign] - 1, 0)
+            lo, rem = _mul_div_floor(den - num if side == "high" else num, n_m1, den)
+            ranks.append(lo)
+            fracs.append(rem.astype(jnp.float32) / den)
+        rank_K = jnp.stack(ranks)
+        gid_K = jnp.array([gids[nm.split("_")[0]] for nm in names], jnp.int32)
+        klo_K = _order_stat_keys(key_N, group_N, gid_K, rank_K)
+        in_grp_KxN = group_N[None, :] == gid_K[:, None]
+        n_le_K = jnp.sum(in_grp_KxN & (key_N[None, :] <= klo_K[:, None]), axis=1, dtype=jnp.int32)
+        above_K = jnp.min(jnp.where(in_grp_KxN & (key_N[None, :] > klo_K[:, None]), key_N[None, :],
+                                    jnp.uint32(_UMAX)), axis=1)
+        n_K = jnp.stack([counts[nm.split("_")[0]] for nm in names])
+        has_next_K = rank_K + 1 <= n_K - 1
+        khi_K = jnp.where(has_next_K & (n_le_K < rank_K + 2), above_K, klo_K)
+        x_lo, x_hi = _from_key(klo_K), _from_key(khi_K)
+        for i, name in enumerate(names):
+            sign, side = name.split("_")
+            q = jnp.where(counts[sign] > 0, _lerp(x_lo[i], x_hi[i], fracs[i]), jnp.nan)
+            out[name] = cands[sign] & ((s_N >= q) if side == "high" else (s_N <= q))
+        return out
+    # exact_top_k: the k-th largest (high) / smallest (low) value v; take every s strictly beyond v, then the
+    # first (k - that count) tokens equal to v in flat order (ties by lowest index).
+    ks = {}
+    for sign in ("pos", "neg"):
+        fl, rem = _mul_div_floor(num, counts[sign], den)
+        ks[sign] = jnp.maximum(1, fl + (rem > 0).astype(jnp.int32))
+    ranks = []
+    for name in names:
+        sign, side = name.split("_")
+        k = jnp.minimum(ks[sign], counts[sign])
+        ranks.append(jnp.maximum(counts[sign] - k, 0) if side == "high" else jnp.maximum(k - 1, 0))
+    gid_K = jnp.array([gids[nm.split("_")[0]] for nm in names], jnp.int32)
+    kv_K = _order_stat_keys(key_N, group_N, gid_K, jnp.stack(ranks))
+    for i, name in enumerate(names):
+        sign, side = name.split("_")
+        c = cands[sign]
+        beyond = c & ((key_N > kv_K[i]) if side == "high" else (key_N < kv_K[i]))
+        tie = c & (key_N == kv_K[i])
+        need_ties = ks[sign] - jnp.sum(beyond, dtype=jnp.int32)
+        tie_rank = jnp.cumsum(tie.astype(jnp.int32))
+        out[name] = (beyond | (tie & (tie_rank <= need_ties))) & (counts[sign] > 0)
+    return out
+
+
+SELECT_IMPL = "bisect"  # "bisect" (default: no sort, shards cleanly) or "sort" (reference)
+
+
+def _select_flat(s_N, cand_pos_N, cand_neg_N, *, top_p: float, rule: str, need: tuple[str, ...]):
+    fn = _select_flat_bisect if SELECT_IMPL == "bisect" else _select_flat_sort
+    return fn(s_N, cand_pos_N, cand_neg_N, top_p=top_p, rule=rule, need=need)
 
 
 def _candidates(logprobs_BxT, advantages_B, mask_BxT):
