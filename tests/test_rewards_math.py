@@ -178,8 +178,12 @@ def test_reference_alternatives():
 def test_reward_modes():
     assert [reward_from_correct(c, "binary") for c in (1.0, 0.0)] == [1.0, 0.0]
     assert [reward_from_correct(c, "signed") for c in (1.0, 0.0)] == [1.0, -1.0]
+    np.testing.assert_array_equal(reward_from_correct(np.array([1.0, 0.0, 1.0]), "signed"), [1.0, -1.0, 1.0])
+    assert isinstance(reward_from_correct(1.0), float)
     with pytest.raises(ValueError, match="mode"):
         reward_from_correct(1.0, "dapo")
+    with pytest.raises(ValueError, match="finite"):
+        reward_from_correct(np.nan)
 
 
 def _overlong_reference(L, max_len, buf, factor):

@@ -400,13 +400,18 @@ def score(response_text: str, reference_answer: str | Sequence[str]) -> float:
     return 1.0 if any(is_equivalent(pred, r) for r in refs) else 0.0
 
 
-def reward_from_correct(correct: float, mode: str = "binary") -> float:
-    """Map a 1/0 correctness score to a reward: 'binary' -> 1/0 (the STARE paper), 'signed' -> +1/-1 (DAPO)."""
-    if mode == "binary":
-        return 1.0 if correct > 0.5 else 0.0
-    if mode == "signed":
-        return 1.0 if correct > 0.5 else -1.0
-    raise ValueError(f"reward_from_correct: mode must be 'binary' or 'signed', got {mode!r}")
+def reward_from_correct(correct, mode: str = "binary"):
+    """Map 1/0 correctness (scalar or array) to rewards: 'binary' -> 1/0 (the STARE paper),
+    'signed' -> +1/-1 (DAPO).  Returns a float for a scalar, a float64 array otherwise."""
+    import numpy as np
+
+    if mode not in ("binary", "signed"):
+        raise ValueError(f"reward_from_correct: mode must be 'binary' or 'signed', got {mode!r}")
+    c = np.asarray(correct, dtype=np.float64)
+    if not np.all(np.isfinite(c)):
+        raise ValueError("reward_from_correct: correctness must be finite")
+    r = np.where(c > 0.5, 1.0, 0.0 if mode == "binary" else -1.0)
+    return float(r) if r.ndim == 0 else r
 
 
 def overlong_penalty(length_tokens, max_length: int, buffer_length: int, penalty_factor: float = 1.0):
