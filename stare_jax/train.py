@@ -348,7 +348,9 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
                   {"data": stream.state(), "step": step, "seed": cfg.seed}, force=force)
 
     eval_every = cfg.logging.eval_every_steps
-    pending_eval = run_eval(start_step) if (eval_every and start_step == 0) else {}
+    # The policy before any RL update is evaluated once; step 1's record carries it as eval_start/*.
+    pending_eval = ({k.replace("eval/", "eval_start/", 1): v for k, v in run_eval(0).items()}
+                    if (eval_every and start_step == 0) else {})
     summary = {"steps_run": 0, "stopped": None}
     last_record = {}
     G = cfg.rl.group_size

@@ -1,0 +1,143 @@
+"""The RL loop end to end on the embedded toy task, as users run it (`stare-jax train` in a subprocess):
+required metrics, eval records, checkpoints, determinism, exact resume after SIGKILL, clean exit on SIGTERM,
+and clear errors for bad input."""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from stare_jax.metrics import REQUIRED_STEP_KEYS, read_metrics
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# A very small toy: 2-layer d=32 model, 5 SFT steps, 8 prompts x 4 rollouts per RL step.
+TINY = [
+    "toy.hidden_size=32", "toy.num_layers=2", "toy.sft_steps=5", "toy.num_train=200", "toy.num_eval=8",
+    "rl.train_batch_size=4", "rl.group_size=4", "rl.gen_batch_size=8", "rl.micro_batch_size=8",
+    "rl.dynamic_sampling=false", "optimizer.lr=1e-3", "logging.eval_every_steps=2", "logging.tensorboard=false",
+    "logging.progress_bar=false", "checkpoint.every_steps=1", "checkpoint.keep=10", "sampling.eval_num_samples=2",
+]
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop run
+    env["JAX_PLATFORMS"] = "cpu"
+    env["JAX_COMPILATION_CACHE_DIR"] = str(REPO / ".cache" / "jax")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+    return env
+
+
+def _train_cmd(run_dir, cache, *extra, config="configs/tiny_cpu_stare.yaml"):
+    flags = [e for e in extra if e.startswith("--")]
+    overrides = [e for e in extra if not e.startswith("--")]
+    return [sys.executable, "-m", "stare_jax.cli", "train", "--config", str(REPO / config), "--run-dir",
+            str(run_dir), *flags, f"toy.cache_dir={cache}", *TINY, *overrides]
+
+
+def _run(cmd, timeout=600):
+    p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return p
+
+
+@pytest.fixture(scope="module")
+def toy_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("toycache")
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, toy_cache):
+    run = tmp_path_factory.mktemp("full") / "run"
+    p = _run(_train_cmd(run, toy_cache, "total_steps=4"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run
+
+
+def test_run_writes_required_metrics_eval_and_checkpoints(full_run):
+    recs = read_metrics(full_run, drop_timing=False)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for r in recs:
+        assert not [k for k in REQUIRED_STEP_KEYS if k not in r]
+        assert np.isfinite(r["entropy"]) and r["entropy"] > 0 and 0 <= r["accuracy"] <= 1
+    assert "eval_start/accuracy" in recs[0] and "eval/heldout/accuracy" in recs[1] and "eval/accuracy" in recs[3]
+    assert (full_run / "config.yaml").is_file() and (full_run / "timing.jsonl").is_file()
+    steps = sorted(int(p.name) for p in (full_run / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] == 4
+    assert json.loads((full_run / "summary.json").read_text())["steps_run"] == 4
+
+
+def test_same_seed_gives_identical_metrics(full_run, toy_cache, tmp_path):
+    run = tmp_path / "again"
+    p = _run(_train_cmd(run, toy_cache, "total_steps=4"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert read_metrics(run) == read_metrics(full_run)
+
+
+def _wait_for_checkpoint(proc, ckpt_dir: pathlib.Path, step: int, timeout=300):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if (ckpt_dir / str(step)).is_dir() and proc.poll() is None:
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(full_run, toy_cache, tmp_path):
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cmd(run, toy_cache, "total_steps=4"), cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        reached = _wait_for_checkpoint(proc, run / "checkpoints", 2)
+    finally:
+        proc.kill()
+        proc.wait()
+    if not reached:
+        pytest.fail("the run ended before its step-2 checkpoint could be observed")
+    p = _run(_train_cmd(run, toy_cache, "total_steps=4", "--resume"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from" in p.stdout + p.stderr
+    full, resumed = read_metrics(full_run), read_metrics(run)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    restored_from = max(int(s) for s in (p.stdout + p.stderr).split("at step ")[1:2][0].split()[:1])
+    assert resumed[restored_from:] == full[restored_from:]
+
+
+def test_sigterm_saves_a_loadable_checkpoint_and_exits_cleanly(toy_cache, tmp_path):
+    run = tmp_path / "term"
+    proc = subprocess.Popen(_train_cmd(run, toy_cache, "total_steps=50", "checkpoint.every_steps=0"), cwd=REPO,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+        assert proc.poll() is None and time.time() - t0 < 300, "run died before its first step"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "preempted" in out
+    steps = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert steps and max(steps) == read_metrics(run)[-1]["step"] < 50
+    p = _run(_train_cmd(run, toy_cache, f"total_steps={max(steps) + 1}", "--resume"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert read_metrics(run)[-1]["step"] == max(steps) + 1
+
+
+def test_bad_input_errors(tmp_path, toy_cache):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "2+2?", "answer": "4"}\n{"question": "x"}\n')
+    hf = tmp_path / "not_a_model"
+    hf.mkdir()
+    p = _run([sys.executable, "-m", "stare_jax.cli", "train", "--run-dir", str(tmp_path / "r1"),
+              f"model.path={hf}", f"data.train_path={bad}"])
+    assert p.returncode != 0 and "has no config.json" in p.stderr
+    p = _run(_train_cmd(tmp_path / "r2", toy_cache, "--resume", "total_steps=2"))
+    assert p.returncode != 0 and "r2" in p.stderr
+    p = _run(_train_cmd(tmp_path / "r3", toy_cache, "rl.stare.w=0.5"))
+    assert p.returncode == 2 and "'rl.stare.w' = 0.5 is out of range" in p.stderr
