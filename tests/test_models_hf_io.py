@@ -169,3 +169,23 @@ def test_unsupported_architecture_folder(hf_checkpoints, tmp_path):
     (dst / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="config.json"):
         from_pretrained(dst)
+
+
+def test_export_sharded_files(hf_checkpoints, tmp_path):
+    """A small max_shard_bytes splits the weights over several files + index.json; both readers load it."""
+    import torch
+    import transformers
+
+    folder, _ = hf_checkpoints["llama"]
+    model = from_pretrained(folder)
+    out = save_pretrained(model, tmp_path / "sharded", max_shard_bytes=100_000)
+    files = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(files) > 2 and not (out / "model.safetensors").exists()
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    ids, mask, pos = padded_batch([3, 6], 6, left=True, seed=4)
+    real = mask.astype(bool)
+    ours = np.asarray(_fwd(model, ids, mask))[real]
+    np.testing.assert_array_equal(np.asarray(_fwd(from_pretrained(out), ids, mask))[real], ours)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    np.testing.assert_allclose(hf_logits(back, ids, mask, pos)[real], ours, atol=1e-4)

@@ -265,38 +265,65 @@ def _to_host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def _export_plan(model: Transformer):
+    """[(HF name, our param path, variable)] in a stable order."""
+    return [(hf_name_and_kind(p)[0], p, var) for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+
+
+def _export_tensor(path, var, np_dt) -> np.ndarray:
+    name, kind = hf_name_and_kind(path)
+    a = _to_host(var.get_value())
+    hf_shape, _, perm, _ = _recipe(kind, a.shape)
+    a = np.ascontiguousarray(a.transpose(np.argsort(perm)).reshape(hf_shape))
+    return a.astype(np_dt) if np_dt is not None else a
+
+
 def hf_state_dict(model: Transformer, dtype=None) -> dict[str, np.ndarray]:
     """{HF tensor name: numpy array in HF layout} (gathered to host)."""
-    out = {}
     np_dt = None if dtype is None else _np_dtype(dtype)
-    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        name, kind = hf_name_and_kind(p)
-        a = _to_host(var.get_value())
-        hf_shape, r_shape, perm, _ = _recipe(kind, a.shape)
-        inv = np.argsort(perm)
-        a = np.ascontiguousarray(a.transpose(inv).reshape(hf_shape))
-        out[name] = a.astype(np_dt) if np_dt is not None else a
-    return out
+    return {name: _export_tensor(p, var, np_dt) for name, p, var in _export_plan(model)}
 
 
-def save_pretrained(model: Transformer, path, *, dtype=None) -> pathlib.Path:
+def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
     """Write config.json, generation_config.json and model.safetensors (HF layout) that
-    transformers.AutoModelForCausalLM.from_pretrained loads. dtype: saved dtype (default: param dtype)."""
+    transformers.AutoModelForCausalLM.from_pretrained loads. dtype: saved dtype (default: param dtype).
+    Above max_shard_bytes the weights go to model-0000k-of-0000n.safetensors + model.safetensors.index.json;
+    tensors are gathered to host one at a time, so host memory holds at most one shard."""
     folder = pathlib.Path(path)
-    tensors = hf_state_dict(model, dtype)
-    if jax.process_index() != 0:
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     saved_dt = _dtype_name(dtype) if dtype is not None else cfg.param_dtype
+    np_dt = _np_dtype(saved_dt)
+    plan = _export_plan(model)
+    sizes = [math.prod(var.get_value().shape) * np_dt.itemsize for _, _, var in plan]
+    shards, cur, cur_bytes = [], [], 0
+    for item, nbytes in zip(plan, sizes):
+        if cur and cur_bytes + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(item)
+        cur_bytes += nbytes
+    shards.append(cur)
+    writer = jax.process_index() == 0
+    if writer:
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in list(folder.glob("model*.safetensors")) + [folder / "model.safetensors.index.json"]:
+            if old.exists():
+                os.remove(old)
+    weight_map = {}
+    for k, shard in enumerate(shards):
+        fn = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {name: _export_tensor(p, var, np_dt) for name, p, var in shard}  # collective on multi-host
+        if writer:
+            _write_safetensors(folder / fn, tensors)
+        weight_map.update({name: fn for name in tensors})
+    if not writer:
+        return folder
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": dict(sorted(weight_map.items()))}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     hf_cfg = cfg.to_hf_config()
     hf_cfg["torch_dtype"] = saved_dt
     (folder / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    gen = {k: v for k, v in (("bos_token_id", hf_cfg["bos_token_id"]), ("eos_token_id", hf_cfg["eos_token_id"]),
-                             ("pad_token_id", hf_cfg["pad_token_id"])) if v is not None}
+    gen = {k: hf_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_cfg[k] is not None}
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    for old in list(folder.glob("model-*.safetensors")) + [folder / "model.safetensors.index.json"]:
-        if old.exists():
-            os.remove(old)
-    _write_safetensors(folder / "model.safetensors", tensors)
     return folder
