@@ -188,32 +188,40 @@ _FRAC_BARE_RE = re.compile(r"\\frac(\d)(\d)")
 _LEADING_ZEROS_RE = re.compile(r"^(-?)0+(\d)")
 _CHOICE_RE = re.compile(r"^\(([A-Ea-e])\)$")
 _LATEX_SPACE_RE = re.compile(r"(?<!\\)\\ ")  # a LaTeX space '\ ', not a row break '\\'
+_LEFT_RIGHT_RE = re.compile(r"\\(?:left|right)(?![A-Za-z])")
 _BASE_RE = re.compile(r"^(-?[0-9A-Za-z]+)_\{?(\d+)\}?$")
 _SCI_RE = re.compile(r"^(-?\d+(?:\.\d+)?)[eE]([+-]?\d+)$")
 
 
 def _unwrap_text_cmds(s: str, drop_trailing_unit: bool) -> str:
-    """Replace \\text{X} (and friends) by X; a trailing one after other content is a unit and is dropped."""
-    out = []
+    """Replace \\text{X} (and friends) by X; a trailing one after other content is a unit and is dropped.
+    Linear: each brace scan ends where the next search starts; after an unbalanced one, scanning stops."""
+    out: list[str] = []
+    has_content = False
+    balanced = True
+    content_end = len(s.rstrip())
     i = 0
     n = len(s)
     while i < n:
-        if s[i] == "\\":
+        if balanced and s[i] == "\\":
             cmd = next((c for c in _TEXT_CMDS if s.startswith(c + "{", i) or s.startswith(c + " {", i)), None)
             if cmd is not None:
                 open_pos = s.index("{", i)
                 end = _scan_braced(s, open_pos)
-                if end > 0:
+                if end < 0:
+                    balanced = False
+                else:
                     inner = s[open_pos + 1 : end - 1]
-                    is_trailing = not s[end:].strip()
-                    prefix = "".join(out).strip()
-                    if drop_trailing_unit and is_trailing and prefix and _looks_like_unit(inner):
+                    is_trailing = end >= content_end
+                    if drop_trailing_unit and is_trailing and has_content and _looks_like_unit(inner):
                         i = end
                         continue
                     out.append(inner)
+                    has_content = has_content or bool(inner.strip())
                     i = end
                     continue
         out.append(s[i])
+        has_content = has_content or not s[i].isspace()
         i += 1
     return "".join(out)
 
@@ -237,7 +245,7 @@ def normalize_answer(ans: str) -> str:
     s = s.replace("\n", " ").replace("~", " ")
     s = _LATEX_SPACE_RE.sub(" ", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = s.replace("\\left", "").replace("\\right", "")
+    s = _LEFT_RIGHT_RE.sub("", s)
     s = s.replace("\\!", "")
     for sp in _SPACING:
         s = s.replace(sp, " ")
