@@ -138,9 +138,10 @@ def test_decode_with_kv_cache_matches_full_forward(loaded, family):
     assert cache[0]["k"].shape == (b, s, model.config.num_kv_heads, model.config.head_dim)
 
 
-def test_dot_product_impl_matches_xla(hf_checkpoints, loaded):
+@pytest.mark.parametrize("impl", ["dot_product", "cudnn"])
+def test_dot_product_impl_matches_xla(hf_checkpoints, loaded, impl):
     folder, _ = hf_checkpoints["qwen2"]
-    m = from_pretrained(folder, attention_impl="dot_product")
+    m = from_pretrained(folder, attention_impl=impl)
     ids, mask, _ = padded_batch(LENGTHS, T, left=True, seed=8)
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(_fwd(m, ids, mask))[real],

@@ -44,13 +44,18 @@ def attention_xla(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
     return out.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
 
-def attention_dot_product(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
-    """jax.nn.dot_product_attention with implementation=None: XLA picks cuDNN flash attention on GPU
-    when the shapes/dtypes allow it, else its own fused XLA path (used on CPU and TPU)."""
+def attention_dot_product(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, *, implementation=None):
+    """jax.nn.dot_product_attention (native GQA). implementation=None is XLA's fused path (jax 0.10 never
+    auto-selects cuDNN); "cudnn" asks for cuDNN's fused flash kernel (GPU, bf16/fp16 only)."""
+    dt = q_BxTxHxD.dtype
     out = jax.nn.dot_product_attention(
-        q_BxTxHxD, k_BxSxKxD.astype(q_BxTxHxD.dtype), v_BxSxKxD.astype(q_BxTxHxD.dtype),
-        mask=mask_BxTxS[:, None, :, :], scale=q_BxTxHxD.shape[-1] ** -0.5, implementation=None)
-    return out.astype(q_BxTxHxD.dtype)
+        q_BxTxHxD, k_BxSxKxD.astype(dt), v_BxSxKxD.astype(dt), mask=mask_BxTxS[:, None, :, :],
+        scale=q_BxTxHxD.shape[-1] ** -0.5, implementation=implementation)
+    return out.astype(dt)
+
+
+def _cudnn_usable(q) -> bool:
+    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
 
 
 @functools.lru_cache(maxsize=32)
@@ -102,8 +107,10 @@ def attend(impl: str, q, k, v, mask_BxTxS, *, attention_mask_BxT=None):
     """Dispatch on ModelConfig.attention_impl. "splash" needs the [B,T] padding mask (self-attention)."""
     if impl == "xla":
         return attention_xla(q, k, v, mask_BxTxS)
-    if impl in ("dot_product", "cudnn"):
+    if impl == "dot_product":
         return attention_dot_product(q, k, v, mask_BxTxS)
+    if impl == "cudnn":  # off GPU or in fp32 cuDNN cannot run: same math through XLA's fused path
+        return attention_dot_product(q, k, v, mask_BxTxS, implementation="cudnn" if _cudnn_usable(q) else None)
     if impl == "splash":
         if attention_mask_BxT is None or q.shape[1] != k.shape[1]:
             return attention_xla(q, k, v, mask_BxTxS)  # decode steps: T != S, splash is for full sequences

@@ -26,8 +26,9 @@ class ModelConfig:
     rope_scaling: None or a dict like HF's rope_scaling, e.g. {"rope_type": "llama3", "factor": 32.0,
       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.
     dtype: compute dtype (activations, matmul inputs); param_dtype: storage dtype of the master weights.
-    attention_impl: "xla" (einsum reference), "dot_product"/"cudnn" (jax.nn.dot_product_attention),
-      "splash" (Pallas TPU flash kernel).
+    attention_impl: "xla" (einsum reference), "dot_product" (jax.nn.dot_product_attention, XLA path),
+      "cudnn" (the same with implementation="cudnn" on GPU in bf16/fp16, else the XLA path),
+      "splash" (Pallas TPU splash/flash kernel for full-sequence passes; decode steps use "xla").
     remat_policy: "none", "full" (save nothing), "dots_saveable", "dots_with_no_batch_dims_saveable".
     """
 
