@@ -1,6 +1,7 @@
 """The `stare-jax` command line: one entry point with subcommands.
 
-  stare-jax demo     [--run-dir DIR]              the README's main job on its embedded CPU default
+  stare-jax demo     [--run-dir DIR] [KEY=VALUE ...]  the README's main job: both arms of the embedded CPU default
+  stare-jax plot     RUN_DIR [RUN_DIR ...] [--out PNG]  overlaid curves + summary table
   stare-jax train    --config FILE --run-dir DIR [--resume] [KEY=VALUE ...]   RL training
   stare-jax smoke    [--run-dir DIR] [--model P]  load a model (a tiny random one by default), generate a few tokens
   stare-jax config   [--config FILE] [KEY=VALUE ...]  print the resolved configuration
@@ -107,8 +108,24 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    """The README's main job. Until the RL loop lands it is the model smoke job."""
-    return _cmd_smoke(args)
+    """The README's main job: both arms of the embedded CPU default, the overlaid plot and the summary table."""
+    from stare_jax.demo import run_demo
+
+    if args.config:
+        print("stare-jax demo: --config is not used (the demo runs configs/tiny_cpu_*.yaml); pass KEY=VALUE "
+              "overrides instead", file=sys.stderr)
+        return 2
+    result = run_demo(args.run_dir, args.overrides)
+    return 0 if result else 1
+
+
+def _cmd_plot(args) -> int:
+    from stare_jax.plot import plot_runs, summary_table
+
+    out = plot_runs(args.run_dirs, args.out, target_entropy=args.target_entropy)
+    print(summary_table(args.run_dirs, target_entropy=args.target_entropy), end="")
+    print(f"wrote {out}")
+    return 0
 
 
 def _cmd_plan(args) -> int:
@@ -144,12 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stare-jax", description="STARE / GRPO-ds RL post-training in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="the main job on its embedded CPU default")
+    p = sub.add_parser("demo", help="the main job: GRPO-ds and STARE-O1 on the embedded CPU default, plot + table")
     p.add_argument("--run-dir", default="runs/demo")
-    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--new-tokens", type=int, default=8, help=argparse.SUPPRESS)
     _add_config_args(p)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("plot", help="PNG curves (entropy with target band, reward, accuracy, length, gate, W)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png, or ./curves.png for several)")
+    p.add_argument("--target-entropy", type=float, default=None)
+    p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("train", help="RL training (GRPO-ds or STARE) of a config")
     p.add_argument("--run-dir", required=True, help="output folder: metrics.jsonl, checkpoints/, config.yaml, ...")

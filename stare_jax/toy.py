@@ -88,7 +88,7 @@ def encode_example(tok, problem: str) -> list[int]:
 
 def encode_answer(tok, answer_text: str) -> list[int]:
     """Response ids for a (valid) answer string, ending with EOS: what the sampler should produce."""
-    return tok.encode(" " + answer_text, add_bos=False) + [tok.eos_id]
+    return tok.encode(answer_text, add_bos=False) + [tok.eos_id]
 
 
 def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", log=print) -> ToyAssets:
