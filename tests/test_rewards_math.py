@@ -234,8 +234,9 @@ def test_overlong_penalty_rejects_bad_config(args):
 def test_hostile_text_is_linear_time_and_scores_zero(text):
     t0 = time.perf_counter()
     extract_answer(text)
+    normalize_answer(text)
     assert score(text, "1") == 0.0
-    assert time.perf_counter() - t0 < 2.0
+    assert time.perf_counter() - t0 < 4.0
 
 
 def test_long_answers_skip_the_symbolic_checker():

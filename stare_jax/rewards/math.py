@@ -203,7 +203,15 @@ def _unwrap_text_cmds(s: str, drop_trailing_unit: bool) -> str:
     i = 0
     n = len(s)
     while i < n:
-        if balanced and s[i] == "\\":
+        j = s.find("\\", i) if balanced else -1
+        if j != i:  # copy the plain chunk up to the next backslash in one step
+            chunk = s[i:] if j < 0 else s[i:j]
+            out.append(chunk)
+            has_content = has_content or bool(chunk.strip())
+            if j < 0:
+                break
+            i = j
+        if balanced:
             cmd = next((c for c in _TEXT_CMDS if s.startswith(c + "{", i) or s.startswith(c + " {", i)), None)
             if cmd is not None:
                 open_pos = s.index("{", i)
