@@ -103,6 +103,26 @@ def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interp
     return jnp.swapaxes(out_BxHxTxD, 1, 2).astype(q_BxTxHxD.dtype)
 
 
+def _splash_maybe_sharded(q, k, v, attention_mask_BxT):
+    """Under an ambient mesh with activation rules (see sharding.activation_rules), run the kernel per shard
+    with jax.shard_map (batch over the batch axes, heads over the head axis): XLA cannot partition a Pallas
+    call itself. Otherwise call it directly."""
+    from stare_jax.models import sharding as sh
+
+    rules = sh._ctx.rules
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh is None or mesh.empty:
+        return attention_splash(q, k, v, attention_mask_BxT)
+    g = q.shape[2] // k.shape[2]
+    k = jnp.repeat(k, g, axis=2)  # heads sharded together with q's heads
+    v = jnp.repeat(v, g, axis=2)
+    spec = sh.logical_to_spec(("batch", "seq", "act_heads", None), rules, q.shape, mesh)
+    seg_spec = jax.sharding.PartitionSpec(spec[0], None)
+    fn = jax.shard_map(attention_splash, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
+                       check_vma=False)
+    return fn(q, k, v, attention_mask_BxT)
+
+
 def attend(impl: str, q, k, v, mask_BxTxS, *, attention_mask_BxT=None):
     """Dispatch on ModelConfig.attention_impl. "splash" needs the [B,T] padding mask (self-attention)."""
     if impl == "xla":
@@ -114,5 +134,5 @@ def attend(impl: str, q, k, v, mask_BxTxS, *, attention_mask_BxT=None):
     if impl == "splash":
         if attention_mask_BxT is None or q.shape[1] != k.shape[1]:
             return attention_xla(q, k, v, mask_BxTxS)  # decode steps: T != S, splash is for full sequences
-        return attention_splash(q, k, v, attention_mask_BxT)
+        return _splash_maybe_sharded(q, k, v, attention_mask_BxT)
     raise ValueError(f"attention_impl={impl!r} not in ('xla', 'dot_product', 'cudnn', 'splash')")
