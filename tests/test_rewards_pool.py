@@ -163,3 +163,16 @@ def test_close_stops_workers_and_rejects_use():
 def test_bad_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RewardPool(**kwargs)
+
+
+def test_concurrent_callers_are_serialised(pool):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(k):
+        resp = [f"\\boxed{{{k * 100 + i}}}" for i in range(10)]
+        refs = [str(k * 100 + i + (i % 2)) for i in range(10)]
+        return pool.score_batch(resp, refs)[0]
+
+    with ThreadPoolExecutor(2) as ex:
+        results = list(ex.map(run, [1, 2]))
+    assert results == [[1.0, 0.0] * 5] * 2

@@ -27,6 +27,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -170,6 +171,7 @@ class RewardPool:
             # simply import the modules themselves.
             self._ctx.set_forkserver_preload(_PRELOAD)
         self._closed = False
+        self._lock = threading.Lock()  # one score_batch at a time: workers hold per-batch item indices
         self.total_restarts = 0
         self._workers = [self._new_worker() for _ in range(num_workers)]
         self._wait_all_ready()
@@ -246,6 +248,10 @@ class RewardPool:
     ) -> tuple[list[float], dict]:
         """Scores for each (response, reference) pair, in order, and stats: n_items, n_ok, n_correct,
         n_timeout, n_crash, n_error, n_restarts, wall_s, and timeout_idx / crash_idx / error_idx (the items)."""
+        with self._lock:
+            return self._score_batch(responses, references)
+
+    def _score_batch(self, responses, references) -> tuple[list[float], dict]:
         if self._closed:
             raise RuntimeError("RewardPool.score_batch: the pool is closed")
         if len(responses) != len(references):
