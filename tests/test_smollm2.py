@@ -40,6 +40,9 @@ def smol():
     from stare_jax.models.gguf_convert import ensure_smollm2_hf
     from stare_jax.tokenizer import load_tokenizer
 
+    # torch's default intra-op threads thrash on a busy 2-core machine (4 forwards: 20 s vs 1.7 s single-threaded)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     folder = ensure_smollm2_hf(CACHE)
     tok = load_tokenizer(folder)
     model = from_pretrained(folder, dtype=jnp.float32)
@@ -50,7 +53,8 @@ def smol():
     def forward(state, ids_BxT, mask_BxT):
         return nnx.merge(graphdef, state)(ids_BxT, attention_mask=mask_BxT)
 
-    return tok, lambda ids, mask: np.asarray(forward(state, jnp.asarray(ids), jnp.asarray(mask))), ref
+    yield tok, lambda ids, mask: np.asarray(forward(state, jnp.asarray(ids), jnp.asarray(mask))), ref
+    torch.set_num_threads(threads)
 
 
 def _torch_logits(ref, ids):
