@@ -1,0 +1,382 @@
+"""The rollout sampler: one jitted program = prefill of a left-padded prompt batch + a `lax.while_loop` decode
+over a preallocated KV cache, stopping as soon as every sequence has finished.
+
+Layout and choices (why):
+- Prompts are LEFT-padded to a bucket length T (power of two, minimum `min_prompt_bucket`): the last prompt
+  token of every row then sits in slot T-1, so the first new token of every row goes to slot T, the next to
+  T+1, ... -- one shared `cache_index` per step, a single dynamic_update_slice, no per-row scatter. Positions
+  are cumsum(mask)-1, so a padded prompt gets the same positions (and RoPE) as the unpadded one.
+- The cache holds T + N slots, N = the max_new_tokens bucket (power of two, minimum `min_new_bucket`);
+  max_new_tokens itself, temperature and top_p are traced scalars, so calls that land in the same buckets reuse
+  the compiled program, and so are greedy/temperature/top_k/top_p: one program per (buckets, num_samples,
+  cache dtype, mesh). The number of prompts is bucketed too (power of two, multiple of the data shards).
+- G samples per prompt: the P prompts are prefilled once, then the cache (and the last logits) is repeated G
+  times along batch (row p*G+g = sample g of prompt p, prompt-major).
+- The cache is created, filled and consumed inside the one jitted program, so it never crosses a jit boundary
+  (XLA updates the loop-carried cache, token and log-prob buffers of the while loop in place; there is no
+  buffer to donate across calls -- a separate prefill/decode pair of jits would have to donate the cache).
+- Randomness: key(seed) -> fold_in(prompt index) -> fold_in(sample g) -> fold_in(step), one uniform per
+  sequence and step (inverse-CDF sampling, see selection.py). A sequence's draws therefore depend only on
+  (seed, its prompt index, g, step), not on batch size, padding or the other prompts in the call.
+- Returned per sequence: tokens (without the prompt; EOS included if produced), the temperature-1 full
+  vocabulary log-prob of each token, the length and whether it finished on an EOS (else on length).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from stare_jax.sampling import selection
+from stare_jax.sampling import sharding as sampling_sharding
+
+MAX_EOS_IDS = 8  # EOS ids are passed as a fixed-size array (padded with -1) so their number never recompiles
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    """Results of `generate`, num_samples per prompt, prompt-major (index p * num_samples + g).
+
+    tokens: generated ids without the prompt, EOS included when produced.
+    logprobs: log p(token | prefix) under the model's temperature-1 full-vocabulary distribution.
+    finish_reasons: "eos" (stopped on an EOS id) or "length" (reached max_new_tokens).
+    lengths: len(tokens).
+    """
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    lengths: list[int]
+
+
+class SampleArrays(NamedTuple):
+    """Device-array results of `Sampler.generate_arrays` (B = P * num_samples rows, prompt-major).
+
+    tokens_BxN: int32, `pad_id` after each sequence's end. logprobs_BxN: float32, 0 after the end.
+    lengths_B: int32 number of generated tokens (EOS included). finished_B: bool, True = ended on an EOS.
+    """
+
+    tokens_BxN: jax.Array
+    logprobs_BxN: jax.Array
+    lengths_B: jax.Array
+    finished_B: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _LoopSpec:
+    """Static (compile-time) part of one sampling program."""
+
+    num_samples: int
+    new_bucket: int
+    cache_dtype: str
+    pad_id: int
+    batch_sharding: NamedSharding | None
+
+
+class _Carry(NamedTuple):
+    i: jax.Array  # number of tokens generated so far (the next token's index)
+    last_B: jax.Array  # last generated token (fed to the model next)
+    pos_B: jax.Array  # position of last_B
+    done_B: jax.Array
+    eos_B: jax.Array  # finished on an EOS
+    lengths_B: jax.Array
+    tokens_BxN: jax.Array
+    logprobs_BxN: jax.Array
+    kv_mask_BxS: jax.Array
+    cache: Any
+
+
+def next_bucket(n: int, minimum: int) -> int:
+    """Smallest power of two >= max(n, minimum) (minimum itself is rounded up to a power of two)."""
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def model_config(model) -> Any:
+    """The model's ModelConfig (attribute `config` or `cfg`)."""
+    for name in ("config", "cfg"):
+        cfg = getattr(model, name, None)
+        if cfg is not None:
+            return cfg
+    raise ValueError(f"model {type(model).__name__} has no `config`/`cfg` attribute (ModelConfig)")
+
+
+def _constrain(tree, sharding: NamedSharding | None, batch: int):
+    """Shard every array whose leading dimension is the batch over the data axes."""
+    if sharding is None:
+        return tree
+    return jax.tree.map(
+        lambda x: jax.lax.with_sharding_constraint(x, sharding)
+        if hasattr(x, "ndim") and x.ndim >= 1 and x.shape[0] == batch else x, tree)
+
+
+def _sequence_keys(key: jax.Array, prompt_index_P: jax.Array, num_samples: int) -> jax.Array:
+    """One key per row p*G+g: fold_in(fold_in(key, prompt_index[p]), g)."""
+    prompt_index_B = jnp.repeat(prompt_index_P, num_samples)
+    g_B = jnp.tile(jnp.arange(num_samples, dtype=jnp.uint32), prompt_index_P.shape[0])
+    return jax.vmap(lambda p, g: jax.random.fold_in(jax.random.fold_in(key, p), g))(prompt_index_B, g_B)
+
+
+def _generate_core(graphdef, state, prompt_ids_PxT, prompt_mask_PxT, prompt_index_P, active_P, key,
+                   max_new_tokens, greedy, temperature, top_k, top_p, eos_E, *, spec: _LoopSpec) -> SampleArrays:
+    """The jitted sampling program (see module docstring)."""
+    model = nnx.merge(graphdef, state)
+    P, T = prompt_ids_PxT.shape
+    G, N = spec.num_samples, spec.new_bucket
+    B, S = P * G, T + N
+    mask_PxT = prompt_mask_PxT.astype(jnp.int32)
+
+    # Prefill the P distinct prompts once.
+    positions_PxT = jnp.maximum(jnp.cumsum(mask_PxT, axis=-1) - 1, 0)
+    cache = _constrain(model.init_cache(P, S, dtype=jnp.dtype(spec.cache_dtype)), spec.batch_sharding, P)
+    kv_mask_PxS = jnp.concatenate([mask_PxT, jnp.zeros((P, N), jnp.int32)], axis=-1)
+    logits_PxTxV, cache = model.decode_step(prompt_ids_PxT.astype(jnp.int32), positions_PxT, cache, 0, kv_mask_PxS)
+    last_logits_PxV = logits_PxTxV[:, -1].astype(jnp.float32)
+
+    # Repeat along batch for the G samples per prompt (prompt-major rows).
+    def rep(x):
+        return jnp.repeat(x, G, axis=0) if G > 1 and hasattr(x, "ndim") and x.ndim >= 1 and x.shape[0] == P else x
+
+    cache = _constrain(jax.tree.map(rep, cache), spec.batch_sharding, B)
+    logits_BxV = _constrain(rep(last_logits_PxV), spec.batch_sharding, B)
+    kv_mask_BxS = _constrain(rep(kv_mask_PxS), spec.batch_sharding, B)
+    prompt_len_B = rep(jnp.sum(mask_PxT, axis=-1))
+    keys_B = _sequence_keys(key, prompt_index_P.astype(jnp.uint32), G)
+
+    def emit(c: _Carry, logits_BxV) -> _Carry:
+        """Choose token c.i for every unfinished row and record it."""
+        uniform_B = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, c.i)))(keys_B)
+        tok_B, lp_B = selection.select_tokens(logits_BxV, uniform_B, greedy=greedy, temperature=temperature,
+                                              top_k=top_k, top_p=top_p)
+        tok_B = jnp.where(c.done_B, spec.pad_id, tok_B)
+        lp_B = jnp.where(c.done_B, 0.0, lp_B)
+        hit_eos_B = jnp.any(tok_B[:, None] == eos_E[None, :], axis=-1) & ~c.done_B
+        return c._replace(
+            i=c.i + 1, last_B=tok_B, pos_B=c.pos_B + 1,
+            done_B=c.done_B | hit_eos_B | (c.i + 1 >= max_new_tokens),
+            eos_B=c.eos_B | hit_eos_B,
+            lengths_B=c.lengths_B + (~c.done_B).astype(jnp.int32),
+            tokens_BxN=jax.lax.dynamic_update_slice(c.tokens_BxN, tok_B[:, None], (0, c.i)),
+            logprobs_BxN=jax.lax.dynamic_update_slice(c.logprobs_BxN, lp_B[:, None], (0, c.i)))
+
+    carry = _Carry(
+        i=jnp.int32(0), last_B=jnp.zeros((B,), jnp.int32), pos_B=prompt_len_B - 1,
+        done_B=~rep(active_P), eos_B=jnp.zeros((B,), bool), lengths_B=jnp.zeros((B,), jnp.int32),
+        tokens_BxN=jnp.full((B, N), spec.pad_id, jnp.int32), logprobs_BxN=jnp.zeros((B, N), jnp.float32),
+        kv_mask_BxS=kv_mask_BxS, cache=cache)
+    carry = emit(carry, logits_BxV)
+
+    def cond(c: _Carry):
+        return (c.i < max_new_tokens) & jnp.any(~c.done_B)
+
+    def body(c: _Carry) -> _Carry:
+        slot = T + c.i - 1  # cache slot of the token being fed (token index c.i - 1)
+        kv_mask_BxS = jax.lax.dynamic_update_slice(c.kv_mask_BxS, jnp.ones((B, 1), jnp.int32), (0, slot))
+        logits_Bx1xV, cache = model.decode_step(c.last_B[:, None], c.pos_B[:, None], c.cache, slot, kv_mask_BxS)
+        c = c._replace(kv_mask_BxS=kv_mask_BxS, cache=_constrain(cache, spec.batch_sharding, B))
+        return emit(c, logits_Bx1xV[:, -1].astype(jnp.float32))
+
+    carry = jax.lax.while_loop(cond, body, carry)
+    return SampleArrays(carry.tokens_BxN, carry.logprobs_BxN, carry.lengths_B, carry.eos_B)
+
+
+_generate_jit = jax.jit(_generate_core, static_argnames=("graphdef", "spec"))
+
+
+def compiled_programs() -> int:
+    """Number of sampling programs compiled so far in this process (for recompilation checks)."""
+    return _generate_jit._cache_size()
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+def _check_sampling_args(max_new_tokens, num_samples, temperature, top_p, top_k) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples <= 0:
+        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    if not isinstance(temperature, (int, float, np.floating, np.integer)) or not np.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {temperature!r}")
+    if not isinstance(top_p, (int, float, np.floating, np.integer)) or not (0.0 < float(top_p) <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+
+
+def _eos_array(eos_ids, cfg) -> np.ndarray:
+    """EOS ids as a fixed-size int32 array padded with -1 (None -> the model config's eos_token_id)."""
+    if eos_ids is None:
+        eos_ids = getattr(cfg, "eos_token_id", None)
+    if eos_ids is None:
+        eos_ids = []
+    elif isinstance(eos_ids, (int, np.integer)):
+        eos_ids = [int(eos_ids)]
+    eos_ids = sorted({int(e) for e in eos_ids})
+    if len(eos_ids) > MAX_EOS_IDS:
+        raise ValueError(f"at most {MAX_EOS_IDS} eos_ids are supported, got {len(eos_ids)}")
+    vocab = int(cfg.vocab_size)
+    for e in eos_ids:
+        if not 0 <= e < vocab:
+            raise ValueError(f"eos id {e} is outside the vocabulary [0, {vocab})")
+    return np.array(eos_ids + [-1] * (MAX_EOS_IDS - len(eos_ids)), np.int32)
+
+
+# ----------------------------------------------------------------------------------------------- the sampler
+
+class Sampler:
+    """Holds the model split into (graphdef, sampler-layout state) and runs the jitted sampling program.
+
+    mesh: optional jax Mesh; the batch is sharded over its data axes ("data", "fsdp") and parameters are kept in
+    the sampler layout (replicated over the data axes, "tensor" kept). Call `update_params` once per RL step
+    with the trainer's current parameters to reshard them on device.
+    """
+
+    def __init__(self, model: nnx.Module, *, mesh: Mesh | None = None, cache_dtype=jnp.float32,
+                 min_prompt_bucket: int = 16, min_new_bucket: int = 16, min_batch_bucket: int = 1,
+                 pad_id: int | None = None):
+        self.config = model_config(model)
+        self.mesh = mesh
+        self.cache_dtype = jnp.dtype(cache_dtype).name
+        self.min_prompt_bucket = min_prompt_bucket
+        self.min_new_bucket = min_new_bucket
+        self.min_batch_bucket = min_batch_bucket
+        cfg_pad = getattr(self.config, "pad_token_id", None)
+        self.pad_id = int(pad_id if pad_id is not None else (cfg_pad if cfg_pad is not None else 0))
+        self.graphdef, state = nnx.split(model)
+        self.state = sampling_sharding.reshard_for_sampling(state, mesh)
+        self._batch_sharding = sampling_sharding.batch_sharding(mesh) if mesh is not None else None
+
+    def update_params(self, params) -> None:
+        """Take new parameters (an nnx.Module of the same graph, or its nnx.State), resharded on device."""
+        state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
+        self.state = sampling_sharding.reshard_for_sampling(state, self.mesh)
+
+    @property
+    def data_shards(self) -> int:
+        return sampling_sharding.data_size(self.mesh)
+
+    def batch_bucket(self, num_prompts: int) -> int:
+        """Padded number of prompts: power of two (>= min_batch_bucket), a multiple of the data shards."""
+        return _round_up(next_bucket(num_prompts, self.min_batch_bucket), self.data_shards)
+
+    def _spec(self, num_samples, new_bucket) -> _LoopSpec:
+        return _LoopSpec(num_samples=int(num_samples), new_bucket=int(new_bucket), cache_dtype=self.cache_dtype,
+                         pad_id=self.pad_id, batch_sharding=self._batch_sharding)
+
+    def _put_batch(self, x):
+        if self._batch_sharding is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, self._batch_sharding)
+
+    def generate_arrays(self, prompt_ids_PxT, prompt_mask_PxT, *, max_new_tokens: int, num_samples: int = 1,
+                        temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None,
+                        seed: int = 0, prompt_index_P=None, active_P=None) -> SampleArrays:
+        """Array API for the training loop: LEFT-padded prompt ids/mask [P, T] (device or host arrays) ->
+        SampleArrays with B = P * num_samples rows and N = max_new_tokens columns.
+
+        T should already be a bucket length (the list API pads for you); P must be a multiple of the data
+        shards. prompt_index_P (default arange(P)) seeds each prompt's randomness, e.g. a global example index;
+        active_P (default all True) marks padding rows, which produce nothing (length 0).
+        """
+        _check_sampling_args(max_new_tokens, num_samples, temperature, top_p, top_k)
+        P, T = prompt_ids_PxT.shape
+        if prompt_mask_PxT.shape != (P, T):
+            raise ValueError(f"prompt_mask_PxT shape {prompt_mask_PxT.shape} != prompt_ids_PxT shape {(P, T)}")
+        if P % self.data_shards:
+            raise ValueError(f"number of prompts {P} is not a multiple of the data shards {self.data_shards}")
+        new_bucket = next_bucket(max_new_tokens, self.min_new_bucket)
+        spec = self._spec(num_samples, new_bucket)
+        if prompt_index_P is None:
+            prompt_index_P = np.arange(P, dtype=np.int32)
+        if active_P is None:
+            active_P = np.ones((P,), bool)
+        out = _generate_jit(
+            self.graphdef, self.state, self._put_batch(prompt_ids_PxT), self._put_batch(prompt_mask_PxT),
+            self._put_batch(np.asarray(prompt_index_P, np.int32) if not isinstance(prompt_index_P, jax.Array)
+                            else prompt_index_P),
+            self._put_batch(active_P), jax.random.key(seed), jnp.int32(max_new_tokens),
+            jnp.bool_(temperature == 0), jnp.float32(temperature if temperature > 0 else 1.0),
+            jnp.int32(min(int(top_k), int(self.config.vocab_size))), jnp.float32(top_p),
+            jnp.asarray(_eos_array(eos_ids, self.config)), spec=spec)
+        if new_bucket != max_new_tokens:
+            out = SampleArrays(out.tokens_BxN[:, :max_new_tokens], out.logprobs_BxN[:, :max_new_tokens],
+                               out.lengths_B, out.finished_B)
+        return out
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None,
+                 seed: int = 0) -> SampleOutput:
+        """List API: see `generate`."""
+        _check_sampling_args(max_new_tokens, num_samples, temperature, top_p, top_k)
+        prompts = _check_prompts(prompt_ids, self.config, max_new_tokens)
+        P = len(prompts)
+        P_pad = self.batch_bucket(P)
+        T = next_bucket(max(len(p) for p in prompts), self.min_prompt_bucket)
+        ids = np.zeros((P_pad, T), np.int32)
+        mask = np.zeros((P_pad, T), np.int32)
+        for r, p in enumerate(prompts):
+            ids[r, T - len(p):] = p
+            mask[r, T - len(p):] = 1
+        ids[P:, -1], mask[P:, -1] = 0, 1  # padding rows: one real token, so no row attends to nothing
+        active = np.arange(P_pad) < P
+        out = self.generate_arrays(ids, mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids,
+                                   seed=seed, prompt_index_P=np.arange(P_pad, dtype=np.int32), active_P=active)
+        B = P * num_samples
+        tokens, logprobs, lengths, finished = jax.device_get(
+            (out.tokens_BxN, out.logprobs_BxN, out.lengths_B, out.finished_B))
+        tokens, logprobs, lengths, finished = tokens[:B], logprobs[:B], lengths[:B], finished[:B]
+        return SampleOutput(
+            tokens=[tokens[b, :lengths[b]].tolist() for b in range(B)],
+            logprobs=[logprobs[b, :lengths[b]].tolist() for b in range(B)],
+            finish_reasons=["eos" if finished[b] else "length" for b in range(B)],
+            lengths=[int(n) for n in lengths])
+
+
+def _check_prompts(prompt_ids, cfg, max_new_tokens: int) -> list[list[int]]:
+    """Validated prompts as int lists; ValueError naming the offending prompt index and value."""
+    if prompt_ids is None or len(prompt_ids) == 0:
+        raise ValueError("prompt_ids is empty: give at least one prompt (a list of token-id lists)")
+    vocab = int(cfg.vocab_size)
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    prompts = []
+    for i, p in enumerate(prompt_ids):
+        if isinstance(p, (str, bytes)) or not hasattr(p, "__len__"):
+            raise ValueError(f"prompt {i} is not a sequence of token ids: {p!r}")
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompt {i} has no tokens")
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if max_pos is not None and len(p) > max_pos:
+            raise ValueError(f"prompt {i} has {len(p)} tokens, more than the model's context {max_pos}")
+        if max_pos is not None and len(p) + max_new_tokens > max_pos:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+                             f"context {max_pos}")
+        prompts.append(p)
+    return prompts
+
+
+def generate(model: nnx.Module, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None, seed: int = 0,
+             mesh: Mesh | None = None, cache_dtype=jnp.float32) -> SampleOutput:
+    """Sample `num_samples` continuations of every prompt (token-id lists) from `model`.
+
+    temperature 0 = greedy; top_k 0 / top_p 1 = off. eos_ids: int or ids that end a sequence (None = the model
+    config's eos_token_id, [] = never stop early). Results are prompt-major: index p * num_samples + g.
+    """
+    return Sampler(model, mesh=mesh, cache_dtype=cache_dtype).generate(
+        prompt_ids, max_new_tokens=max_new_tokens, num_samples=num_samples, temperature=temperature,
+        top_p=top_p, top_k=top_k, eos_ids=eos_ids, seed=seed)
