@@ -90,6 +90,9 @@ class _Checkpoint:
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
+            missing = [fn for fn in files if not (folder / fn).exists()]
+            if missing:
+                raise FileNotFoundError(f"{index} lists shard files that are not in {folder}: {missing}")
         elif single.exists():
             files = ["model.safetensors"]
         else:
@@ -248,8 +251,13 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rul
     for p, var, name, kind, shape in plan:
         sharding = sh_flat[p].get_value() if mesh is not None else single
 
-        def cb(index, name=name, kind=kind, shape=shape):
-            return _read_view(ckpt, name, kind, shape, index, np_dt)
+        memo = {}  # replicas of one shard (e.g. over "data") read the file once
+
+        def cb(index, name=name, kind=kind, shape=shape, memo=memo):
+            key = tuple((s.start, s.stop) for s in _norm_slices(index, shape))
+            if key not in memo:
+                memo[key] = _read_view(ckpt, name, kind, shape, index, np_dt)
+            return memo[key]
 
         arr = jax.make_array_from_callback(shape, sharding, cb)
         new_flat.append((p, var.replace(arr)))
