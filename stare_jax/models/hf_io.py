@@ -12,7 +12,6 @@ import math
 import os
 import pathlib
 import struct
-from typing import Iterable
 
 import jax
 import jax.numpy as jnp
