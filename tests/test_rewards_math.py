@@ -244,7 +244,25 @@ def test_long_answers_skip_the_symbolic_checker():
     assert not is_equivalent(long_ans, str(MAX_ANSWER_CHARS // 2 + 1))
 
 
-def test_model_output_is_never_evaluated_as_python(tmp_path):
+def test_model_output_is_never_evaluated_as_python(tmp_path, monkeypatch):
+    """Payloads do nothing.  math-verify's eval-based expression extractor (parse_expr on raw text) is never
+    reached, and the only strings SymPy ever evaluates are numeric literals (latex2sympy turns NUMBER tokens
+    into sympy.Number(text)) and plain-letter Symbol names (SymPy's own units tables)."""
+    import re
+
+    import math_verify.parser
+    import sympy.parsing.sympy_parser as sympy_parser
+
+    raw_parse_calls = []
+    monkeypatch.setattr(math_verify.parser, "parse_expr", lambda *a, **k: raw_parse_calls.append(a))
+    evaluated = []
+    real_eval_expr = sympy_parser.eval_expr
+
+    def spy_eval_expr(code, local_dict, global_dict):
+        evaluated.append(code)
+        return real_eval_expr(code, local_dict, global_dict)
+
+    monkeypatch.setattr(sympy_parser, "eval_expr", spy_eval_expr)
     marker = tmp_path / "pwned"
     payloads = [
         f"\\boxed{{__import__('os').system('touch {marker}')}}",
@@ -252,11 +270,16 @@ def test_model_output_is_never_evaluated_as_python(tmp_path):
         f"Final Answer: __import__('os').system('touch {marker}')",
         f"\\boxed{{exec(\"open('{marker}','w')\")}}",
         f"\\boxed{{eval(\"__import__('os').system('touch {marker}')\")}}",
+        f"\\boxed{{\\text{{__import__('os').system('touch {marker}')}}}}",
     ]
     for p in payloads:
         assert score(p, "0") == 0.0
         assert score(p, p) in (0.0, 1.0)  # even when the reference itself is hostile
+    assert score("\\boxed{1/2 + 3*4}", "12.5") == 1.0  # an expression ExprExtractionConfig would eval
     assert not marker.exists()
+    assert raw_parse_calls == []
+    safe = re.compile(r"^(Integer \(\d+ \)|Float \('\d*\.?\d*' \)|Symbol \('[A-Za-z]+' \))$")
+    assert [c for c in evaluated if not safe.match(c)] == []
 
 
 def test_score_works_off_the_main_thread():

@@ -5,9 +5,13 @@ Pipeline for one response:  extract_answer(text) -> normalize_answer(...) -> str
 Safety notes (read before changing anything here):
 - Nothing taken from model output is ever evaluated as Python.  We never call eval/exec/sympify/parse_expr
   on response text.  Equivalence goes through math-verify with *only* `LatexExtractionConfig`, which parses
-  with latex2sympy2_extended's lark grammar into SymPy objects.  math-verify's `ExprExtractionConfig`
+  with latex2sympy2_extended's ANTLR grammar into SymPy objects.  math-verify's `ExprExtractionConfig`
   (the default second extractor) calls sympy's `parse_expr`, which uses Python `eval` internally; it is
-  deliberately NOT used here.
+  deliberately NOT used here.  The one place SymPy still evaluates a string is latex2sympy's
+  `sympy.Number(token)` for NUMBER tokens, which the grammar restricts to digits and a decimal point
+  (tests/test_rewards_math.py spies on SymPy's eval and checks exactly that).  Our own numeric fast path
+  uses fractions.Fraction on regex-validated digit strings, and the relative-error check evaluates SymPy
+  objects (sympy.N), never strings.
 - Extraction and normalisation are linear-time scans (str.rfind, brace counting, anchored regexes without
   nested quantifiers), so a 1 MB response or 10,000 nested braces cannot cause regex backtracking blow-ups.
 - SymPy itself can still hang or explode in memory on hostile input (e.g. 9^{9^{9^{9}}}).  `score` has no
@@ -373,33 +377,33 @@ def is_equivalent(pred: str, reference: str) -> bool:
     target = _mv_parse(p)
     if not target:
         return False
+    rel = _relative_difference(gold[0], target[0])
     if not verify(gold, target, timeout_seconds=None):
-        return False
-    return not _relative_veto(gold[0], target[0])
+        # math-verify misses some equal numbers (e.g. an unevaluated `1/2 + 3*4` against 12.5)
+        return rel is not None and rel <= 1e-12
+    # math-verify compares `(a - b).evalf(chop=True) == 0`, and chop zeroes any tiny difference, so it calls
+    # 2^{-98} == 2^{-99} and 4.6e-24 == 4.6e-25 (Minerva's physics answers live at such scales): veto those.
+    return rel is None or rel <= 1e-5
 
 
-def _relative_veto(gold, target) -> bool:
-    """True if two scalar numbers that math-verify called equal differ by more than 1e-5 relative.
-
-    math-verify compares `(a - b).evalf(chop=True) == 0`, and chop zeroes any tiny difference, so
-    2^{-98} == 2^{-99} and 4.6e-24 == 4.6e-25 (Minerva's physics answers live at such scales).  Works on the
-    SymPy objects math-verify already built (no string evaluation).
-    """
+def _relative_difference(gold, target) -> float | None:
+    """|a - b| / max(|a|, |b|) for two SymPy scalar numbers (0.0 if both are 0), None if either is not a
+    finite number.  Evaluates the SymPy objects math-verify already built (no string evaluation)."""
     import sympy
 
     try:
         if not (isinstance(gold, sympy.Expr) and isinstance(target, sympy.Expr)):
-            return False
+            return None
         if not (gold.is_number and target.is_number):
-            return False
+            return None
         a = complex(sympy.N(gold, 30))
         b = complex(sympy.N(target, 30))
-    except Exception:  # noqa: BLE001 - not a plain number: no veto
-        return False
+    except Exception:  # noqa: BLE001 - not a plain number
+        return None
     scale = max(abs(a), abs(b))
-    if not (scale > 0.0) or scale == float("inf"):
-        return False
-    return abs(a - b) / scale > 1e-5
+    if scale != scale or scale == float("inf"):
+        return None
+    return 0.0 if scale == 0.0 else abs(a - b) / scale
 
 
 def score(response_text: str, reference_answer: str | Sequence[str]) -> float:
