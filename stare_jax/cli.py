@@ -98,7 +98,8 @@ def _cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     try:
-        summary = run_training(cfg, args.run_dir, resume=args.resume)
+        summary = run_training(cfg, args.run_dir, resume=args.resume, require_checkpoint=args.require_checkpoint,
+                               distributed=(args.coordinator_address, args.num_processes, args.process_id))
     except TrainingError as e:
         print(f"stare-jax train: {e}", file=sys.stderr)
         return 1
@@ -174,7 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="RL training (GRPO-ds or STARE) of a config")
     p.add_argument("--run-dir", required=True, help="output folder: metrics.jsonl, checkpoints/, config.yaml, ...")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in RUN_DIR")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in RUN_DIR if it has one, else start a new run there")
+    p.add_argument("--require-checkpoint", action="store_true",
+                   help="with --resume: fail (instead of starting fresh) when RUN_DIR has no checkpoint")
+    p.add_argument("--coordinator-address", default=None, help="multi-process: HOST:PORT of process 0")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-process: total number of processes")
+    p.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index")
     _add_config_args(p)
     p.set_defaults(func=_cmd_train)
 

@@ -68,7 +68,8 @@ class DataConfig:
     eval_paths: dict = _f({}, doc="benchmark name -> jsonl path")
     prompt_field: str = _f("problem")
     answer_field: str = _f("answer")
-    task: Literal["math", "digit_sum"] = _f("math", doc="verifier: math answers (sandboxed) or the toy digit-sum task")
+    task: Literal["math", "digit_set", "digit_sum"] = _f(
+        "math", doc="verifier: math answers (sandboxed) or one of the toy tasks")
     prompt_template: Literal["paper", "chat", "raw"] = _f("paper", doc="paper instruction, chat template, or raw")
     max_prompt_len: int = _f(1024, lo=1)
     shuffle: bool = _f(True)
@@ -177,6 +178,7 @@ class ToyConfig:
 
     enabled: bool = _f(False)
     cache_dir: str = _f(".cache/toy")
+    task: Literal["digit_set", "digit_sum"] = _f("digit_set")
     seed: int = _f(0, lo=0)
     num_train: int = _f(4000, lo=1)
     num_eval: int = _f(200, lo=1)
@@ -186,6 +188,7 @@ class ToyConfig:
     num_layers: int = _f(4, lo=1)
     sft_steps: int = _f(150, lo=0)
     sft_lr: float = _f(3e-3, lo=0.0, lo_open=True)
+    sft_noise: float = _f(0.3, lo=0.0, hi=1.0, doc="fraction of warm-start answer digits replaced by random ones")
 
 
 @dataclass

@@ -73,7 +73,7 @@ def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *,
         cfg = load_config(CONFIGS / cfg_file, overrides)
         arm_dir = run_dir / arm
         log(f"demo: training arm {arm} ({cfg_file}) -> {arm_dir}")
-        run_training(cfg, arm_dir, resume=(arm_dir / "metrics.jsonl").exists(), log=log)
+        run_training(cfg, arm_dir, resume=True, log=log)  # a finished or interrupted arm is continued, not redone
         dirs.append(arm_dir)
     plot = plot_runs(dirs, run_dir / "curves.png", title="embedded CPU default: GRPO-ds vs STARE-O1")
     checks = demo_checks(*dirs)

@@ -1,10 +1,12 @@
-"""The embedded CPU default: digit-sum prompts, a SentencePiece tokenizer trained for them, and a tiny Qwen2-shaped
-transformer warm-started by a short SFT phase on uniformly random valid answers (so it starts with high entropy
-and accuracy well below 1). Everything is built once per asset config and cached under `cache_dir/<hash>/`, so
+"""The embedded CPU default: toy prompts with many valid answers (tasks.digit_set by default, or tasks.digit_sum),
+a SentencePiece tokenizer trained for them, and a tiny Qwen2-shaped transformer warm-started by a short SFT phase on
+uniformly random answers, a fraction `sft_noise` of whose digits are replaced by random ones (so it starts with high
+entropy and accuracy well below 1). Everything is built once per asset config and cached under `cache_dir/<hash>/`, so
 both arms of the demo (GRPO-ds and STARE) start from the very same checkpoint and data.
 
 Layout of a prepared asset folder:
-    train.jsonl, eval.jsonl     {id, problem, answer} rows (answer = 'K:S' spec read by tasks.digit_sum.score)
+    train.jsonl, eval.jsonl     {id, problem, answer} rows (answer = the task's spec, e.g. 'K:DIGITS', read by its
+                                score function); eval prompts use (k, set) specs never seen in training
     model/                      HF folder (config.json, model.safetensors) + tokenizer.model
     sft_log.jsonl               the warm-start loss curve (the RL run's metrics.jsonl stays RL-only)
     DONE                        written last: a folder without it is incomplete and rebuilt
@@ -21,17 +23,22 @@ import time
 
 import numpy as np
 
-from stare_jax.tasks import digit_sum
+from stare_jax.tasks import digit_set, digit_sum
+
+TASKS = {"digit_set": digit_set, "digit_sum": digit_sum}
 
 
 @dataclasses.dataclass(frozen=True)
 class ToyAssetConfig:
+    task: str = "digit_set"
     seed: int = 0
     num_train: int = 4000
     num_eval: int = 200
     k_min: int = 3
     k_max: int = 5
     eval_holdout_frac: float = 0.2
+    set_size: int = 3
+    sft_noise: float = 0.3
     vocab_size: int = 40
     hidden_size: int = 128
     num_layers: int = 4
@@ -55,30 +62,49 @@ class ToyAssets:
     model_dir: pathlib.Path
 
 
-def _is_heldout(k: int, s: int, frac: float) -> bool:
-    """A fixed ~frac share of (k, S) prompts is reserved for evaluation (never seen in SFT or RL)."""
-    h = int(hashlib.sha256(f"{k}:{s}".encode()).hexdigest(), 16)
+def _is_heldout(spec: str, frac: float) -> bool:
+    """A fixed ~frac share of prompt specs is reserved for evaluation (never seen in SFT or RL)."""
+    h = int(hashlib.sha256(spec.encode()).hexdigest(), 16)
     return (h % 1000) < frac * 1000
 
 
+def _specs(cfg: ToyAssetConfig) -> list[tuple]:
+    if cfg.task == "digit_set":
+        return digit_set.all_specs((cfg.k_min, cfg.k_max), cfg.set_size)
+    return [(k, s) for k in range(cfg.k_min, cfg.k_max + 1) for s in range(9 * k + 1)
+            if digit_sum.count_strings(k, s) >= 10]
+
+
 def make_splits(cfg: ToyAssetConfig) -> tuple[list[dict], list[dict]]:
-    rows = digit_sum.make_rows(cfg.num_train * 2 + cfg.num_eval * 10, seed=cfg.seed, k_range=(cfg.k_min, cfg.k_max))
-    train, held = [], []
-    for r in rows:
-        k, s = digit_sum.parse_spec(r["answer"])
-        (held if _is_heldout(k, s, cfg.eval_holdout_frac) else train).append(r)
-    if len(train) < cfg.num_train or len(held) < cfg.num_eval:
-        raise RuntimeError("toy task: not enough prompts for the requested split sizes")
-    return train[: cfg.num_train], held[: cfg.num_eval]
+    """Train rows from the non-held-out prompt specs, eval rows from the held-out ones."""
+    task = TASKS[cfg.task]
+    specs = _specs(cfg)
+    held = [sp for sp in specs if _is_heldout(task.spec(*sp), cfg.eval_holdout_frac)]
+    train = [sp for sp in specs if sp not in held]
+    if not held or not train:
+        raise RuntimeError(f"toy task {cfg.task}: the prompt space is too small for a held-out split")
+    rng = random.Random(cfg.seed)
+
+    def rows(pool, n, tag):
+        out = []
+        for i in range(n):
+            sp = rng.choice(pool)
+            out.append({"id": f"{cfg.task}-{tag}-{i}", "problem": task.prompt_text(*sp), "answer": task.spec(*sp)})
+        return out
+
+    return rows(train, cfg.num_train, "train"), rows(held, cfg.num_eval, "eval")
 
 
 def _tokenizer_corpus(cfg: ToyAssetConfig) -> list[str]:
+    task = TASKS[cfg.task]
     rng = random.Random(cfg.seed + 1)
-    texts = []
-    for k in range(cfg.k_min, cfg.k_max + 1):
-        for s in range(0, 9 * k + 1):
-            texts.append(digit_sum.prompt_text(k, s) + " " + digit_sum.sample_answer(k, s, rng))
-    return texts
+    return [task.prompt_text(*sp) + " " + task.sample_answer(*sp, rng) for sp in _specs(cfg)]
+
+
+def noisy_answer(cfg: ToyAssetConfig, sp: tuple, rng: random.Random) -> str:
+    """A uniformly random valid answer with each digit replaced by a random digit with probability sft_noise."""
+    answer = TASKS[cfg.task].sample_answer(*sp, rng)
+    return "".join(str(rng.randrange(10)) if rng.random() < cfg.sft_noise else c for c in answer)
 
 
 def encode_example(tok, problem: str) -> list[int]:
@@ -127,7 +153,8 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
         rope_theta=10000.0, qkv_bias=True, architecture="Qwen2ForCausalLM", tie_word_embeddings=True,
         bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, initializer_range=0.05)
     model = models.init_model(mcfg, seed=cfg.seed)
-    prompts = [(encode_example(tok, r["problem"]), digit_sum.parse_spec(r["answer"])) for r in train]
+    task = TASKS[cfg.task]
+    prompts = [(encode_example(tok, r["problem"]), task.parse_spec(r["answer"])) for r in train]
     longest = max(len(p) for p, _ in prompts) + len(encode_answer(tok, "9" * cfg.k_max))
     rng_answers = random.Random(cfg.seed + 2)
 
@@ -135,8 +162,8 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
         picks = rng.integers(0, len(prompts), size=batch_size)
         examples = []
         for i in picks:
-            p, (k, s) = prompts[int(i)]
-            examples.append((p, encode_answer(tok, digit_sum.sample_answer(k, s, rng_answers))))
+            p, sp = prompts[int(i)]
+            examples.append((p, encode_answer(tok, noisy_answer(cfg, sp, rng_answers))))
         return pack_examples(examples, tok.pad_id, length=longest)
 
     sft_log = (tmp / "sft_log.jsonl").open("w")

@@ -96,7 +96,7 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tupl
 
 @dataclasses.dataclass
 class RewardFn:
-    """Scores decoded responses against reference answers: digit_sum in-process (a pure string check); math in
+    """Scores decoded responses against reference answers: toy tasks in-process (a pure string check); math in
     a sandboxed worker pool (model output is untrusted). Returns correctness in {0, 1} and pool stats."""
 
     task: str
@@ -105,10 +105,11 @@ class RewardFn:
     _pool: object = None
 
     def __call__(self, texts: Sequence[str], answers: Sequence[str]) -> tuple[np.ndarray, dict]:
-        if self.task == "digit_sum":
-            from stare_jax.tasks import digit_sum
+        if self.task != "math":
+            from stare_jax.toy import TASKS
 
-            return np.asarray([digit_sum.score(t, a) for t, a in zip(texts, answers)], np.float32), {}
+            score = TASKS[self.task].score
+            return np.asarray([score(t, a) for t, a in zip(texts, answers)], np.float32), {}
         if self._pool is None:
             from stare_jax.rewards.pool import RewardPool
 
@@ -227,11 +228,11 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, Run
         from stare_jax import toy
 
         t = cfg.toy
-        assets = toy.prepare(toy.ToyAssetConfig(seed=t.seed, num_train=t.num_train, num_eval=t.num_eval,
+        assets = toy.prepare(toy.ToyAssetConfig(task=t.task, sft_noise=t.sft_noise, seed=t.seed, num_train=t.num_train, num_eval=t.num_eval,
                                                 k_min=t.k_min, k_max=t.k_max, hidden_size=t.hidden_size,
                                                 num_layers=t.num_layers, sft_steps=t.sft_steps, sft_lr=t.sft_lr),
                              t.cache_dir, log=log)
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task="digit_sum", prompt_template="raw"))
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task=t.task, prompt_template="raw"))
         return cfg, RunInputs(assets.model_dir, assets.model_dir / "tokenizer.model", assets.train_path,
                               {"heldout": str(assets.eval_path)})
     if not cfg.model.path:
@@ -261,9 +262,30 @@ def _seed_for(seed: int, step: int, j: int) -> int:
     return (seed * 1_000_003 + step * 1_009 + j) % (2**31 - 1)
 
 
-def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = False,
-                 log: Callable[[str], None] = print) -> dict:
-    """Train per `cfg`, writing everything under run_dir; returns a summary dict."""
+def init_distributed(coordinator_address: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """jax.distributed.initialize for multi-process runs: explicit arguments (GPU over ssh, local CPU processes),
+    or automatic on Cloud TPU / Slurm / when JAX_COORDINATOR_ADDRESS is set. Single-process runs skip it."""
+    import os
+
+    given = [coordinator_address, num_processes, process_id]
+    if any(v is not None for v in given):
+        if any(v is None for v in given):
+            raise TrainingError("multi-process runs need all of --coordinator-address, --num-processes and "
+                                "--process-id (or none of them, for automatic detection)")
+        if not 0 <= process_id < num_processes:
+            raise TrainingError(f"--process-id {process_id} is outside [0, --num-processes={num_processes})")
+        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                                   process_id=process_id)
+    elif os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
+        jax.distributed.initialize()
+
+
+def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = False, require_checkpoint: bool = False,
+                 distributed: tuple = (None, None, None), log: Callable[[str], None] = print) -> dict:
+    """Train per `cfg`, writing everything under run_dir; returns a summary dict.
+
+    resume: continue from RUN_DIR's newest checkpoint if it has one, else start a new run there (what the launch
+    scripts pass); with require_checkpoint a missing checkpoint is an error instead."""
     from flax import nnx
 
     from stare_jax import models
@@ -277,7 +299,17 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
 
     run_dir = pathlib.Path(run_dir)
     t_start = time.time()
+    init_distributed(*distributed)
     cfg, inputs = resolve_inputs(cfg, log)
+    has_ckpt = (run_dir / "checkpoints").is_dir() and any(p.name.isdigit() for p in (run_dir / "checkpoints").iterdir())
+    if resume and not has_ckpt:
+        if require_checkpoint:
+            raise TrainingError(f"--resume --require-checkpoint: no checkpoint in {run_dir / 'checkpoints'}")
+        if (run_dir / "metrics.jsonl").exists():
+            raise TrainingError(f"{run_dir} holds a run (metrics.jsonl) but no checkpoint to resume from; "
+                                f"use a new --run-dir")
+        log(f"--resume: no checkpoint in {run_dir}, starting a new run there")
+        resume = False
     if (run_dir / "metrics.jsonl").exists() and not resume:
         raise TrainingError(f"{run_dir} already holds a run (metrics.jsonl); use --resume or a new --run-dir")
     save_config(cfg, run_dir)

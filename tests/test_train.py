@@ -137,7 +137,7 @@ def test_bad_input_errors(tmp_path, toy_cache):
     p = _run([sys.executable, "-m", "stare_jax.cli", "train", "--run-dir", str(tmp_path / "r1"),
               f"model.path={hf}", f"data.train_path={bad}"])
     assert p.returncode != 0 and "has no config.json" in p.stderr
-    p = _run(_train_cmd(tmp_path / "r2", toy_cache, "--resume", "total_steps=2"))
-    assert p.returncode != 0 and "r2" in p.stderr
+    p = _run(_train_cmd(tmp_path / "r2", toy_cache, "--resume", "--require-checkpoint", "total_steps=2"))
+    assert p.returncode != 0 and "no checkpoint in" in p.stderr and "r2" in p.stderr
     p = _run(_train_cmd(tmp_path / "r3", toy_cache, "rl.stare.w=0.5"))
     assert p.returncode == 2 and "'rl.stare.w' = 0.5 is out of range" in p.stderr
