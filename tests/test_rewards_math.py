@@ -321,6 +321,9 @@ def test_hedged_or_multiple_answers_do_not_score(response, reference):
         ("\\boxed{12_6}", "12_5", 0.0),  # math-verify alone drops the base
         ("\\boxed{12}", "12_5", 1.0),
         ("\\boxed{A5_{11}}", "\\text{A5}_{11}", 1.0),
+        ("\\boxed{2^{100} - 3}", "2^{100} - 2", 0.0),  # no relative tolerance for huge exact numbers
+        ("\\boxed{1/2 + 3*4}", "12.6", 0.0),
+        ("\\boxed{\\sqrt{2}\\cdot\\sqrt{2}}", "2", 1.0),
     ],
 )
 def test_tiny_magnitudes_and_bases(response, reference, expected):

@@ -377,13 +377,28 @@ def is_equivalent(pred: str, reference: str) -> bool:
     target = _mv_parse(p)
     if not target:
         return False
-    rel = _relative_difference(gold[0], target[0])
     if not verify(gold, target, timeout_seconds=None):
         # math-verify misses some equal numbers (e.g. an unevaluated `1/2 + 3*4` against 12.5)
-        return rel is not None and rel <= 1e-12
+        return _exactly_equal_numbers(gold[0], target[0])
     # math-verify compares `(a - b).evalf(chop=True) == 0`, and chop zeroes any tiny difference, so it calls
     # 2^{-98} == 2^{-99} and 4.6e-24 == 4.6e-25 (Minerva's physics answers live at such scales): veto those.
+    rel = _relative_difference(gold[0], target[0])
     return rel is None or rel <= 1e-5
+
+
+def _exactly_equal_numbers(gold, target) -> bool:
+    """Both SymPy scalar numbers and (gold - target) evaluates to exactly zero (no tolerance: 2^{100} - 2 and
+    2^{100} - 3 differ).  Works on SymPy objects, never strings."""
+    import sympy
+
+    try:
+        if not (isinstance(gold, sympy.Expr) and isinstance(target, sympy.Expr)):
+            return False
+        if not (gold.is_number and target.is_number):
+            return False
+        return bool((gold - target).doit().is_zero)
+    except Exception:  # noqa: BLE001 - not comparable: not equal
+        return False
 
 
 def _relative_difference(gold, target) -> float | None:
@@ -398,12 +413,13 @@ def _relative_difference(gold, target) -> float | None:
             return None
         a = complex(sympy.N(gold, 30))
         b = complex(sympy.N(target, 30))
+        d = complex(sympy.N(gold - target, 30))  # evalf of the difference: no cancellation error
     except Exception:  # noqa: BLE001 - not a plain number
         return None
     scale = max(abs(a), abs(b))
-    if scale != scale or scale == float("inf"):
+    if scale != scale or scale == float("inf") or abs(d) != abs(d):
         return None
-    return 0.0 if scale == 0.0 else abs(a - b) / scale
+    return 0.0 if scale == 0.0 else abs(d) / scale
 
 
 def score(response_text: str, reference_answer: str | Sequence[str]) -> float:
