@@ -12,6 +12,11 @@ from stare_jax.rewards.math import score
 
 
 def misbehaving_score(response: str, reference) -> float:
+    if response.startswith("mark_then_sleep:"):  # tell the test (by a file) that the item is in flight
+        _, seconds, path = response.split(":", 2)
+        open(path, "w").close()
+        time.sleep(float(seconds))
+        return 1.0
     if response.startswith("sleep:"):
         time.sleep(float(response.split(":")[1]))
         return 1.0

@@ -29,7 +29,7 @@ def pool():
 def test_pool():
     """A pool whose workers run tests/_rewards_fixtures.misbehaving_score (sleep/hang/raise/alloc/die)."""
     with RewardPool(
-        num_workers=2, timeout_s=1.5, memory_mb=512, kill_grace_s=1.0, score_fn=misbehaving_score
+        num_workers=2, timeout_s=1.5, memory_mb=512, kill_grace_s=2.0, score_fn=misbehaving_score
     ) as p:
         yield p
 
@@ -92,7 +92,7 @@ def test_hung_worker_is_interrupted_and_counted(test_pool):
     scores, stats = test_pool.score_batch(["sleep:30", "\\boxed{2}"], ["1", "2"])
     assert scores == [0.0, 1.0]
     assert stats["n_timeout"] == 1 and stats["n_restarts"] == 0  # the in-worker alarm caught it
-    assert stats["wall_s"] < 1.5 + 1.0 + 2.0
+    assert stats["wall_s"] < 1.5 + 2.0 + 2.0
 
 
 def test_worker_ignoring_its_alarm_is_killed_and_replaced(test_pool):
@@ -104,12 +104,21 @@ def test_worker_ignoring_its_alarm_is_killed_and_replaced(test_pool):
     _normal_check(test_pool)
 
 
-def test_worker_killed_mid_item_counts_as_crash_and_is_replaced(test_pool):
+def test_worker_killed_mid_item_counts_as_crash_and_is_replaced(test_pool, tmp_path):
     pids_before = test_pool.worker_pids()
-    # Both workers get a 1 s item; we SIGKILL both from outside while they work on it.
-    killer = threading.Timer(0.4, lambda: [os.kill(pid, signal.SIGKILL) for pid in pids_before])
+    marks = [tmp_path / "a", tmp_path / "b"]
+
+    def kill_when_both_busy():  # SIGKILL both workers from outside once each is inside its item
+        deadline = time.monotonic() + 10.0
+        while not all(m.exists() for m in marks) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for pid in pids_before:
+            os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_both_busy)
     killer.start()
-    scores, stats = test_pool.score_batch(["sleep:1.0", "sleep:1.0", "\\boxed{7}"], ["1", "1", "7"])
+    responses = [f"mark_then_sleep:1.2:{marks[0]}", f"mark_then_sleep:1.2:{marks[1]}", "\\boxed{7}"]
+    scores, stats = test_pool.score_batch(responses, ["1", "1", "7"])
     killer.join()
     assert scores == [0.0, 0.0, 1.0]
     assert stats["n_crash"] == 2 and stats["n_restarts"] == 2 and stats["crash_idx"] == [0, 1]
