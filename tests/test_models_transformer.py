@@ -108,11 +108,22 @@ def test_remat_same_loss_and_grads(hf_checkpoints, policy):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g0, g1)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_decode_with_kv_cache_matches_full_forward(loaded, family):
-    """Prefill a left-padded prompt bucket, then decode token by token: logits equal the full forward."""
-    model = loaded[family]
-    prompt_lens, p_len, n_new = [3, 6, 1], 6, 5
+@pytest.mark.parametrize("family,static_index", [("qwen2", False), ("llama", True)])
+def test_decode_with_kv_cache_matches_full_forward(loaded, family, static_index):
+    """Prefill a left-padded prompt bucket, then decode token by token: logits equal the full forward.
+    static_index: cache_index is a python int (attention over the first cache_index+T slots only)."""
+    _check_decode(loaded[family], static_index)
+
+
+def test_decode_splash_prefill(hf_checkpoints):
+    """attention_impl="splash": the prefill call (static cache_index 0) runs the splash kernel (interpreted
+    on CPU), later steps the einsum path; logits equal the full forward."""
+    folder, _ = hf_checkpoints["qwen2"]
+    _check_decode(from_pretrained(folder, attention_impl="splash"), True, n_new=2)
+
+
+def _check_decode(model, static_index, n_new=5):
+    prompt_lens, p_len = [3, 6, 1], 6
     b = len(prompt_lens)
     ids, mask, _ = padded_batch(prompt_lens, p_len, left=True, seed=6)
     rng = np.random.default_rng(7)
@@ -126,7 +137,8 @@ def test_decode_with_kv_cache_matches_full_forward(loaded, family):
     cache = model.init_cache(b, s, dtype=jnp.float32)
     kv_mask = np.zeros((b, s), np.int32)
     kv_mask[:, :p_len] = mask
-    step = jax.jit(lambda m, i, p, c, ci, km: m.decode_step(i, p, c, ci, km))
+    step = jax.jit(lambda m, i, p, c, ci, km: m.decode_step(i, p, c, ci, km),
+                   static_argnums=(4,) if static_index else ())
     logits, cache = step(model, ids, full_pos[:, :p_len], cache, 0, kv_mask)
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(logits)[real], ref[:, :p_len][real], atol=1e-5)

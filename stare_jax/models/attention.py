@@ -67,7 +67,8 @@ def _splash_kernel(t: int, num_heads: int, interpret: bool):
     bq = next((b for b in (512, 256, 128) if t % b == 0), t)
     sizes = sk.BlockSizes(block_q=bq, block_kv_compute=bq, block_kv=bq, block_q_dkv=bq, block_kv_dkv=bq,
                           block_kv_dkv_compute=bq, block_q_dq=bq, block_kv_dq=bq)
-    return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    with jax.ensure_compile_time_eval():  # concrete mask-info arrays, so the cached kernel outlives this trace
+        return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interpret: bool | None = None):

@@ -136,12 +136,20 @@ class Attention(nnx.Module):
         o = attn_lib.attend(self.impl, q, k, v, mask_BxTxS, attention_mask_BxT=attention_mask_BxT)
         return self.out(o)
 
-    def decode(self, x_BxTxD, cos, sin, mask_BxTxS, cache: dict, cache_index):
+    def decode(self, x_BxTxD, cos, sin, mask_BxTxV, cache: dict, cache_index, prefill_mask_BxT=None):
+        """Write this call's k/v at cache_index, attend over the first V slots of the cache (V = mask width:
+        the whole cache, or cache_index+T when cache_index is static). With prefill_mask_BxT (static
+        cache_index 0) the call is plain self-attention over the new tokens, so "splash" can run it."""
         q, k, v = self.qkv(x_BxTxD, cos, sin)
         ck = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), (0, cache_index, 0, 0))
         cv = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), (0, cache_index, 0, 0))
-        impl = "xla" if self.impl == "splash" else self.impl
-        o = attn_lib.attend(impl, q, ck.astype(self.dtype), cv.astype(self.dtype), mask_BxTxS)
+        n = mask_BxTxV.shape[-1]
+        kv_k, kv_v = ck[:, :n].astype(self.dtype), cv[:, :n].astype(self.dtype)
+        if self.impl == "splash" and prefill_mask_BxT is not None:
+            o = attn_lib.attend("splash", q, kv_k, kv_v, mask_BxTxV, attention_mask_BxT=prefill_mask_BxT)
+        else:
+            impl = "xla" if self.impl == "splash" else self.impl
+            o = attn_lib.attend(impl, q, kv_k, kv_v, mask_BxTxV)
         return self.out(o), {"k": ck, "v": cv}
 
 
@@ -173,8 +181,9 @@ class Block(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, ("batch", "seq", "act_embed"))
 
-    def decode(self, x, cos, sin, mask_BxTxS, cache, cache_index):
-        a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, mask_BxTxS, cache, cache_index)
+    def decode(self, x, cos, sin, mask_BxTxV, cache, cache_index, prefill_mask_BxT=None):
+        a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, mask_BxTxV, cache, cache_index,
+                                         prefill_mask_BxT)
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
@@ -265,16 +274,23 @@ class Transformer(nnx.Module):
     def decode_step(self, input_ids_BxT, positions_BxT, cache, cache_index, kv_mask_BxS):
         """Run T new tokens against the cache. Writes their k/v to slots [cache_index, cache_index+T);
         query t (slot cache_index+t) attends to slots s <= cache_index+t with kv_mask_BxS[b, s] == 1.
-        Returns (fp32 logits [B,T,V], new cache)."""
+        Returns (fp32 logits [B,T,V], new cache).
+
+        When cache_index is a python int (e.g. the prefill call with 0), only the first cache_index+T slots
+        can be visible, so attention is computed over those alone (T x T for a prefill, not T x S)."""
         input_ids_BxT = jnp.asarray(input_ids_BxT)
+        kv_mask_BxS = jnp.asarray(kv_mask_BxS)
         t = input_ids_BxT.shape[1]
         s = cache[0]["k"].shape[1]
-        mask_BxTxS = attn_lib.cache_mask(t, s, cache_index, jnp.asarray(kv_mask_BxS))
+        static = isinstance(cache_index, (int, np.integer)) and not isinstance(cache_index, bool)
+        n = min(int(cache_index) + t, s) if static else s
+        mask_BxTxV = attn_lib.cache_mask(t, n, cache_index, kv_mask_BxS[:, :n])
+        prefill_mask = kv_mask_BxS[:, :t] if static and int(cache_index) == 0 else None
         cos, sin = self._cos_sin(jnp.asarray(positions_BxT))
         x = self.embed(input_ids_BxT)
         new_cache = []
         for block, layer_cache in zip(self.layers, cache):
-            x, layer_cache = block.decode(x, cos, sin, mask_BxTxS, layer_cache, cache_index)
+            x, layer_cache = block.decode(x, cos, sin, mask_BxTxV, layer_cache, cache_index, prefill_mask)
             new_cache.append(layer_cache)
         return self.logits_from_hidden(self.norm(x)), new_cache
 
