@@ -6,7 +6,9 @@ reordered sets, 3\\sqrt{2} <-> \\sqrt{18}, \\text{} wrappers, units, percentages
 'x =' prefixes, answer formats such as 'Final Answer:' and </think> tails) or into a near miss (verdict 0:
 off by one, wrong sign, swapped tuple order, changed interval endpoint or open/closed end, inverted fraction,
 conjugate, a wrong later \\boxed, an answer only inside the thinking block).  The labels follow from the
-construction (mathematics), never from running the scorer.
+construction (mathematics), never from running the scorer.  Grading policy encoded here: percentages and
+units are dropped (25\\% and 25 cm both match 25), a base subscript may be dropped (52 matches 52_8), and a
+decimal rounded past the 6th decimal place matches (math-verify's float rounding); nothing else is lenient.
 
 Deterministic: `python tests/data/make_reward_cases.py [DATA_DIR]` rewrites the file byte-identically.
 """
@@ -36,6 +38,17 @@ WRAPS_POS = [
 def load(data_dir: pathlib.Path, name: str) -> list[dict]:
     with (data_dir / name).open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def exact_decimal(v: Fraction) -> str:
+    """The exact decimal expansion of a fraction whose denominator has only the prime factors 2 and 5."""
+    sign = "-" if v < 0 else ""
+    v = abs(v)
+    k = 0
+    while (v * 10**k).denominator != 1:
+        k += 1
+    digits = str((v * 10**k).numerator).rjust(k + 1, "0")
+    return sign + (digits[:-k] + "." + digits[-k:] if k else digits)
 
 
 def wrap(ans: str, k: int) -> str:
@@ -104,7 +117,6 @@ def main(data_dir: pathlib.Path) -> list[dict]:
         if j % 3 == 0:
             add("frac_tfrac_spaces", r["id"], f"\\boxed{{ {sign}\\tfrac{{ {p} }}{{ {q} }} }}", r["answer"], 1)
         val = Fraction(p, q) * (-1 if sign else 1)
-        dec = val.limit_denominator(10**6)
         # terminating decimals only (denominator of the reduced fraction has only factors 2 and 5)
         den = Fraction(p, q).denominator
         while den % 2 == 0:
@@ -112,7 +124,9 @@ def main(data_dir: pathlib.Path) -> list[dict]:
         while den % 5 == 0:
             den //= 5
         if den == 1:
-            add("frac_decimal", r["id"], f"\\boxed{{{float(dec):.6g}}}", r["answer"], 1)
+            add("frac_decimal", r["id"], f"\\boxed{{{exact_decimal(val)}}}", r["answer"], 1)
+            if len(exact_decimal(val).partition(".")[2]) <= 6:  # past 6 decimals, rounding is accepted
+                add("frac_decimal_truncated", r["id"], f"\\boxed{{{exact_decimal(val)[:-1]}}}", r["answer"], 0)
         if p != q:
             add("frac_inverted", r["id"], f"\\boxed{{{sign}\\frac{{{q}}}{{{p}}}}}", r["answer"], 0)
         add("frac_num_off", r["id"], f"\\boxed{{{sign}\\frac{{{p + 1}}}{{{q}}}}}", r["answer"], 0)
