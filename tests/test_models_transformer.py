@@ -217,3 +217,19 @@ def test_grads_match_torch_autograd(hf_checkpoints, loaded):
     ours = np.asarray(g["layers"][0]["self_attn"]["q_proj"]["kernel"][...])  # [D, H, Dh]
     np.testing.assert_allclose(ours.reshape(ours.shape[0], -1).T, qk, atol=1e-5)
     hf_model.zero_grad(set_to_none=True)
+
+
+def test_bad_shapes_raise(loaded):
+    model = loaded["qwen2"]
+    ids = np.ones((2, 4), np.int32)
+    with pytest.raises(ValueError, match="attention_mask"):
+        model.hidden_states(ids, np.ones((2, 5), np.int32))
+    with pytest.raises(ValueError, match="positions"):
+        model.hidden_states(ids, None, np.zeros((1, 4), np.int32))
+    with pytest.raises(ValueError, match="input_ids"):
+        model.hidden_states(np.ones((4,), np.int32))
+    cache = model.init_cache(2, 8)
+    with pytest.raises(ValueError, match="kv_mask"):
+        model.decode_step(ids, ids, cache, 0, np.ones((2, 7), np.int32))
+    with pytest.raises(ValueError, match="cache_index=6"):
+        model.decode_step(ids, ids, cache, 6, np.ones((2, 8), np.int32))

@@ -200,6 +200,17 @@ _POLICIES = {
 }
 
 
+def _check_shape(name, x, shape):
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
+
+
+def _check_ids(input_ids_BxT):
+    if input_ids_BxT.ndim != 2 or not jnp.issubdtype(input_ids_BxT.dtype, jnp.integer):
+        raise ValueError(f"input_ids must be an integer [batch, seq] array, got shape {tuple(input_ids_BxT.shape)} "
+                         f"dtype {input_ids_BxT.dtype}")
+
+
 def default_positions(attention_mask_BxT):
     """cumsum(mask) - 1 clipped at 0: a left-padded row gets the same positions as the unpadded one."""
     return jnp.maximum(jnp.cumsum(attention_mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
@@ -246,11 +257,15 @@ class Transformer(nnx.Module):
     def hidden_states(self, input_ids_BxT, attention_mask=None, positions=None):
         """[B,T,D] in compute dtype, after the final norm."""
         input_ids_BxT = jnp.asarray(input_ids_BxT)
+        _check_ids(input_ids_BxT)
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids_BxT.shape, jnp.int32)
         attention_mask = jnp.asarray(attention_mask)
+        _check_shape("attention_mask", attention_mask, input_ids_BxT.shape)
         if positions is None:
             positions = default_positions(attention_mask)
+        positions = jnp.asarray(positions)
+        _check_shape("positions", positions, input_ids_BxT.shape)
         cos, sin = self._cos_sin(positions)
         mask_BxTxT = attn_lib.causal_padding_mask(attention_mask)
         x = self.embed(input_ids_BxT)
@@ -279,9 +294,17 @@ class Transformer(nnx.Module):
         When cache_index is a python int (e.g. the prefill call with 0), only the first cache_index+T slots
         can be visible, so attention is computed over those alone (T x T for a prefill, not T x S)."""
         input_ids_BxT = jnp.asarray(input_ids_BxT)
+        _check_ids(input_ids_BxT)
         kv_mask_BxS = jnp.asarray(kv_mask_BxS)
-        t = input_ids_BxT.shape[1]
+        b, t = input_ids_BxT.shape
+        if len(cache) != self.config.num_layers:
+            raise ValueError(f"cache has {len(cache)} layers, the model has {self.config.num_layers}")
         s = cache[0]["k"].shape[1]
+        _check_shape("cache[0]['k']", cache[0]["k"], (b, s, self.config.num_kv_heads, self.config.head_dim))
+        _check_shape("positions", jnp.asarray(positions_BxT), (b, t))
+        _check_shape("kv_mask", kv_mask_BxS, (b, s))
+        if isinstance(cache_index, (int, np.integer)) and not 0 <= cache_index <= s - t:
+            raise ValueError(f"cache_index={cache_index} with {t} new tokens does not fit a cache of {s} slots")
         static = isinstance(cache_index, (int, np.integer)) and not isinstance(cache_index, bool)
         n = min(int(cache_index) + t, s) if static else s
         mask_BxTxV = attn_lib.cache_mask(t, n, cache_index, kv_mask_BxS[:, :n])
