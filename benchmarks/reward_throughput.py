@@ -43,12 +43,12 @@ def _rewrite(ans: str, rng: random.Random) -> str:
     return ans
 
 
-def make_mix(data_dir: pathlib.Path, n: int, seed: int = 0) -> tuple[list[str], list[str]]:
+def make_mix(data_dir: pathlib.Path, n: int, group_size: int = 8, seed: int = 0) -> tuple[list[str], list[str]]:
     rows = [json.loads(line) for line in (data_dir / "math500.jsonl").open()]
     rng = random.Random(seed)
     responses, references = [], []
     for i in range(n):
-        ref = rows[i % len(rows)]["answer"]
+        ref = rows[(i // group_size) % len(rows)]["answer"]  # G rollouts per prompt, prompt-major like RL
         body = FILLER * rng.randint(5, 40)
         kind = rng.random()
         if kind < 0.45:
@@ -72,14 +72,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=8, help="responses per prompt (GRPO's G)")
     ap.add_argument("--timeout-s", type=float, default=5.0)
     ap.add_argument("--memory-mb", type=int, default=2048)
     ap.add_argument("--data", type=pathlib.Path, default=DEFAULT_DATA)
     args = ap.parse_args()
 
-    responses, references = make_mix(args.data, args.n)
+    responses, references = make_mix(args.data, args.n, args.group_size)
     mean_chars = sum(map(len, responses)) / len(responses)
-    print(f"{args.n} responses from math500 (mean {mean_chars:.0f} chars), {args.workers} workers, "
+    print(f"{args.n} responses ({args.group_size} per prompt) from math500 (mean {mean_chars:.0f} chars), "
+          f"{args.workers} workers, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
 
     t0 = time.perf_counter()

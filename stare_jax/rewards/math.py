@@ -23,6 +23,7 @@ Safety notes (read before changing anything here):
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Sequence
@@ -346,6 +347,13 @@ def _as_exact_number(s: str) -> Fraction | None:
     return None
 
 
+@functools.lru_cache(maxsize=4096)
+def _parse_reference(norm_ref: str):
+    """Parsed reference, cached: the G responses of a prompt share one reference (SymPy objects are immutable).
+    Returns a tuple so cached values cannot be mutated by callers."""
+    return tuple(_mv_parse(norm_ref))
+
+
 def is_equivalent(pred: str, reference: str) -> bool:
     """Whether an extracted answer `pred` equals `reference`: normalised string match, else math-verify."""
     if len(pred) > MAX_ANSWER_CHARS:
@@ -371,13 +379,13 @@ def is_equivalent(pred: str, reference: str) -> bool:
         return pb.group(2) == rb.group(2) and pb.group(1).lower() == rb.group(1).lower()
     from math_verify import verify
 
-    gold = _mv_parse(r)
+    gold = _parse_reference(r)
     if not gold:
         return False
     target = _mv_parse(p)
     if not target:
         return False
-    if not verify(gold, target, timeout_seconds=None):
+    if not verify(list(gold), target, timeout_seconds=None):
         # math-verify misses some equal numbers (e.g. an unevaluated `1/2 + 3*4` against 12.5)
         return _exactly_equal_numbers(gold[0], target[0])
     # math-verify compares `(a - b).evalf(chop=True) == 0`, and chop zeroes any tiny difference, so it calls
