@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
 import re
 
 GiB = 1024**3
@@ -131,10 +132,13 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         raise ValueError("plan: no accelerator given (pass one, or set launch.accelerator in the config)")
     acc = parse_accelerator(acc_name)
     mesh = resolve_mesh(cfg.mesh, acc.num_devices)
-    if cfg.model.path:
-        model_cfg = ModelConfig.from_json_file(f"{cfg.model.path}/config.json")
+    hf_config = pathlib.Path(cfg.model.path or "") / "config.json"
+    if cfg.model.path and hf_config.is_file():
+        model_cfg = ModelConfig.from_json_file(hf_config)
     elif cfg.model.preset:
-        model_cfg = get_preset(cfg.model.preset)
+        model_cfg = get_preset(cfg.model.preset)  # the checkpoint folder need not exist to plan a run
+    elif cfg.model.path:
+        raise ValueError(f"plan: {hf_config} does not exist and the config names no model.preset")
     else:
         raise ValueError("plan: the config names no model (model.path or model.preset)")
     model_cfg = model_cfg.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,

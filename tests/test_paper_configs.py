@@ -81,7 +81,7 @@ def test_paper_hyper_parameters(cfgs, model):
         assert c.data.max_prompt_len + s.max_new_tokens == TOTAL_TOKENS[model]
         assert c.data.max_prompt_len == 1024
         # micro-batches tile the 64 x 8 training batch
-        assert (rl.train_batch_size * rl.group_size) % rl.micro_batch_size == 0
+        assert rl.micro_batch_size >= 1
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -95,15 +95,10 @@ def test_prompt_plus_response_fit_the_context(cfgs, model):
     assert total <= MAX_POSITIONS[model]
 
 
-def _accelerator(model: str) -> str:
-    m = re.search(r"^#\s*launch\.accelerator:\s*(\S+)", (PAPER / f"_base_{model}.yaml").read_text(), re.M)
-    assert m, f"_base_{model}.yaml has no '# launch.accelerator:' line"
-    return m.group(1)
-
-
 @pytest.mark.parametrize("model", MODELS)
 def test_mesh_fits_the_named_tpu_slice(cfgs, model):
-    accel = _accelerator(model)
+    accel = cfgs[(model, "stare_c2")].launch.accelerator
+    assert accel, f"_base_{model}.yaml sets no launch.accelerator"
     out = subprocess.run(["bash", str(ROOT / "launch" / "tpu_vm.sh"), "info", "--accelerator-type", accel],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
@@ -116,4 +111,5 @@ def test_mesh_fits_the_named_tpu_slice(cfgs, model):
     fsdp = chips // fixed if mesh.fsdp == -1 else mesh.fsdp
     assert mesh.data * fsdp * mesh.tensor == chips
     assert arch.num_kv_heads % mesh.tensor == 0 and arch.num_heads % mesh.tensor == 0
-    assert c.rl.micro_batch_size % (mesh.data * fsdp) == 0  # whole sequences per batch-sharded device
+    # micro-batches of micro_batch_size sequences per data shard tile the 64 x 8 training batch
+    assert (c.rl.train_batch_size * c.rl.group_size) % (c.rl.micro_batch_size * mesh.data * fsdp) == 0
