@@ -35,7 +35,7 @@ from stare_jax.rewards.math import score as _math_score
 
 __all__ = ["RewardPool"]
 
-_PRELOAD = ["stare_jax.rewards.math", "stare_jax.rewards.pool", "math_verify", "sympy"]
+_PRELOAD = ["stare_jax.rewards.math", "stare_jax.rewards.pool", "stare_jax.rewards._preload"]
 
 
 class _ItemTimeout(BaseException):
@@ -64,7 +64,7 @@ def _worker_main(conn, score_fn, timeout_s: float, memory_mb: int | None) -> Non
 
             limit = _address_space_bytes() + int(memory_mb) * 1024 * 1024
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        score_fn("\\boxed{\\frac{1}{2}}", "0.5")  # loads the LaTeX grammar once, before any deadline runs
+        score_fn("\\boxed{\\sqrt{2}}", "2^{1/2}")  # loads the LaTeX grammar once, before any deadline runs
     except BaseException as e:  # noqa: BLE001 - reported to the parent as a start-up failure
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
