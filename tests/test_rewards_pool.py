@@ -185,3 +185,9 @@ def test_concurrent_callers_are_serialised(pool):
     with ThreadPoolExecutor(2) as ex:
         results = list(ex.map(run, [1, 2]))
     assert results == [[1.0, 0.0] * 5] * 2
+
+
+def test_spawn_start_method_works():
+    with RewardPool(num_workers=1, timeout_s=5.0, memory_mb=1024, start_method="spawn") as p:
+        scores, stats = p.score_batch(["\\boxed{\\sqrt{8}}", "\\boxed{3}"], ["2\\sqrt{2}", "4"])
+    assert scores == [1.0, 0.0] and stats["n_ok"] == 2
