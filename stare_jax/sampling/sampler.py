@@ -136,12 +136,16 @@ def _generate_core(graphdef, state, prompt_ids_PxT, prompt_mask_PxT, prompt_inde
     B, S = P * G, T + N
     mask_PxT = prompt_mask_PxT.astype(jnp.int32)
 
-    # Prefill the P distinct prompts once.
+    # Prefill the P distinct prompts once: slots [0, T-1) in one call whose logits are unused (so XLA drops
+    # the [P, T-1, V] unembedding entirely), then the last prompt slot T-1 as a one-token step for the logits.
+    ids_PxT = prompt_ids_PxT.astype(jnp.int32)
     positions_PxT = jnp.maximum(jnp.cumsum(mask_PxT, axis=-1) - 1, 0)
     cache = _constrain(model.init_cache(P, S, dtype=jnp.dtype(spec.cache_dtype)), spec.batch_sharding, P)
     kv_mask_PxS = jnp.concatenate([mask_PxT, jnp.zeros((P, N), jnp.int32)], axis=-1)
-    logits_PxTxV, cache = model.decode_step(prompt_ids_PxT.astype(jnp.int32), positions_PxT, cache, 0, kv_mask_PxS)
-    last_logits_PxV = logits_PxTxV[:, -1].astype(jnp.float32)
+    if T > 1:
+        _, cache = model.decode_step(ids_PxT[:, :-1], positions_PxT[:, :-1], cache, 0, kv_mask_PxS)
+    logits_Px1xV, cache = model.decode_step(ids_PxT[:, -1:], positions_PxT[:, -1:], cache, T - 1, kv_mask_PxS)
+    last_logits_PxV = logits_Px1xV[:, -1].astype(jnp.float32)
 
     # Repeat along batch for the G samples per prompt (prompt-major rows).
     def rep(x):
