@@ -258,6 +258,19 @@ def encode_rows(rows: Sequence[PromptRow], tokenizer, cfg: Config) -> tuple[list
     return ids, keep
 
 
+def reweighting_active(cfg: Config, step_metrics) -> bool:
+    """Whether STARE reweighted this step: never for GRPO-ds; always for gate 'none'; the controller's flag for the
+    batch gate; any gated token for the sample/token gates."""
+    s = cfg.rl.stare
+    if not s.enabled:
+        return False
+    if s.gate == "none":
+        return True
+    if s.gate == "batch":
+        return bool(step_metrics["gate_on"])
+    return float(step_metrics.get("stare/gate_frac", 0.0)) > 0
+
+
 def _seed_for(seed: int, step: int, j: int) -> int:
     return (seed * 1_000_003 + step * 1_009 + j) % (2**31 - 1)
 
@@ -425,7 +438,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
                 "entropy": float(m["entropy"]), "target_entropy": cfg.rl.stare.target_entropy,
                 "reward_mean": float(rewards.mean()), "accuracy": float(all_correct.mean()),
                 "train_accuracy": float(kept.correct_PxG.mean()),
-                "response_len_mean": float(all_len.mean()), "gate_on": bool(m["gate_on"]),
+                "response_len_mean": float(all_len.mean()), "gate_on": reweighting_active(cfg, m),
                 "stare_enabled": cfg.rl.stare.enabled,
                 "stare_w": float(m["stare_w"]), "stare_m": float(m["stare_m"]),
                 "selected_frac_pos": float(m.get("stare/frac_pos_high", m.get("stare/frac_pos_low", 0.0))),
