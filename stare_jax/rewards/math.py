@@ -115,12 +115,13 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
-_FINAL_PHRASES = ("final answer:", "final answer is", "the answer is")
+_FINAL_PHRASES = ("final answer", "the answer is")
 _HOPE = "i hope it is correct"
 
 
 def _after_final_phrase(text: str) -> str | None:
-    """Text after the last 'Final Answer:' / 'The final answer is' / 'The answer is', to the end of its line."""
+    """The answer after the last 'Final Answer:' / '**Final Answer**' / 'The final answer is' /
+    'The answer is': the rest of that line, or the next non-empty line if the phrase ends its line."""
     lower = text.lower()
     best, best_len = -1, 0
     for phrase in _FINAL_PHRASES:
@@ -129,17 +130,22 @@ def _after_final_phrase(text: str) -> str | None:
             best, best_len = pos, len(phrase)
     if best < 0:
         return None
-    rest = text[best + best_len :]
-    nl = rest.find("\n", 1 if rest.startswith("\n") else 0)
-    line = rest if nl < 0 else rest[:nl]
+    i, n = best + best_len, len(text)
+    while i < n and text[i] in " \t*:":
+        i += 1
+    if lower.startswith("is", i) and (i + 2 == n or not text[i + 2].isalpha()):  # 'The final answer is X'
+        i += 2
+    while i < n and text[i] in " \t*:\n\r":
+        i += 1
+    nl = text.find("\n", i)
+    line = text[i:] if nl < 0 else text[i:nl]
     inner = _last_boxed(line)
     if inner is not None:
         return inner
-    line = line.strip().rstrip(".").strip()
+    line = line.rstrip(" \t\r.")
     if line.lower().endswith(_HOPE):  # Minerva style: 'The final answer is X. I hope it is correct.'
         line = line[: -len(_HOPE)]
-    line = line.lstrip(":").strip()
-    line = line.rstrip(".").strip().strip("$").strip().rstrip(".").strip()
+    line = line.rstrip(" \t\r.$").lstrip(" \t$")
     return line or None
 
 
