@@ -261,9 +261,25 @@ def _select_flat_bisect(s_N, cand_pos_N, cand_neg_N, *, top_p: float, rule: str,
         beyond = c & ((key_N > kv_K[i]) if side == "high" else (key_N < kv_K[i]))
         tie = c & (key_N == kv_K[i])
         need_ties = ks[sign] - jnp.sum(beyond, dtype=jnp.int32)
-        tie_rank = jnp.cumsum(tie.astype(jnp.int32))
-        out[name] = (beyond | (tie & (tie_rank <= need_ties))) & (counts[sign] > 0)
+        last = _kth_true_index(tie, need_ties)
+        out[name] = (beyond | (tie & (lax.iota(jnp.int32, tie.shape[0]) <= last))) & (counts[sign] > 0)
     return out
+
+
+def _kth_true_index(flag_N, m):
+    """Flat index of the m-th (1-based) True of flag_N (-1 when m <= 0), by bisection over the index range with
+    masked counts: the tie-break "lowest position first" without a sort or a cumsum over the sharded array."""
+    size = flag_N.shape[0]
+    iota_N = lax.iota(jnp.int32, size)
+
+    def body(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo) // 2
+        ok = jnp.sum(flag_N & (iota_N <= mid), dtype=jnp.int32) >= m
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    lo, _ = lax.fori_loop(0, max(size, 1).bit_length() + 1, body, (jnp.int32(0), jnp.int32(size - 1)))
+    return jnp.where(m > 0, lo, -1)
 
 
 SELECT_IMPL = "bisect"  # "bisect" (default: no sort, shards cleanly) or "sort" (reference)
