@@ -105,6 +105,7 @@ def test_worker_ignoring_its_alarm_is_killed_and_replaced(test_pool):
 
 
 def test_worker_killed_mid_item_counts_as_crash_and_is_replaced(test_pool, tmp_path):
+    test_pool.wait_ready()  # so items 0 and 1 go to different workers
     pids_before = test_pool.worker_pids()
     marks = [tmp_path / "a", tmp_path / "b"]
 

@@ -2,14 +2,17 @@
 
 Why a hand-written pool (not multiprocessing.Pool / concurrent.futures): those cannot kill one hung task,
 and a worker that dies mid-task either hangs Pool or breaks the whole ProcessPoolExecutor.  Here each worker
-owns one pipe and gets one item at a time, so the parent always knows which item a worker holds:
+owns one pipe and works through its items in order, answering after each, so the parent always knows which
+item a worker is on.  Up to `prefetch` small items are queued per worker (kept well under the OS pipe buffer,
+so a send never blocks on a busy worker), which saves a process wake-up round trip per item:
 - a worker that overruns `timeout_s` is first interrupted inside the worker (SIGALRM raising a
   BaseException, which math-verify/SymPy's `except Exception` cannot swallow); if it is stuck in C code and
   does not answer within `kill_grace_s` more, the parent SIGKILLs it.  Either way: score 0, `n_timeout` += 1.
 - a worker that dies (segfault, OOM kill, killed from outside) mid-item: score 0, `n_crash` += 1.
 - an exception while scoring (MemoryError from RLIMIT_AS, RecursionError, parser errors): score 0,
   `n_error` += 1; the worker lives on.
-Dead or killed workers are replaced at once; the caller always gets one score per item.
+Dead or killed workers are replaced at once and the items queued behind the failed one are re-dispatched;
+the caller always gets one score per item.
 
 Workers start with the 'forkserver' method (preloading the scoring modules, so replacing a worker costs a
 fork, not a SymPy import) or 'spawn'; never plain 'fork', which is unsafe in a process running JAX threads.
@@ -35,6 +38,9 @@ from stare_jax.rewards.math import score as _math_score
 
 __all__ = ["RewardPool"]
 
+# Bytes of not-yet-scored items a worker may have queued in its pipe (Linux pipes buffer 64 KiB): below this,
+# Connection.send never blocks on a busy worker, so the parent keeps watching deadlines.
+_PIPE_BUDGET_BYTES = 32 * 1024
 _PRELOAD = ["stare_jax.rewards.math", "stare_jax.rewards.pool", "stare_jax.rewards._preload"]
 
 
@@ -98,7 +104,8 @@ def _worker_main(conn, score_fn, timeout_s: float, memory_mb: int | None) -> Non
 
 
 class _Worker:
-    """Parent-side handle of one worker process: its pipe, whether it is ready, and the item it holds."""
+    """Parent-side handle of one worker process: its pipe, whether it is ready, and the items sent to it
+    (in order; the first is the one it is working on)."""
 
     def __init__(self, ctx, score_fn, timeout_s: float, memory_mb: int | None):
         parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -110,8 +117,9 @@ class _Worker:
         self.conn = parent_conn
         self.ready = False
         self.started_at = time.monotonic()
-        self.item: int | None = None
-        self.deadline = math.inf
+        self.queue: collections.deque[int] = collections.deque()
+        self.queued_bytes = 0
+        self.deadline = math.inf  # hard deadline of the head of the queue
 
     def kill(self) -> None:
         try:
@@ -127,7 +135,8 @@ class RewardPool:
 
     Args:
       num_workers: worker processes.
-      timeout_s: per-item time limit (wall clock, counted from when the worker receives the item).
+      timeout_s: per-item time limit (wall clock, from when the worker starts the item; the parent's hard
+        deadline counts from when it learns the previous item finished, so it is never early).
       memory_mb: how far (MiB) each worker's address space may grow beyond its start-up footprint
         (RLIMIT_AS = footprint + memory_mb; relative, so a worker that inherited a big main module still
         works); None for no limit.  A blow-up past it raises MemoryError in the worker: score 0, n_error.
@@ -136,6 +145,7 @@ class RewardPool:
       start_method: 'forkserver' (default) or 'spawn'.
       kill_grace_s: extra seconds after timeout_s before a worker that ignores its in-process alarm is killed.
       startup_timeout_s: how long a new worker may take to import and warm up.
+      prefetch: items queued per worker (>= 1); only small items are queued behind a busy one.
 
     Use as a context manager (or call close()).  `score_batch` never raises because of an item: timeouts,
     crashes and errors score 0 and are counted in the returned stats.
@@ -150,6 +160,7 @@ class RewardPool:
         start_method: str = "forkserver",
         kill_grace_s: float = 1.0,
         startup_timeout_s: float = 120.0,
+        prefetch: int = 4,
     ):
         if num_workers < 1:
             raise ValueError(f"RewardPool: num_workers must be >= 1, got {num_workers}")
@@ -157,6 +168,8 @@ class RewardPool:
             raise ValueError(f"RewardPool: timeout_s must be > 0, got {timeout_s}")
         if memory_mb is not None and memory_mb < 256:
             raise ValueError(f"RewardPool: memory_mb must be >= 256 (SymPy needs it) or None, got {memory_mb}")
+        if prefetch < 1:
+            raise ValueError(f"RewardPool: prefetch must be >= 1, got {prefetch}")
         if start_method not in ("forkserver", "spawn"):
             raise ValueError(f"RewardPool: start_method must be 'forkserver' or 'spawn', got {start_method!r}")
         self.num_workers = num_workers
@@ -165,6 +178,7 @@ class RewardPool:
         self.score_fn = score_fn
         self.kill_grace_s = float(kill_grace_s)
         self.startup_timeout_s = float(startup_timeout_s)
+        self.prefetch = int(prefetch)
         self._ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # Takes effect only if this process has not started its forkserver yet; otherwise workers
@@ -203,6 +217,21 @@ class RewardPool:
             f"RewardPool: worker failed to start ({msg[1]}); memory_mb={self.memory_mb}, "
             f"start_method={self._ctx.get_start_method()}"
         )
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until every worker (including replacements started by the last batch) is ready to score."""
+        deadline = time.monotonic() + (self.startup_timeout_s if timeout_s is None else timeout_s)
+        for i, w in enumerate(self._workers):
+            while not w.ready:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"RewardPool.wait_ready: worker {i} not ready in time")
+                if mpc.wait([w.conn, w.proc.sentinel], timeout=left) and not w.conn.poll():
+                    self._replace(i)  # died during start-up: start another
+                    w = self._workers[i]
+                    continue
+                if w.conn.poll():
+                    self._handle_startup_message(w)
 
     def worker_pids(self) -> list[int]:
         """PIDs of the current workers (for monitoring and tests)."""
@@ -269,37 +298,60 @@ class RewardPool:
         pending = collections.deque(range(n))
         startup_failures = 0
 
-        def fail_item(i: int, kind: str) -> None:
+        def size(idx: int) -> int:
+            ref = references[idx]
+            return len(responses[idx]) + (len(ref) if isinstance(ref, str) else sum(map(len, ref))) + 256
+
+        def fail_worker(i: int, kind: str) -> None:
+            """The worker's current item (if any) fails as `kind`; items queued behind it go back to pending."""
             w = self._workers[i]
-            if w.item is not None:
+            if w.queue:
+                head = w.queue.popleft()
                 stats[kind] += 1
-                failed_idx[kind].append(w.item)
-                w.item = None
+                failed_idx[kind].append(head)
+                pending.extendleft(reversed(w.queue))
+                w.queue.clear()
             stats["n_restarts"] += 1
             self._replace(i)
 
-        while pending or any(w.item is not None for w in self._workers):
-            now = time.monotonic()
-            # 1) hand items to idle ready workers
-            for i, w in enumerate(self._workers):
-                if w.ready and w.item is None and pending:
-                    idx = pending.popleft()
+        for w in self._workers:  # pick up 'ready' messages of replacements started during the last batch
+            while not w.ready and w.proc.is_alive() and w.conn.poll():
+                try:
+                    msg = w.conn.recv()
+                except (EOFError, OSError):
+                    break  # handled as a start-up death in the loop below
+                if msg[0] != "ready":
+                    break  # 'failed' can only be the last message; the loop below sees the exit
+                w.ready = True
+
+        while pending or any(w.queue for w in self._workers):
+            # 1) hand out items breadth-first: every ready worker gets one before any gets a second
+            for depth in range(1, self.prefetch + 1):
+                for i, w in enumerate(self._workers):
+                    if not (pending and w.ready and len(w.queue) < depth):
+                        continue
+                    idx = pending[0]
+                    if w.queue and w.queued_bytes + size(idx) > _PIPE_BUDGET_BYTES:
+                        continue  # big item: wait until this worker has drained its queue
+                    pending.popleft()
                     try:
                         w.conn.send((idx, responses[idx], references[idx]))
                     except (EOFError, OSError):
-                        pending.appendleft(idx)  # worker died while idle: not the item's fault
-                        fail_item(i, "n_crash")
+                        pending.appendleft(idx)  # worker died before taking it: not the item's fault
+                        fail_worker(i, "n_crash")
                         continue
-                    w.item = idx
-                    w.deadline = time.monotonic() + self.timeout_s + self.kill_grace_s
+                    if not w.queue:
+                        w.deadline = time.monotonic() + self.timeout_s + self.kill_grace_s
+                    w.queue.append(idx)
+                    w.queued_bytes += size(idx)
             # 2) wait for a result, a death, a start-up, or the next deadline
             watch = {}
             for i, w in enumerate(self._workers):
-                if w.item is not None or not w.ready:
+                if w.queue or not w.ready:
                     watch[w.conn] = i
                     watch[w.proc.sentinel] = i
             next_deadline = min(
-                [w.deadline for w in self._workers if w.item is not None]
+                [w.deadline for w in self._workers if w.queue]
                 + [w.started_at + self.startup_timeout_s for w in self._workers if not w.ready]
                 + [math.inf]
             )
@@ -312,40 +364,45 @@ class RewardPool:
                     continue
                 handled.add(i)
                 w = self._workers[i]
-                try:
-                    if not w.conn.poll():
-                        raise EOFError  # sentinel fired: the process is gone
-                    msg = w.conn.recv()
-                except (EOFError, OSError):
-                    if not w.ready:
+                while True:  # drain every message already waiting on this worker's pipe
+                    try:
+                        if not w.conn.poll():
+                            if obj is w.proc.sentinel or not w.proc.is_alive():
+                                raise EOFError  # the process is gone
+                            break
+                        msg = w.conn.recv()
+                    except (EOFError, OSError):
+                        if not w.ready:
+                            startup_failures += 1
+                            if startup_failures > 3 * self.num_workers:
+                                raise RuntimeError("RewardPool: replacement workers keep dying during start-up")
+                        fail_worker(i, "n_crash")
+                        break
+                    if msg[0] == "ready":
+                        w.ready = True
+                        continue
+                    if msg[0] == "failed":
                         startup_failures += 1
                         if startup_failures > 3 * self.num_workers:
-                            raise RuntimeError("RewardPool: replacement workers keep dying during start-up")
-                    fail_item(i, "n_crash")
-                    continue
-                if msg[0] == "ready":
-                    w.ready = True
-                    continue
-                if msg[0] == "failed":
-                    startup_failures += 1
-                    if startup_failures > 3 * self.num_workers:
-                        raise RuntimeError(f"RewardPool: replacement workers fail to start: {msg[1]}")
-                    fail_item(i, "n_error")
-                    continue
-                idx, value, status = msg
-                if idx != w.item:  # cannot happen with one item in flight; be loud if it ever does
-                    raise RuntimeError(f"RewardPool: worker answered item {idx} while holding {w.item}")
-                w.item = None
-                scores[idx] = value if status == "ok" else 0.0
-                stats["n_ok" if status == "ok" else f"n_{status}"] += 1
-                if status != "ok":
-                    failed_idx[f"n_{status}"].append(idx)
-                stats["n_correct"] += int(status == "ok" and value > 0.5)
+                            raise RuntimeError(f"RewardPool: replacement workers fail to start: {msg[1]}")
+                        fail_worker(i, "n_error")
+                        break
+                    idx, value, status = msg
+                    if not w.queue or idx != w.queue[0]:  # the protocol is in-order; be loud if it ever is not
+                        raise RuntimeError(f"RewardPool: worker answered item {idx}, expected {list(w.queue)[:1]}")
+                    w.queue.popleft()
+                    w.queued_bytes -= size(idx)
+                    w.deadline = time.monotonic() + self.timeout_s + self.kill_grace_s if w.queue else math.inf
+                    scores[idx] = value if status == "ok" else 0.0
+                    stats["n_ok" if status == "ok" else f"n_{status}"] += 1
+                    stats["n_correct"] += int(status == "ok" and value > 0.5)
+                    if status != "ok":
+                        failed_idx[f"n_{status}"].append(idx)
             # 3) kill workers past their hard deadline (or stuck in start-up)
             now = time.monotonic()
             for i, w in enumerate(self._workers):
-                if w.item is not None and now > w.deadline:
-                    fail_item(i, "n_timeout")
+                if w.queue and now > w.deadline:
+                    fail_worker(i, "n_timeout")
                 elif not w.ready and now > w.started_at + self.startup_timeout_s:
                     raise RuntimeError(f"RewardPool: replacement worker did not start in {self.startup_timeout_s} s")
         for kind, idxs in failed_idx.items():
