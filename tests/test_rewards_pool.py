@@ -96,12 +96,22 @@ def test_hung_worker_is_interrupted_and_counted(test_pool):
 
 
 def test_worker_ignoring_its_alarm_is_killed_and_replaced(test_pool):
+    test_pool.wait_ready()
     pids_before = set(test_pool.worker_pids())
-    scores, stats = test_pool.score_batch(["hang:30", "\\boxed{2}", "\\boxed{3}"], ["1", "2", "3"])
-    assert scores == [0.0, 1.0, 1.0]
+    # Items 2, 4, 6 are queued behind the hanging item 0 on the same worker: they are re-dispatched.
+    responses = ["hang:30"] + [f"\\boxed{{{k}}}" for k in range(1, 8)]
+    scores, stats = test_pool.score_batch(responses, ["1"] + [str(k) for k in range(1, 8)])
+    assert scores == [0.0] + [1.0] * 7
     assert stats["n_timeout"] == 1 and stats["n_restarts"] == 1 and stats["timeout_idx"] == [0]
     assert len(set(test_pool.worker_pids()) - pids_before) == 1
     _normal_check(test_pool)
+
+
+def test_large_items_are_not_queued_behind_busy_workers(pool):
+    """Items bigger than the pipe budget go one at a time (a queued send could block the parent)."""
+    responses = ["x" * 40_000 + f" \\boxed{{{k}}}" for k in range(6)]
+    scores, stats = pool.score_batch(responses, [str(k) for k in range(6)])
+    assert scores == [1.0] * 6 and stats["n_ok"] == 6
 
 
 def test_worker_killed_mid_item_counts_as_crash_and_is_replaced(test_pool, tmp_path):
