@@ -178,6 +178,7 @@ def test_close_stops_workers_and_rejects_use():
         (dict(timeout_s=0), "timeout_s"),
         (dict(memory_mb=10), "memory_mb"),
         (dict(start_method="fork"), "start_method"),
+        (dict(prefetch=0), "prefetch"),
     ],
 )
 def test_bad_config_raises(kwargs, match):
