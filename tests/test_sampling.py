@@ -241,10 +241,16 @@ def test_reshard_and_tensor_parallel_sampling(model):
     assert any("tensor" in s for s in specs)  # tensor parallelism kept
     prompts = [CONTEXT, [1, 2, 3], [4] * 9]
     kw = dict(max_new_tokens=16, num_samples=3, temperature=1.0, eos_ids=[], seed=4)
-    on_mesh = Sampler(sharded, mesh=mesh).generate(prompts, **kw)
+    mesh_sampler = Sampler(sharded, mesh=mesh)
+    on_mesh = mesh_sampler.generate(prompts, **kw)
     single = generate(model, prompts, **kw)
     assert on_mesh.tokens == single.tokens
     np.testing.assert_allclose(np.concatenate(on_mesh.logprobs), np.concatenate(single.logprobs), atol=1e-5)
+    # Once per RL step: new trainer parameters -> sampler layout, same program, new behaviour.
+    before = compiled_programs()
+    mesh_sampler.update_params(init_model(model.config, seed=1, mesh=mesh))
+    changed = mesh_sampler.generate(prompts, **kw)
+    assert compiled_programs() == before and changed.tokens != on_mesh.tokens
 
 
 # ------------------------------------------------------------------------------------- bad input
