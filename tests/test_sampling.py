@@ -201,6 +201,14 @@ def test_reproducible_and_independent_of_batch_composition(model):
     assert alone.tokens == a.tokens[:3]
     assert len({tuple(t) for t in a.tokens[:3]}) == 3  # G samples differ
     assert other.tokens != a.tokens
+    # The array API pads an unbucketed [3, 9] batch itself (to [4, 16]) and gives the same samples.
+    prompts = [CONTEXT, [1, 2, 3], [4] * 9]
+    ids, mask = np.zeros((3, 9), np.int32), np.zeros((3, 9), np.int32)
+    for r, p in enumerate(prompts):
+        ids[r, 9 - len(p):], mask[r, 9 - len(p):] = p, 1
+    arr = Sampler(model).generate_arrays(jnp.asarray(ids), jnp.asarray(mask), seed=42, **kw)
+    assert arr.tokens_BxN.shape == (9, 16) and arr.lengths_B.shape == (9,)
+    assert np.asarray(arr.tokens_BxN).tolist() == a.tokens
 
 
 def test_no_recompilation_within_buckets(model):

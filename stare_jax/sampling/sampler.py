@@ -262,8 +262,10 @@ class Sampler:
         self._batch_sharding = sampling_sharding.batch_sharding(mesh) if mesh is not None else None
 
     def update_params(self, params) -> None:
-        """Take new parameters (an nnx.Module of the same graph, or its nnx.State), resharded on device."""
+        """Take new parameters (an nnx.Module of the same graph, or its nnx.State), resharded on device.
+        The previous sampler copy is dropped first so the two copies need not coexist in memory."""
         state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
+        self.state = None
         self.state = sampling_sharding.reshard_for_sampling(state, self.mesh)
 
     @property
@@ -287,35 +289,47 @@ class Sampler:
                         temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None,
                         seed: int = 0, prompt_index_P=None, active_P=None) -> SampleArrays:
         """Array API for the training loop: LEFT-padded prompt ids/mask [P, T] (device or host arrays) ->
-        SampleArrays with B = P * num_samples rows and N = max_new_tokens columns.
+        SampleArrays with B = P * num_samples rows (prompt-major) and N = max_new_tokens columns.
 
-        T should already be a bucket length (the list API pads for you); P must be a multiple of the data
-        shards. prompt_index_P (default arange(P)) seeds each prompt's randomness, e.g. a global example index;
-        active_P (default all True) marks padding rows, which produce nothing (length 0).
+        T is left-padded up to its bucket and P up to `batch_bucket(P)` (padding rows are inactive) on device,
+        so any P and T work without recompiling for every size; pass bucketed shapes to skip the copies.
+        prompt_index_P (default arange(P)) seeds each prompt's randomness, e.g. a global example index, so a
+        prompt's samples do not depend on its position in the batch; active_P (default all True) marks rows
+        that should produce nothing (length 0). Token ids are not range-checked here (no host sync): the list
+        API validates them.
         """
         _check_sampling_args(max_new_tokens, num_samples, temperature, top_p, top_k)
         P, T = prompt_ids_PxT.shape
         if prompt_mask_PxT.shape != (P, T):
             raise ValueError(f"prompt_mask_PxT shape {prompt_mask_PxT.shape} != prompt_ids_PxT shape {(P, T)}")
-        if P % self.data_shards:
-            raise ValueError(f"number of prompts {P} is not a multiple of the data shards {self.data_shards}")
+        if P == 0 or T == 0:
+            raise ValueError(f"empty prompt batch: prompt_ids_PxT has shape {(P, T)}")
+        max_pos = getattr(self.config, "max_position_embeddings", None)
+        if max_pos is not None and max_new_tokens >= max_pos:
+            raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's "
+                             f"context {max_pos}")
         new_bucket = next_bucket(max_new_tokens, self.min_new_bucket)
         spec = self._spec(num_samples, new_bucket)
-        if prompt_index_P is None:
-            prompt_index_P = np.arange(P, dtype=np.int32)
-        if active_P is None:
-            active_P = np.ones((P,), bool)
+        prompt_index_P = np.arange(P, dtype=np.int32) if prompt_index_P is None else prompt_index_P
+        active_P = np.ones((P,), bool) if active_P is None else active_P
+        ids, mask = jnp.asarray(prompt_ids_PxT, jnp.int32), jnp.asarray(prompt_mask_PxT, jnp.int32)
+        index, active = jnp.asarray(prompt_index_P, jnp.int32), jnp.asarray(active_P, bool)
+        P_pad, T_pad = self.batch_bucket(P), next_bucket(T, self.min_prompt_bucket)
+        if (P_pad, T_pad) != (P, T):
+            ids = jnp.pad(ids, ((0, P_pad - P), (T_pad - T, 0)))
+            mask = jnp.pad(mask, ((0, P_pad - P), (T_pad - T, 0))).at[P:, -1].set(1)  # pad rows: 1 real token
+            index = jnp.pad(index, (0, P_pad - P))
+            active = jnp.pad(active, (0, P_pad - P))
         out = _generate_jit(
-            self.graphdef, self.state, self._put_batch(prompt_ids_PxT), self._put_batch(prompt_mask_PxT),
-            self._put_batch(np.asarray(prompt_index_P, np.int32) if not isinstance(prompt_index_P, jax.Array)
-                            else prompt_index_P),
-            self._put_batch(active_P), jax.random.key(seed), jnp.int32(max_new_tokens),
+            self.graphdef, self.state, self._put_batch(ids), self._put_batch(mask), self._put_batch(index),
+            self._put_batch(active), jax.random.key(seed), jnp.int32(max_new_tokens),
             jnp.bool_(temperature == 0), jnp.float32(temperature if temperature > 0 else 1.0),
             jnp.int32(min(int(top_k), int(self.config.vocab_size))), jnp.float32(top_p),
             jnp.asarray(_eos_array(eos_ids, self.config)), spec=spec)
-        if new_bucket != max_new_tokens:
-            out = SampleArrays(out.tokens_BxN[:, :max_new_tokens], out.logprobs_BxN[:, :max_new_tokens],
-                               out.lengths_B, out.finished_B)
+        B = P * num_samples
+        if new_bucket != max_new_tokens or P_pad != P:
+            out = SampleArrays(out.tokens_BxN[:B, :max_new_tokens], out.logprobs_BxN[:B, :max_new_tokens],
+                               out.lengths_B[:B], out.finished_B[:B])
         return out
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
@@ -325,22 +339,20 @@ class Sampler:
         _check_sampling_args(max_new_tokens, num_samples, temperature, top_p, top_k)
         prompts = _check_prompts(prompt_ids, self.config, max_new_tokens)
         P = len(prompts)
-        P_pad = self.batch_bucket(P)
+        P_pad = self.batch_bucket(P)  # padded here on the host, so generate_arrays has nothing to pad
         T = next_bucket(max(len(p) for p in prompts), self.min_prompt_bucket)
         ids = np.zeros((P_pad, T), np.int32)
         mask = np.zeros((P_pad, T), np.int32)
         for r, p in enumerate(prompts):
             ids[r, T - len(p):] = p
             mask[r, T - len(p):] = 1
-        ids[P:, -1], mask[P:, -1] = 0, 1  # padding rows: one real token, so no row attends to nothing
-        active = np.arange(P_pad) < P
+        mask[P:, -1] = 1  # padding rows: one real token, so no row attends to nothing
         out = self.generate_arrays(ids, mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids,
-                                   seed=seed, prompt_index_P=np.arange(P_pad, dtype=np.int32), active_P=active)
+                                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids, seed=seed,
+                                   prompt_index_P=np.arange(P_pad, dtype=np.int32), active_P=np.arange(P_pad) < P)
         B = P * num_samples
-        tokens, logprobs, lengths, finished = jax.device_get(
-            (out.tokens_BxN, out.logprobs_BxN, out.lengths_B, out.finished_B))
-        tokens, logprobs, lengths, finished = tokens[:B], logprobs[:B], lengths[:B], finished[:B]
+        tokens, logprobs, lengths, finished = (x[:B] for x in jax.device_get(
+            (out.tokens_BxN, out.logprobs_BxN, out.lengths_B, out.finished_B)))
         return SampleOutput(
             tokens=[tokens[b, :lengths[b]].tolist() for b in range(B)],
             logprobs=[logprobs[b, :lengths[b]].tolist() for b in range(B)],
