@@ -19,6 +19,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -28,6 +29,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from stare_jax.models import ModelConfig, init_model  # noqa: E402
 from stare_jax.rl.stare import StareConfig, init_stare_state, token_weights  # noqa: E402
 from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step  # noqa: E402
+
+print = functools.partial(print, flush=True)  # noqa: A001 (progress visible when piped)
 
 PRESETS = {
     # name: (model kwargs, batch, seq_len, num_micro_batches)

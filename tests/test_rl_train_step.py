@@ -147,7 +147,7 @@ def test_nonfinite_loss_skips_update(single, batch):
 def test_ppo_epochs_minibatches_and_micro_batch_scope(single, batch):
     graphdef, ts, _, _, _, _ = single
     cfg = dataclasses.replace(
-        BASE, ppo_epochs=2, num_mini_batches=2, num_micro_batches=2, debug_outputs=False,
+        BASE, ppo_epochs=2, num_mini_batches=2, num_micro_batches=2, debug_outputs=False, theory_diagnostics=True,
         stare=dataclasses.replace(STARE_ON, variant="C2", scope="micro_batch", micro_batch_size=2,
                                   rule="exact_top_k"))
     step = make_train_step(graphdef, cfg, donate=True)
@@ -155,6 +155,9 @@ def test_ppo_epochs_minibatches_and_micro_batch_scope(single, batch):
     assert float(met["num_updates"]) == 4 and float(met["skipped_updates"]) == 0
     assert float(met["approx_kl"]) != 0.0  # later updates see a policy that moved: ratio departs from 1
     assert np.isfinite(float(met["loss"])) and float(met["omega_mean_used"]) != 1.0
+    for k in ("theory/lambda", "theory/gamma_pos", "theory/predicted_dH", "theory/s_star_mean",
+              "theory/frac_pos_high_above_sstar"):
+        assert np.isfinite(float(met[k])), k
     with pytest.raises(ValueError, match="micro_batch_size"):
         bad = dataclasses.replace(cfg, stare=dataclasses.replace(cfg.stare, micro_batch_size=3))
         make_train_step(graphdef, bad)(ts, batch, init_stare_state(bad.stare))

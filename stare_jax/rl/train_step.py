@@ -345,8 +345,15 @@ def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: T
     jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(mesh, batch_axes), rep),
                      out_shardings=(state_sh, rep, rep), donate_argnums=donate_argnums)
 
+    shards = 1
+    for a in batch_axes:
+        shards *= mesh.shape[a]
+
     def run(train_state, batch, stare_state):
         batch = {k: batch[k] for k in BATCH_KEYS}
+        if jnp.shape(batch["input_ids_BxT"])[0] % shards:
+            raise ValueError(f"batch size {jnp.shape(batch['input_ids_BxT'])[0]} must be divisible by the "
+                             f"{shards} devices of mesh axes {batch_axes}")
         with jax.set_mesh(mesh), activation_rules(rules):
             return jitted(train_state, batch, stare_state)
 
