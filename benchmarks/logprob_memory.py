@@ -70,10 +70,6 @@ def main(argv=None):
         rows.append((name, c, n))
         print(f"{name:17s} chunked temp = {c / 2**20:10.1f} MiB   naive temp = {n / 2**20:10.1f} MiB   "
               f"ratio = {c / max(n, 1):.4f}  (goal <= {1 / 8:.3f})")
-        if name != "forward":
-            acc = V * D * 4
-            print(f"{'':17s} (chunked temp includes the scan's fp32 [V, D] unembed-gradient accumulator, "
-                  f"{acc / 2**20:.1f} MiB; without it: {(c - acc) / 2**20:.1f} MiB, ratio {(c - acc) / max(n, 1):.4f})")
     return rows
 
 

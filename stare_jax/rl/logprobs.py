@@ -1,16 +1,20 @@
 """Per-token log-probs of the targets and entropy of the full next-token distribution, without [B, T, V] logits.
 
-The sequence axis is cut into chunks of `chunk_size` positions; each chunk computes its [B, c, V] logits in fp32
+Forward: the sequence axis is cut into chunks of `chunk_size` positions; each chunk computes its [B, c, V] logits in fp32
 (hidden.f32 @ unembed.f32^T for fp32 master weights, as the model contract defines logits; bf16 x bf16 with fp32
 accumulation when the unembed table itself is bf16), a log-softmax, the target log-prob and the
-entropy, under jax.checkpoint inside lax.map, so the forward pass keeps one chunk of logits alive at a time and the
-backward pass recomputes each chunk's logits instead of storing them. Gradients w.r.t. hidden and unembed are
+entropy inside lax.map, so one chunk of logits is alive at a time; it keeps only the per-token logsumexp and entropy.
+Backward (custom VJP): the VOCAB axis is cut into chunks of about the same size; each recomputes its logit columns
+for all tokens, forms dlogits = dlp (onehot - p) - dH p (log p + H), writes its own rows of d(unembed) (no [V, D]
+accumulator carried through the loop) and accumulates d(hidden) [N, D]. Gradients w.r.t. hidden and unembed are
 those of the naive full-logits computation.
 
 Alignment: hidden[b, t] predicts targets[b, t]; the caller does the shift (train_step uses targets = input_ids[:, 1:]).
 Masked positions (mask == 0) return log-prob 0 and entropy 0 and receive no gradient.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,36 +25,112 @@ from stare_jax.rl.theory import critical_surprisal_from_stats
 DEFAULT_CHUNK_SIZE = 128
 
 
-def _logits(h_BxcxD, w_VxD):
+def _logits(h_xD, w_VxD):
     """fp32 logits. fp32 unembed (master weights): exactly hidden.f32 @ unembed.f32^T (the model contract).
     Low-precision unembed: matmul in that dtype with fp32 accumulation (the model's bf16-compute logits), so
     the [V, D] table is never copied to fp32."""
     if w_VxD.dtype == jnp.float32:
-        return jnp.einsum("bcd,vd->bcv", h_BxcxD.astype(jnp.float32), w_VxD)
-    return jnp.einsum("bcd,vd->bcv", h_BxcxD.astype(w_VxD.dtype), w_VxD, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,vd->...v", h_xD.astype(jnp.float32), w_VxD)
+    return jnp.einsum("...d,vd->...v", h_xD.astype(w_VxD.dtype), w_VxD, preferred_element_type=jnp.float32)
 
 
-def _chunk_stats(h_BxcxD, t_Bxc, w_VxD, theory: bool):
+def _chunk_stats(h_BxcxD, t_Bxc, w_VxD, theory: bool, with_lse: bool = False):
     logits = _logits(h_BxcxD, w_VxD)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    logp = logits - lse[..., None]
     lp_t = jnp.take_along_axis(logp, t_Bxc[..., None], axis=-1)[..., 0]
     p = jnp.exp(logp)
     ent = -jnp.sum(p * logp, axis=-1)
+    if with_lse:
+        return (lp_t, ent, lse) + (_theory_stats(lp_t, ent, logp, p) if theory else ())
     if not theory:
         return lp_t, ent
+    return (lp_t, ent) + _theory_stats(lp_t, ent, logp, p)
+
+
+def _theory_stats(lp_t, ent, logp, p):
     h = lax.stop_gradient(ent)
     lpd = lax.stop_gradient(logp)
     pd = lax.stop_gradient(p)
     s2 = jnp.sum(pd * pd * (lpd + h[..., None]), axis=-1)
     lp_a = lax.stop_gradient(lp_t)
     phi_a = jnp.exp(lp_a) * (lp_a + h) - s2
-    return lp_t, ent, phi_a, critical_surprisal_from_stats(h, s2)
+    return phi_a, critical_surprisal_from_stats(h, s2)
+
+
+def _vocab_chunk(V: int, target: int) -> int:
+    """A vocab chunk near `target` that divides V when a divisor is close (151936 = 32 x 4748), else target."""
+    target = max(1, min(int(target), V))
+    for n in range(-(-V // target), min(V, 4 * (-(-V // target))) + 1):
+        if V % n == 0:
+            return V // n
+    return target
+
+
+def _seq_forward(h_BxTxD, t_BxT, w_VxD, c: int, theory: bool):
+    """Sequence-chunked forward: [B, T] outputs (lp, ent, lse, *theory); T must be a multiple of c."""
+    B, T, D = h_BxTxD.shape
+    n = T // c
+    h_CxBxcxD = h_BxTxD.reshape(B, n, c, D).swapaxes(0, 1)
+    t_CxBxc = t_BxT.reshape(B, n, c).swapaxes(0, 1)
+    outs = lax.map(lambda xs: _chunk_stats(xs[0], xs[1], w_VxD, theory, with_lse=True), (h_CxBxcxD, t_CxBxc))
+    return tuple(o.swapaxes(0, 1).reshape(B, T) for o in outs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _lp_ent(h_BxTxD, w_VxD, t_BxT, c: int, vc: int, theory: bool):
+    outs = _seq_forward(h_BxTxD, t_BxT, w_VxD, c, theory)
+    return (outs[0], outs[1]) + tuple(lax.stop_gradient(o) for o in outs[3:])
+
+
+def _lp_ent_fwd(h_BxTxD, w_VxD, t_BxT, c, vc, theory):
+    outs = _seq_forward(h_BxTxD, t_BxT, w_VxD, c, theory)
+    lp, ent, lse = outs[:3]
+    return (lp, ent) + tuple(outs[3:]), (h_BxTxD, w_VxD, t_BxT, lse, ent)
+
+
+def _lp_ent_bwd(c, vc, theory, res, cts):
+    h_BxTxD, w_VxD, t_BxT, lse_BxT, ent_BxT = res
+    dlp_BxT, dent_BxT = cts[0], cts[1]
+    B, T, D = h_BxTxD.shape
+    V = w_VxD.shape[0]
+    N = B * T
+    h_NxD = h_BxTxD.reshape(N, D)
+    t_N, lse_N, ent_N = t_BxT.reshape(N), lse_BxT.reshape(N), ent_BxT.reshape(N)
+    dlp_N, dent_N = dlp_BxT.reshape(N).astype(jnp.float32), dent_BxT.reshape(N).astype(jnp.float32)
+    nv = -(-V // vc)
+    w_pad = jnp.pad(w_VxD, ((0, nv * vc - V), (0, 0))) if nv * vc != V else w_VxD
+    h32 = h_NxD.astype(jnp.float32)
+
+    def body(dh_NxD, k):
+        start = k * vc
+        w_c = lax.dynamic_slice_in_dim(w_pad, start, vc, axis=0)
+        logp = _logits(h_NxD, w_c) - lse_N[:, None]
+        col = start + lax.iota(jnp.int32, vc)
+        p = jnp.where(col[None, :] < V, jnp.exp(logp), 0.0)
+        onehot = (t_N[:, None] == col[None, :]).astype(jnp.float32)
+        dz = dlp_N[:, None] * (onehot - p) - dent_N[:, None] * p * (logp + ent_N[:, None])
+        dw_c = jnp.einsum("nv,nd->vd", dz, h32)
+        dh_NxD = dh_NxD + jnp.einsum("nv,vd->nd", dz, w_c.astype(jnp.float32))
+        return dh_NxD, dw_c.astype(w_VxD.dtype)
+
+    dh, dw = lax.scan(body, jnp.zeros((N, D), jnp.float32), jnp.arange(nv))
+    dw = dw.reshape(nv * vc, D)
+    if nv * vc != V:
+        dw = dw[:V]
+    return dh.astype(h_BxTxD.dtype).reshape(B, T, D), dw, None
+
+
+_lp_ent.defvjp(_lp_ent_fwd, _lp_ent_bwd)
 
 
 def token_logprobs_and_entropy(hidden_BxTxD, unembed_VxD, targets_BxT, mask_BxT, *,
-                               chunk_size: int = DEFAULT_CHUNK_SIZE, theory: bool = False):
+                               chunk_size: int = DEFAULT_CHUNK_SIZE, theory: bool = False,
+                               vocab_chunk_size: int | None = None):
     """Returns (logprobs_BxT, entropy_BxT) in float32; with theory=True also a dict {phi, s_star} [B, T]
-    (Phi of the target token and the critical surprisal of each position, stop-gradient diagnostics)."""
+    (Phi of the target token and the critical surprisal of each position, stop-gradient diagnostics).
+    chunk_size: sequence positions per forward chunk; vocab_chunk_size: vocabulary rows per backward chunk
+    (default: about V * chunk_size / T, so both passes hold [B*c, V]-sized logit blocks)."""
     hidden_BxTxD = jnp.asarray(hidden_BxTxD)
     if hidden_BxTxD.ndim != 3:
         raise ValueError(f"hidden_BxTxD must be 3-D [batch, time, hidden], got shape {hidden_BxTxD.shape}")
@@ -72,22 +152,27 @@ def token_logprobs_and_entropy(hidden_BxTxD, unembed_VxD, targets_BxT, mask_BxT,
     if pad:
         h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
         tgt = jnp.pad(tgt, ((0, 0), (0, pad)))
-    h_CxBxcxD = h.reshape(B, n_chunks, c, D).swapaxes(0, 1)
-    t_CxBxc = tgt.reshape(B, n_chunks, c).swapaxes(0, 1)
-
-    body = jax.checkpoint(lambda hh, tt, ww: _chunk_stats(hh, tt, ww, theory))
-    outs = lax.map(lambda xs: body(xs[0], xs[1], unembed_VxD), (h_CxBxcxD, t_CxBxc))
-    outs = [o.swapaxes(0, 1).reshape(B, n_chunks * c)[:, :T] for o in outs]
-    outs = [jnp.where(valid, o, 0.0) for o in outs]
+    Tp = n_chunks * c
+    if vocab_chunk_size is None:
+        vc = _vocab_chunk(V, max(128, -(-V * c // Tp)))
+    else:
+        if int(vocab_chunk_size) < 1:
+            raise ValueError(f"vocab_chunk_size must be >= 1, got {vocab_chunk_size}")
+        vc = min(int(vocab_chunk_size), V)
+    outs = _lp_ent(h, jnp.asarray(unembed_VxD), tgt, c, vc, bool(theory))
+    outs = [jnp.where(valid, o[:, :T], 0.0) for o in outs]
     if not theory:
         return outs[0], outs[1]
     return outs[0], outs[1], {"phi": outs[2], "s_star": outs[3]}
 
 
 def naive_logprobs_and_entropy(hidden_BxTxD, unembed_VxD, targets_BxT, mask_BxT):
-    """Reference: the same quantities from the full [B, T, V] fp32 logits (tests and memory benchmark only)."""
+    """Reference: the same quantities from the full [B, T, V] fp32 logits with plain autodiff (tests and the
+    memory benchmark only)."""
     valid = jnp.asarray(mask_BxT) > 0
     V = jnp.shape(unembed_VxD)[0]
     tgt = jnp.clip(jnp.where(valid, jnp.asarray(targets_BxT, jnp.int32), 0), 0, V - 1)
-    lp, ent = _chunk_stats(jnp.asarray(hidden_BxTxD), tgt, jnp.asarray(unembed_VxD), False)
+    logp = jax.nn.log_softmax(_logits(jnp.asarray(hidden_BxTxD), jnp.asarray(unembed_VxD)), axis=-1)
+    lp = jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0]
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
     return jnp.where(valid, lp, 0.0), jnp.where(valid, ent, 0.0)
