@@ -61,8 +61,8 @@ def main(argv=None):
         return g
 
     logits_gib = B * T * V * 4 / 2**30
-    print(f"backend={jax.default_backend()} B={B} T={T} V={V} D={D} dtype={args.dtype} param_dtype={args.param_dtype} chunk={args.chunk} "
-          f"(one fp32 [B,T,V] logits array = {logits_gib:.2f} GiB)")
+    print(f"backend={jax.default_backend()} B={B} T={T} V={V} D={D} dtype={args.dtype} "
+          f"param_dtype={args.param_dtype} chunk={args.chunk} (one fp32 [B,T,V] logits array = {logits_gib:.2f} GiB)")
     rows = []
     for name, fc, fn in (("forward", chunked, naive), ("forward+backward", grad_of(chunked), grad_of(naive))):
         c = temp_bytes(fc, h, w, t, m)
