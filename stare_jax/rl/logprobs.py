@@ -1,8 +1,8 @@
 """Per-token log-probs of the targets and entropy of the full next-token distribution, without [B, T, V] logits.
 
 Forward: the sequence axis is cut into chunks of `chunk_size` positions; each chunk computes its [B, c, V]
-logits in fp32 (hidden.f32 @ unembed.f32^T for fp32 master weights, as the model contract defines logits; bf16 x bf16 with fp32
-accumulation when the unembed table itself is bf16), a log-softmax, the target log-prob and the
+logits in fp32 (hidden.f32 @ unembed.f32^T for fp32 master weights, as the model contract defines logits;
+bf16 x bf16 with fp32 accumulation when the unembed table itself is bf16), a log-softmax, the target log-prob and the
 entropy inside lax.map, so one chunk of logits is alive at a time; it keeps only the per-token logsumexp and entropy.
 Backward (custom VJP): the VOCAB axis is cut into chunks of about the same size; each recomputes its logit columns
 for all tokens, forms dlogits = dlp (onehot - p) - dH p (log p + H), writes its own rows of d(unembed) (no [V, D]
