@@ -28,6 +28,13 @@ def test_full_size_param_count(name, expected):
     assert n == expected == model.config.num_params()
 
 
+def test_32b_scan_layers_abstract():
+    cfg = get_preset("qwen2.5-32b", param_dtype="bfloat16", dtype="bfloat16", scan_layers=True)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    assert model.layers.mlp.down_proj.kernel.get_value().shape == (64, 27648, 5120)
+    assert _count(model) == 32_763_876_352
+
+
 @pytest.mark.parametrize("name", ["qwen3-8b", "llama-3.2-1b", "r1-distill-qwen-1.5b"])
 def test_other_presets_count_matches_formula(name):
     model = _abstract(name)

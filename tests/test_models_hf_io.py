@@ -189,3 +189,14 @@ def test_export_sharded_files(hf_checkpoints, tmp_path):
     np.testing.assert_array_equal(np.asarray(_fwd(from_pretrained(out), ids, mask))[real], ours)
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     np.testing.assert_allclose(hf_logits(back, ids, mask, pos)[real], ours, atol=1e-4)
+
+
+def test_scan_layers_export_roundtrip(hf_checkpoints, tmp_path):
+    """A scan_layers model (stacked params) exports the same HF tensors as the per-layer model."""
+    folder, _ = hf_checkpoints["qwen3"]
+    out = save_pretrained(from_pretrained(folder, scan_layers=True), tmp_path / "scan", max_shard_bytes=50_000)
+    a = hf_io.hf_state_dict(from_pretrained(out))
+    b = hf_io.hf_state_dict(from_pretrained(folder))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])

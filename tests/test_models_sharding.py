@@ -129,3 +129,18 @@ def test_splash_under_mesh_uses_shard_map_and_matches():
     ref = A.attention_xla(q, kk, v, A.causal_padding_mask(m))
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=1e-5)
+
+
+@needs8
+def test_scan_layers_sharded_load(hf_checkpoints):
+    folder, _ = hf_checkpoints["llama"]
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    model = from_pretrained(folder, mesh=mesh, scan_layers=True)
+    w = model.layers.mlp.gate_proj.kernel[...]
+    assert w.shape == (2, 64, 128) and w.sharding.spec == P(None, "fsdp", "tensor")
+    ids, mask, _ = padded_batch([5, 12, 1, 9], 12, left=True, seed=1)
+    with jax.set_mesh(mesh), activation_rules(DEFAULT_RULES):
+        out = jax.jit(lambda m: m(ids, mask))(model)
+    ref = jax.jit(lambda m: m(ids, mask))(from_pretrained(folder))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=1e-5)

@@ -30,6 +30,8 @@ class ModelConfig:
       "cudnn" (the same with implementation="cudnn" on GPU in bf16/fp16, else the XLA path),
       "splash" (Pallas TPU splash/flash kernel for full-sequence passes; decode steps use "xla").
     remat_policy: "none", "full" (save nothing), "dots_saveable", "dots_with_no_batch_dims_saveable".
+    scan_layers: store the layers stacked (leading "layers" axis) and run the full-sequence forward as one
+      lax.scan (compile time independent of depth); decode_step still loops over layers (list KV cache).
     """
 
     vocab_size: int
@@ -55,6 +57,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     architecture: str = ""
     initializer_range: float = 0.02
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.head_dim is None:

@@ -227,18 +227,19 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rul
     flat = list(nnx.to_flat_state(abs_state))
     plan, used = [], set()
     for p, var in flat:
-        name, kind = hf_name_and_kind(p)
         shape = tuple(var.get_value().shape)
-        if not ckpt.has(name):
-            raise ValueError(f"tensor {name!r} (for parameter {'.'.join(map(str, p))}) is missing from the "
-                             f"checkpoint folder {folder}")
-        hf_shape = _recipe(kind, shape)[0]
-        found = ckpt.shape(name)
-        if tuple(found) != tuple(hf_shape):
-            raise ValueError(f"tensor {name!r} in {folder / ckpt.where[name]} has shape {tuple(found)}, "
-                             f"expected {tuple(hf_shape)} from config.json")
-        used.add(name)
-        plan.append((p, var, name, kind, shape))
+        names, kind, layer_shape = _hf_entries(p, shape, cfg)
+        hf_shape = _recipe(kind, layer_shape)[0]
+        for name in names:
+            if not ckpt.has(name):
+                raise ValueError(f"tensor {name!r} (for parameter {'.'.join(map(str, p))}) is missing from the "
+                                 f"checkpoint folder {folder}")
+            found = ckpt.shape(name)
+            if tuple(found) != tuple(hf_shape):
+                raise ValueError(f"tensor {name!r} in {folder / ckpt.where[name]} has shape {tuple(found)}, "
+                                 f"expected {tuple(hf_shape)} from config.json")
+            used.add(name)
+        plan.append((p, var, names, kind, shape, layer_shape))
     extra = sorted(n for n in ckpt.where if n not in used and not n.endswith(_IGNORABLE_SUFFIXES)
                    and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
     if extra:
@@ -247,20 +248,37 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rul
 
     single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     new_flat = []
-    for p, var, name, kind, shape in plan:
+    for p, var, names, kind, shape, layer_shape in plan:
         sharding = sh_flat[p].get_value() if mesh is not None else single
-
         memo = {}  # replicas of one shard (e.g. over "data") read the file once
 
-        def cb(index, name=name, kind=kind, shape=shape, memo=memo):
-            key = tuple((s.start, s.stop) for s in _norm_slices(index, shape))
+        def cb(index, names=names, kind=kind, shape=shape, layer_shape=layer_shape, memo=memo):
+            sl = _norm_slices(index, shape)
+            key = tuple((x.start, x.stop) for x in sl)
             if key not in memo:
-                memo[key] = _read_view(ckpt, name, kind, shape, index, np_dt)
+                if len(names) == 1 and layer_shape == shape:
+                    memo[key] = _read_view(ckpt, names[0], kind, shape, sl, np_dt)
+                else:  # stacked layers: leading axis indexes HF layers
+                    memo[key] = np.stack([_read_view(ckpt, names[i], kind, layer_shape, sl[1:], np_dt)
+                                          for i in range(sl[0].start, sl[0].stop)])
             return memo[key]
 
         arr = jax.make_array_from_callback(shape, sharding, cb)
         new_flat.append((p, var.replace(arr)))
     return nnx.merge(graphdef, nnx.from_flat_state(new_flat))
+
+
+def _is_stacked(path, cfg: ModelConfig) -> bool:
+    return cfg.scan_layers and str(path[0]) == "layers"
+
+
+def _hf_entries(path, shape, cfg: ModelConfig):
+    """(HF names, layout kind, per-tensor shape): one name, or one per layer for stacked (scan) params."""
+    if _is_stacked(path, cfg):
+        names = [hf_name_and_kind(("layers", i) + tuple(path[1:]))[0] for i in range(cfg.num_layers)]
+        return names, hf_name_and_kind(("layers", 0) + tuple(path[1:]))[1], tuple(shape[1:])
+    name, kind = hf_name_and_kind(path)
+    return [name], kind, tuple(shape)
 
 
 # ----------------------------------------------------------------------------- export
@@ -273,13 +291,22 @@ def _to_host(x) -> np.ndarray:
 
 
 def _export_plan(model: Transformer):
-    """[(HF name, our param path, variable)] in a stable order."""
-    return [(hf_name_and_kind(p)[0], p, var) for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+    """[(HF name, our param path, variable, layer index or None)] in a stable order."""
+    out = []
+    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names, _, _ = _hf_entries(p, var.get_value().shape, model.config)
+        stacked = _is_stacked(p, model.config)
+        out.extend((name, p, var, i if stacked else None) for i, name in enumerate(names))
+    return out
 
 
-def _export_tensor(path, var, np_dt) -> np.ndarray:
-    name, kind = hf_name_and_kind(path)
-    a = _to_host(var.get_value())
+def _export_tensor(path, var, np_dt, layer=None) -> np.ndarray:
+    if layer is None:
+        name, kind = hf_name_and_kind(path)
+        a = _to_host(var.get_value())
+    else:
+        name, kind = hf_name_and_kind(("layers", layer) + tuple(path[1:]))
+        a = _to_host(var.get_value()[layer])
     hf_shape, _, perm, _ = _recipe(kind, a.shape)
     a = np.ascontiguousarray(a.transpose(np.argsort(perm)).reshape(hf_shape))
     return a.astype(np_dt) if np_dt is not None else a
@@ -288,7 +315,7 @@ def _export_tensor(path, var, np_dt) -> np.ndarray:
 def hf_state_dict(model: Transformer, dtype=None) -> dict[str, np.ndarray]:
     """{HF tensor name: numpy array in HF layout} (gathered to host)."""
     np_dt = None if dtype is None else _np_dtype(dtype)
-    return {name: _export_tensor(p, var, np_dt) for name, p, var in _export_plan(model)}
+    return {name: _export_tensor(p, var, np_dt, layer) for name, p, var, layer in _export_plan(model)}
 
 
 def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
@@ -301,7 +328,7 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: in
     saved_dt = _dtype_name(dtype) if dtype is not None else cfg.param_dtype
     np_dt = _np_dtype(saved_dt)
     plan = _export_plan(model)
-    sizes = [math.prod(var.get_value().shape) * np_dt.itemsize for _, _, var in plan]
+    sizes = [math.prod(var.get_value().shape[layer is not None:]) * np_dt.itemsize for _, _, var, layer in plan]
     shards, cur, cur_bytes = [], [], 0
     for item, nbytes in zip(plan, sizes):
         if cur and cur_bytes + nbytes > max_shard_bytes:
@@ -319,7 +346,7 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: in
     weight_map = {}
     for k, shard in enumerate(shards):
         fn = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: _export_tensor(p, var, np_dt) for name, p, var in shard}  # collective on multi-host
+        tensors = {name: _export_tensor(p, var, np_dt, layer) for name, p, var, layer in shard}  # collective
         if writer:
             _write_safetensors(folder / fn, tensors)
         weight_map.update({name: fn for name in tensors})

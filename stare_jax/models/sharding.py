@@ -30,6 +30,7 @@ DEFAULT_RULES: dict = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    "layers": None,  # the stacked-layer axis when ModelConfig.scan_layers
     # activations
     "batch": ("data", "fsdp"),
     "seq": None,

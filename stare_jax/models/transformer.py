@@ -200,6 +200,15 @@ _POLICIES = {
 }
 
 
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(r):
+        return Block(cfg, r)
+
+    return make(rngs)
+
+
 def _check_shape(name, x, shape):
     if tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)}")
@@ -222,7 +231,10 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed_tokens = _param(rngs, "normal", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
-        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+        if cfg.scan_layers:
+            self.layers = _stacked_blocks(cfg, rngs)  # one Block whose params have a leading [L] axis
+        else:
+            self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg, rngs)
         if cfg.tie_word_embeddings:
             self.lm_head = None
@@ -230,6 +242,14 @@ class Transformer(nnx.Module):
             self.lm_head = _param(rngs, "normal", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
 
     # ------------------------------------------------------------------ helpers
+    def blocks(self) -> list:
+        """The layers as a list of Blocks (with scan_layers: per-layer slices of the stacked parameters)."""
+        if not self.config.scan_layers:
+            return list(self.layers)
+        graphdef, stacked = nnx.split(self.layers)
+        return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))
+                for i in range(self.config.num_layers)]
+
     @property
     def dtype(self):
         return _dtype(self.config.dtype)
@@ -270,6 +290,16 @@ class Transformer(nnx.Module):
         mask_BxTxT = attn_lib.causal_padding_mask(attention_mask)
         x = self.embed(input_ids_BxT)
         policy = self.config.remat_policy
+        if self.config.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+
+            def body(x, layer_state):
+                return _block_forward(nnx.merge(graphdef, layer_state), x, cos, sin, mask_BxTxT, attention_mask)
+
+            if policy != "none":
+                body = jax.checkpoint(body, policy=_POLICIES[policy])
+            x, _ = jax.lax.scan(lambda x, st: (body(x, st), None), x, stacked)
+            return self.norm(x)
         fwd = _block_forward if policy == "none" else nnx.remat(_block_forward, policy=_POLICIES[policy])
         for block in self.layers:
             x = fwd(block, x, cos, sin, mask_BxTxT, attention_mask)
@@ -312,7 +342,7 @@ class Transformer(nnx.Module):
         cos, sin = self._cos_sin(jnp.asarray(positions_BxT))
         x = self.embed(input_ids_BxT)
         new_cache = []
-        for block, layer_cache in zip(self.layers, cache):
+        for block, layer_cache in zip(self.blocks(), cache):
             x, layer_cache = block.decode(x, cos, sin, mask_BxTxV, layer_cache, cache_index, prefill_mask)
             new_cache.append(layer_cache)
         return self.logits_from_hidden(self.norm(x)), new_cache
