@@ -50,14 +50,14 @@ def bench_torch(model, ids_np, steps, warmup):
     return (time.perf_counter() - t0) / steps, loss
 
 
-def bench_jax(folder, ids_np, steps, warmup):
+def bench_jax(folder, ids_np, steps, warmup, scan_layers=False):
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from stare_jax.models import from_pretrained
 
-    model = from_pretrained(folder)
+    model = from_pretrained(folder, scan_layers=scan_layers)
     graphdef, state = nnx.split(model)
     ids = jnp.asarray(ids_np)
 
@@ -67,6 +67,9 @@ def bench_jax(folder, ids_np, steps, warmup):
         return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
 
     step = jax.jit(jax.value_and_grad(loss_fn))
+    t0 = time.perf_counter()
+    step = step.lower(state, ids).compile()
+    bench_jax.compile_s = time.perf_counter() - t0
     for _ in range(warmup):
         loss, grads = step(state, ids)
         jax.block_until_ready(grads)
@@ -89,6 +92,7 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=1408)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--scan-layers", action="store_true", help="stare_jax with ModelConfig.scan_layers=True")
     args = p.parse_args(argv)
 
     hf_model = build_hf(args)
@@ -97,15 +101,17 @@ def main(argv=None):
     tokens = args.batch * args.seq
     with tempfile.TemporaryDirectory() as d:
         hf_model.save_pretrained(d)
-        t_jax, loss_jax = bench_jax(d, ids, args.steps, args.warmup)
+        t_jax, loss_jax = bench_jax(d, ids, args.steps, args.warmup, args.scan_layers)
     t_torch, loss_torch = bench_torch(hf_model, ids, args.steps, args.warmup)
     res = {
         "params": n_params, "batch": args.batch, "seq": args.seq, "steps": args.steps,
         "jax_tokens_per_s": tokens / t_jax, "torch_tokens_per_s": tokens / t_torch,
-        "ratio_jax_over_torch": t_torch / t_jax, "loss_jax": loss_jax, "loss_torch": loss_torch,
+        "ratio_jax_over_torch": t_torch / t_jax, "jax_compile_s": bench_jax.compile_s,
+        "scan_layers": args.scan_layers, "loss_jax": loss_jax, "loss_torch": loss_torch,
     }
     print(f"params {n_params / 1e6:.1f}M, batch {args.batch} x {args.seq} tokens, fp32, fwd+bwd")
-    print(f"stare_jax (jit)      : {res['jax_tokens_per_s']:9.1f} tokens/s  ({t_jax * 1e3:.0f} ms/step, loss {loss_jax:.5f})")
+    print(f"stare_jax (jit)      : {res['jax_tokens_per_s']:9.1f} tokens/s  ({t_jax * 1e3:.0f} ms/step, loss {loss_jax:.5f}, "
+          f"compile {bench_jax.compile_s:.1f} s)")
     print(f"transformers (torch) : {res['torch_tokens_per_s']:9.1f} tokens/s  ({t_torch * 1e3:.0f} ms/step, loss {loss_torch:.5f})")
     print(f"ratio jax/torch      : {res['ratio_jax_over_torch']:.2f}")
     print(json.dumps(res))
