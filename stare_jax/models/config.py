@@ -28,7 +28,8 @@ class ModelConfig:
     dtype: compute dtype (activations, matmul inputs); param_dtype: storage dtype of the master weights.
     attention_impl: "xla" (einsum reference), "dot_product" (jax.nn.dot_product_attention, XLA path),
       "cudnn" (the same with implementation="cudnn" on GPU in bf16/fp16, else the XLA path),
-      "splash" (Pallas TPU splash/flash kernel for full-sequence passes; decode steps use "xla").
+      "splash" (Pallas TPU splash/flash kernel for full-sequence passes and the cache_index=0 prefill;
+      later decode steps use the "xla" math).
     remat_policy: "none", "full" (save nothing), "dots_saveable", "dots_with_no_batch_dims_saveable".
     scan_layers: store the layers stacked (leading "layers" axis) and run the full-sequence forward as one
       lax.scan (compile time independent of depth); decode_step still loops over layers (list KV cache).

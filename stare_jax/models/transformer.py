@@ -4,7 +4,8 @@ One module family covers the three HF architectures: GQA attention with RoPE (op
 optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm (Qwen3), SwiGLU MLP, RMSNorm, tied or untied
 embeddings. Parameters are stored in `param_dtype` (fp32 master weights) and cast to `dtype` for compute;
 softmax and norms run in fp32. Weight layouts put heads on their own axis (q: [D,H,Dh]) so the sharding rules
-can split heads; HF import/export (hf_io.py) handles the reshapes.
+can split heads; HF import/export (hf_io.py) handles the reshapes. Layers run as a python loop over Blocks, or
+(ModelConfig.scan_layers) as one lax.scan over stacked parameters.
 """
 from __future__ import annotations
 
