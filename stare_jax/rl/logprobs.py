@@ -22,6 +22,14 @@ from jax import lax
 
 from stare_jax.rl.theory import critical_surprisal_from_stats
 
+
+def _constrain(x, names):
+    """Logical sharding constraint (stare_jax.models.sharding.constrain): a no-op unless the caller traces under
+    jax.set_mesh + activation_rules (the train step does). Keeps tokens batch-sharded and gathers the unembed
+    table over the FSDP axis (vocab stays tensor-parallel) instead of letting XLA reshard the activations."""
+    from stare_jax.models.sharding import constrain
+    return constrain(x, names)
+
 DEFAULT_CHUNK_SIZE = 128
 
 
@@ -73,7 +81,13 @@ def _seq_forward(h_BxTxD, t_BxT, w_VxD, c: int, theory: bool):
     n = T // c
     h_CxBxcxD = h_BxTxD.reshape(B, n, c, D).swapaxes(0, 1)
     t_CxBxc = t_BxT.reshape(B, n, c).swapaxes(0, 1)
-    outs = lax.map(lambda xs: _chunk_stats(xs[0], xs[1], w_VxD, theory, with_lse=True), (h_CxBxcxD, t_CxBxc))
+    w_VxD = _constrain(w_VxD, ("act_vocab", None))
+
+    def chunk(xs):
+        h = _constrain(xs[0], ("batch", None, None))
+        return _chunk_stats(h, xs[1], w_VxD, theory, with_lse=True)
+
+    outs = lax.map(chunk, (h_CxBxcxD, t_CxBxc))
     return tuple(o.swapaxes(0, 1).reshape(B, T) for o in outs)
 
 
@@ -100,6 +114,8 @@ def _lp_ent_bwd(c, vc, theory, res, cts):
     dlp_N, dent_N = dlp_BxT.reshape(N).astype(jnp.float32), dent_BxT.reshape(N).astype(jnp.float32)
     nv = -(-V // vc)
     w_pad = jnp.pad(w_VxD, ((0, nv * vc - V), (0, 0))) if nv * vc != V else w_VxD
+    w_pad = _constrain(w_pad, ("act_vocab", None))
+    h_NxD = _constrain(h_NxD, ("batch", None))
     h32 = h_NxD.astype(jnp.float32)
 
     def body(dh_NxD, k):
