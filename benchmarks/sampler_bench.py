@@ -5,8 +5,11 @@
 
 The weights are made by transformers (torch, fp32), saved with save_pretrained and loaded by both sides.
 EOS is disabled on both sides so every sequence makes exactly --new-tokens tokens. Each side gets a warm-up call
-(compilation for JAX, first-call overheads for torch), then --reps timed calls; the best time of each is
-reported as generated tokens per second (batch * new_tokens / seconds), with the ratio stare_jax / transformers.
+(compilation for JAX, first-call overheads for torch), then --reps timed calls alternating the two sides; the
+best wall time of each is reported as generated tokens per second (batch * new_tokens / seconds), with the
+process CPU time of that call (both libraries use all cores) and the ratio stare_jax / transformers.
+On a machine shared with other jobs the ratio moves with the load (torch's OpenMP matmuls degrade more under
+oversubscription); compare the CPU seconds too.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def _parse():
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--mode", choices=("greedy", "sample", "both"), default="both")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -57,13 +60,18 @@ def _prompts(args):
     return [rng.integers(1, args.vocab, size=n).tolist() for n in lens]
 
 
-def _time_best(fn, reps):
-    fn()  # warm-up (compile / first-call)
-    best = float("inf")
+def _time_best(fns, reps):
+    """Warm each side up, then alternate them `reps` times (so a load spike on this shared machine hits both);
+    best wall time and the process CPU time of that run, per side."""
+    for fn in fns:
+        fn()  # warm-up (compile / first-call)
+    best = [(float("inf"), 0.0)] * len(fns)
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for i, fn in enumerate(fns):
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            best[i] = min(best[i], (wall, cpu))
     return best
 
 
@@ -114,17 +122,16 @@ def main():
             assert out.shape == (args.batch, T + args.new_tokens)
             return out
 
-        t_jax = _time_best(run_jax, args.reps)
-        t_hf = _time_best(run_hf, args.reps)
+        (t_jax, c_jax), (t_hf, c_hf) = _time_best([run_jax, run_hf], args.reps)
         if greedy:
             ours, ref = run_jax().tokens, run_hf()[:, T:].tolist()
             same = sum(a == b for a, b in zip(ours, ref))
             agree = f" | greedy sequences identical to transformers: {same}/{args.batch}"
         else:
             agree = ""
-        print(f"[{mode}] stare_jax: {n_tokens / t_jax:9.1f} tok/s ({t_jax:.2f} s) | transformers: "
-              f"{n_tokens / t_hf:9.1f} tok/s ({t_hf:.2f} s) | ratio {t_hf / t_jax:.2f}x{agree}")
-
+        print(f"[{mode}] stare_jax: {n_tokens / t_jax:8.1f} tok/s ({t_jax:.2f} s wall, {c_jax:.2f} s CPU) | "
+              f"transformers: {n_tokens / t_hf:8.1f} tok/s ({t_hf:.2f} s wall, {c_hf:.2f} s CPU) | "
+              f"ratio {t_hf / t_jax:.2f}x{agree}")
 
 if __name__ == "__main__":
     main()

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.sampling import (Sampler, compiled_programs, generate, greedy_tokens, inverse_cdf_sample,
-                                next_bucket, reshard_for_sampling, top_k_mask, top_p_mask)
+                                next_bucket, reshard_for_sampling, select_tokens, top_k_mask, top_p_mask)
 
 V = 256
 CONTEXT = [3, 14, 15, 92, 65, 35]
@@ -51,6 +51,12 @@ def _nucleus_np(scores, top_p):
 def test_greedy_tokens_first_maximum():
     logits = jnp.asarray([[0.0, 2.0, 2.0, -1.0], [5.0, 1.0, 5.0, 5.0], [-3.0, -2.0, -2.5, -9.0]])
     np.testing.assert_array_equal(greedy_tokens(logits), [1, 0, 1])
+    # A vanishing temperature samples the argmax (no NaN); log-probs stay the temperature-1 ones.
+    u = jnp.asarray([0.0, 0.5, 0.999])
+    logits = jnp.asarray([[0.0, 2.0, 1.0, -1.0], [5.0, 1.0, 4.0, 5.5], [-3.0, -2.0, -2.5, -9.0]])
+    tok, lp = select_tokens(logits, u, greedy=False, temperature=1e-30, top_k=0, top_p=1.0)
+    np.testing.assert_array_equal(tok, [1, 3, 1])
+    np.testing.assert_allclose(lp, jax.nn.log_softmax(logits)[jnp.arange(3), tok], rtol=1e-6)
 
 
 def test_top_k_and_top_p_sets_match_numpy():

@@ -29,7 +29,8 @@ def greedy_tokens(logits_BxV: jax.Array) -> jax.Array:
     V = logits_BxV.shape[-1]
     max_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
     iota_V = jnp.arange(V, dtype=jnp.int32)
-    return jnp.min(jnp.where(logits_BxV == max_Bx1, iota_V, V), axis=-1).astype(jnp.int32)
+    first_B = jnp.min(jnp.where(logits_BxV == max_Bx1, iota_V, V), axis=-1)
+    return jnp.minimum(first_B, V - 1).astype(jnp.int32)  # a NaN row (no max) still yields a valid id
 
 
 def token_logprobs(logits_BxV: jax.Array, tokens_B: jax.Array) -> jax.Array:
@@ -131,7 +132,9 @@ def inverse_cdf_sample(scores_BxV: jax.Array, uniform_B: jax.Array) -> jax.Array
 def warp_scores(logits_BxV: jax.Array, temperature, top_k, top_p) -> jax.Array:
     """Temperature, then top-k (0 = off), then top-p (1 = off), transformers' order; all may be traced.
     The filters run under lax.cond, so a disabled filter costs nothing at run time."""
-    scores_BxV = logits_BxV.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    # Shift by the row max first: the max becomes exactly 0, so even a tiny temperature gives 0 / -inf, never NaN.
+    scores_BxV = (logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True)) / jnp.asarray(temperature, jnp.float32)
     k = jnp.asarray(top_k, jnp.int32)
     p = jnp.asarray(top_p, jnp.float32)
     scores_BxV = jax.lax.cond((k > 0) & (k < scores_BxV.shape[-1]), lambda s: top_k_mask(s, k), lambda s: s,
