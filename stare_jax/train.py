@@ -114,7 +114,11 @@ class RewardFn:
             from stare_jax.rewards.pool import RewardPool
 
             self._pool = RewardPool(num_workers=self.num_workers, timeout_s=self.timeout_s)
-        scores, stats = self._pool.score_batch(list(texts), list(answers))
+        from stare_jax.rewards.math import reference_alternatives
+
+        # a reference listing several acceptable forms (e.g. Minerva's joined lists) is scored against each
+        refs = [reference_alternatives(a) for a in answers]
+        scores, stats = self._pool.score_batch(list(texts), refs)
         return np.asarray(scores, np.float32), dict(stats)
 
     def close(self):

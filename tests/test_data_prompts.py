@@ -31,7 +31,7 @@ def test_missing_field_and_bad_json_name_file_and_line(tmp_path):
     with pytest.raises(DataError, match=rf"{p}:2: row has no 'answer' field"):
         read_rows(p)
     p = _jsonl(tmp_path, [{"problem": "1+1?", "answer": "2"}, "", '{"problem": "x", "answer": '], "bad.jsonl")
-    with pytest.raises(DataError, match=rf"{p}:3: bad JSON"):
+    with pytest.raises(DataError, match=rf"{p}:3: invalid JSON"):
         read_rows(p)
     with pytest.raises(DataError, match="not found"):
         read_rows(tmp_path / "missing.jsonl")

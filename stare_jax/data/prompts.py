@@ -33,6 +33,23 @@ class PromptRow:
     where: str
 
 
+def iter_jsonl_objects(path: str | pathlib.Path) -> Iterator[tuple[int, dict]]:
+    """(1-based line number, object) for every non-blank line of a JSON-lines file; DataError naming the file and
+    line for invalid JSON or a line that is not a JSON object. The one jsonl reader of the project."""
+    path = pathlib.Path(path)
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+            yield lineno, obj
+
+
 def _row_from_mapping(obj, where: str, prompt_field: str, answer_field: str, index: int) -> PromptRow:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object per row, got {type(obj).__name__}")
@@ -67,15 +84,8 @@ def read_rows(path: str | pathlib.Path, *, prompt_field: str = "problem", answer
         for i, obj in enumerate(records):
             rows.append(_row_from_mapping(obj, f"{path}:row {i}", prompt_field, answer_field, i))
     elif path.suffix in (".jsonl", ".json"):
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: bad JSON ({e.msg} at column {e.colno})") from None
-                rows.append(_row_from_mapping(obj, f"{path}:{lineno}", prompt_field, answer_field, len(rows)))
+        for lineno, obj in iter_jsonl_objects(path):
+            rows.append(_row_from_mapping(obj, f"{path}:{lineno}", prompt_field, answer_field, len(rows)))
     else:
         raise DataError(f"{path}: unsupported data file type '{path.suffix}' (accepted: .jsonl, .parquet)")
     if not rows:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from stare_jax.data.prompts import iter_jsonl_objects
 from stare_jax.rewards.math import reference_alternatives
 
 __all__ = [
@@ -67,28 +68,19 @@ def load_benchmark(path: str | pathlib.Path) -> list[dict]:
         raise FileNotFoundError(f"load_benchmark: no such file: {path}")
     rows: list[dict] = []
     seen: dict[str, int] = {}
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            for field in REQUIRED_FIELDS:
-                if field not in row:
-                    raise ValueError(f"{path}:{lineno}: missing field {field!r} (have {sorted(row)})")
-                if not isinstance(row[field], str):
-                    raise ValueError(
-                        f"{path}:{lineno}: field {field!r} must be a string, got {type(row[field]).__name__}"
-                    )
-            if row["id"] in seen:
-                raise ValueError(f"{path}:{lineno}: duplicate id {row['id']!r} (first on line {seen[row['id']]})")
-            seen[row["id"]] = lineno
-            row["answers"] = reference_alternatives(row["answer"])
-            rows.append(row)
+    for lineno, row in iter_jsonl_objects(path):
+        for field in REQUIRED_FIELDS:
+            if field not in row:
+                raise ValueError(f"{path}:{lineno}: missing field {field!r} (have {sorted(row)})")
+            if not isinstance(row[field], str):
+                raise ValueError(
+                    f"{path}:{lineno}: field {field!r} must be a string, got {type(row[field]).__name__}"
+                )
+        if row["id"] in seen:
+            raise ValueError(f"{path}:{lineno}: duplicate id {row['id']!r} (first on line {seen[row['id']]})")
+        seen[row["id"]] = lineno
+        row["answers"] = reference_alternatives(row["answer"])
+        rows.append(row)
     if not rows:
         raise ValueError(f"load_benchmark: {path} has no rows")
     return rows
