@@ -14,7 +14,7 @@ from stare_jax.rl.stare import StareConfig, init_stare_state, token_weights
 from stare_jax.rl.train_step import (OptimizerConfig, TrainStepConfig, batch_entropy, init_train_state,
                                      make_train_step, place_train_state, shift_batch)
 
-MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                     intermediate_size=64, tie_word_embeddings=True, initializer_range=0.3, max_position_embeddings=64)
 B, L = 16, 20
 STARE_ON = StareConfig(variant="O1", w=1.5, target_entropy=50.0)  # H_bar < 50: the batch gate is on
