@@ -421,8 +421,9 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
                     seed=_seed_for(cfg.seed, step, j), index_offset=j * cfg.rl.gen_batch_size)
                 gen_correct.append(r.correct_PxG)
                 gen_lengths.append(r.lengths_PxG)
-                for k, v in stats.items():
-                    reward_stats[k] = reward_stats.get(k, 0) + v
+                for k, v in stats.items():  # counts of timeouts / crashes / errors in the sandboxed pool
+                    if k.startswith("n_") and isinstance(v, (int, float)):
+                        reward_stats[k] = reward_stats.get(k, 0) + v
                 keep = (np.asarray(dynamic_sampling_keep_mask(r.correct_PxG)) if cfg.rl.dynamic_sampling
                         else np.ones(r.correct_PxG.shape[0], bool))
                 acc.add(dataclasses.asdict(r), keep)

