@@ -33,6 +33,22 @@ class TrainingError(RuntimeError):
     """The run cannot continue (the message says why and what was saved)."""
 
 
+_COMPILES = [0]
+
+
+def _count_compile(name: str, *_, **__) -> None:
+    if name == "/jax/core/compile/jaxpr_to_mlir_module_duration":  # one per jit cache miss (lowering)
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compile_count() -> int:
+    """Programs lowered (jit cache misses) so far in this process: a step after warm-up should add none."""
+    return _COMPILES[0]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Configuration of the compiled step from the run config
 
@@ -400,12 +416,13 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
     # The policy before any RL update is evaluated once; step 1's record carries it as eval_start/*.
     pending_eval = ({k.replace("eval/", "eval_start/", 1): v for k, v in run_eval(0).items()}
                     if (eval_every and start_step == 0) else {})
-    summary = {"steps_run": 0, "stopped": None}
+    summary = {"steps_run": 0, "stopped": None, "new_compiles_per_step": []}
     last_record = {}
     G = cfg.rl.group_size
     try:
         for step in range(start_step, cfg.total_steps):
             t0 = time.time()
+            compiles_before = compile_count()
             refresh_sampler()
             acc = DynamicSamplingAccumulator(cfg.rl.train_batch_size,
                                              cfg.rl.max_num_gen_batches if cfg.rl.dynamic_sampling else 1)
@@ -476,6 +493,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
             bar.update(last_record)
             save(done)
             summary["steps_run"] += 1
+            summary["new_compiles_per_step"].append(compile_count() - compiles_before)
             if preempt.should_stop(done):
                 save(done, force=True)
                 summary["stopped"] = f"preempted (signal) after step {done}"

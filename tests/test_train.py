@@ -69,7 +69,10 @@ def test_run_writes_required_metrics_eval_and_checkpoints(full_run):
     assert (full_run / "config.yaml").is_file() and (full_run / "timing.jsonl").is_file()
     steps = sorted(int(p.name) for p in (full_run / "checkpoints").iterdir() if p.name.isdigit())
     assert steps[-1] == 4
-    assert json.loads((full_run / "summary.json").read_text())["steps_run"] == 4
+    summary = json.loads((full_run / "summary.json").read_text())
+    assert summary["steps_run"] == 4
+    # after the first step (and the first eval) nothing recompiles: same shape buckets every step
+    assert summary["new_compiles_per_step"][2:] == [0, 0], summary["new_compiles_per_step"]
 
 
 def test_same_seed_gives_identical_metrics(full_run, toy_cache, tmp_path):
