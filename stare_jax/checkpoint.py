@@ -168,7 +168,8 @@ class Checkpointer:
             raise ValueError(f"checkpoint keep must be >= 1, got {keep}")
         if every_steps < 0:
             raise ValueError(f"checkpoint every_steps must be >= 0, got {every_steps}")
-        self.directory = pathlib.Path(directory) if "://" not in str(directory) else directory
+        # orbax needs absolute local paths; remote ones (gs://...) are kept as given
+        self.directory = pathlib.Path(directory).absolute() if "://" not in str(directory) else directory
         self.keep = keep
         self.every_steps = every_steps
         self.async_save = async_save

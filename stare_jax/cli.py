@@ -1,6 +1,8 @@
 """The `stare-jax` command line: one entry point with subcommands.
 
   stare-jax demo     [--run-dir DIR] [KEY=VALUE ...]  the README's main job: both arms of the embedded CPU default
+  stare-jax eval     --checkpoint DIR --benchmarks a,b [--limit N] [--n N]   avg@N / pass@k per benchmark
+  stare-jax export   RUN_DIR OUT_DIR [--step S]      a training checkpoint as a Hugging Face folder
   stare-jax plot     RUN_DIR [RUN_DIR ...] [--out PNG]  overlaid curves + summary table
   stare-jax train    --config FILE --run-dir DIR [--resume] [KEY=VALUE ...]   RL training
   stare-jax smoke    [--run-dir DIR] [--model P]  load a model (a tiny random one by default), generate a few tokens
@@ -94,17 +96,78 @@ def _greedy_reference(model, prompt: list[int], n: int) -> list[int]:
 
 
 def _cmd_train(args) -> int:
-    from stare_jax.train import TrainingError, run_training
+    from stare_jax.train import run_training
 
     cfg = load_config(args.config, args.overrides)
-    try:
-        summary = run_training(cfg, args.run_dir, resume=args.resume, require_checkpoint=args.require_checkpoint,
-                               distributed=(args.coordinator_address, args.num_processes, args.process_id))
-    except TrainingError as e:
-        print(f"stare-jax train: {e}", file=sys.stderr)
-        return 1
+    summary = run_training(cfg, args.run_dir, resume=args.resume, require_checkpoint=args.require_checkpoint,
+                           distributed=(args.coordinator_address, args.num_processes, args.process_id))
     print(f"train: {summary['steps_run']} steps in {summary['wall_s']:.1f}s; outputs in {summary['run_dir']}"
           + (f" ({summary['stopped']})" if summary["stopped"] else ""))
+    return 0
+
+
+def _cmd_eval(args) -> int:
+    """avg@N / pass@k / mean length per benchmark for an HF folder or a training run's checkpoint."""
+    import time
+
+    from stare_jax.data.prompts import format_prompt
+    from stare_jax.eval.benchmarks import (DEFAULT_PROTOCOL, format_results_json, format_results_markdown,
+                                           load_benchmark)
+    from stare_jax.eval.runner import EvalSet, evaluate_sets
+    from stare_jax.policy import load_policy
+    from stare_jax.rollouts import RewardFn
+    from stare_jax.sampling import Sampler, next_bucket
+    from stare_jax.tokenizer import load_tokenizer
+
+    t0 = time.time()
+    names = [b for b in args.benchmarks.split(",") if b]
+    unknown = [b for b in names if b not in DEFAULT_PROTOCOL]
+    if unknown:
+        print(f"stare-jax eval: unknown benchmark(s) {unknown}; known: {sorted(DEFAULT_PROTOCOL)}", file=sys.stderr)
+        return 2
+    policy = load_policy(args.checkpoint)
+    tok = load_tokenizer(policy.tokenizer_path)
+    sets, longest = [], 1
+    for name in names:
+        proto = DEFAULT_PROTOCOL[name]
+        rows = load_benchmark(pathlib.Path(args.data_dir) / proto["file"])[: args.limit or None]
+        prompts = []
+        for row in rows:
+            text = format_prompt(row["problem"], args.prompt_template, tok)
+            ids = tok.encode(text, add_bos=False if args.prompt_template == "chat" else None)
+            if len(ids) > args.max_prompt_len:
+                print(f"stare-jax eval: {name} problem {row['id']} has {len(ids)} prompt tokens > "
+                      f"--max-prompt-len {args.max_prompt_len}", file=sys.stderr)
+                return 2
+            prompts.append(ids)
+            longest = max(longest, len(ids))
+        sets.append(EvalSet(name, prompts, [r["answer"] for r in rows], args.n or proto["n"],
+                            temperature=proto["temperature"] if args.temperature is None else args.temperature,
+                            top_p=proto["top_p"]))
+    sampler = Sampler(policy.model, pad_id=tok.pad_id)
+    reward = RewardFn("math", num_workers=args.workers, timeout_s=args.timeout)
+    try:
+        results = evaluate_sets(sampler, sets, tokenizer=tok, reward_fn=reward, prompt_len=next_bucket(longest, 16),
+                                max_new_tokens=args.max_new_tokens, seed=args.seed, ks=(1, 4, 8, 16, 32),
+                                batch_prompts=args.batch_prompts)
+    finally:
+        reward.close()
+    table = format_results_markdown(results)
+    out = pathlib.Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval.md").write_text(table)
+        (out / "eval.json").write_text(format_results_json(results))
+    print(table, end="")
+    print(f"eval of {args.checkpoint} done in {time.time() - t0:.0f}s" + (f"; wrote {out}/eval.md, eval.json" if out else ""))
+    return 0
+
+
+def _cmd_export(args) -> int:
+    from stare_jax.policy import export_policy
+
+    out = export_policy(args.run_dir, args.out_dir, step=args.step)
+    print(f"wrote Hugging Face folder {out}")
     return 0
 
 
@@ -167,6 +230,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=_cmd_demo)
 
+    p = sub.add_parser("eval", help="avg@N / pass@k on math benchmarks (the paper's protocol)")
+    p.add_argument("--checkpoint", required=True, help="HF folder or training run folder")
+    p.add_argument("--benchmarks", default="aime24,aime25,amc23,math500,minerva,olympiadbench")
+    p.add_argument("--data-dir", default="../shared/data/math", help="folder with the benchmark jsonl files")
+    p.add_argument("--limit", type=int, default=0, help="first N problems of each benchmark (0 = all)")
+    p.add_argument("--n", type=int, default=0, help="samples per problem (0 = protocol: 32 AIME/AMC, 4 others)")
+    p.add_argument("--temperature", type=float, default=None, help="override the protocol's 0.7")
+    p.add_argument("--max-new-tokens", type=int, default=3072)
+    p.add_argument("--max-prompt-len", type=int, default=1024)
+    p.add_argument("--prompt-template", choices=["paper", "chat", "raw"], default="paper")
+    p.add_argument("--batch-prompts", type=int, default=256, help="prompts per sampler call")
+    p.add_argument("--workers", type=int, default=2, help="reward worker processes")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per scored item")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for eval.md and eval.json")
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("export", help="write a training run's checkpoint (or an HF folder) as an HF folder")
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.set_defaults(func=_cmd_export)
+
     p = sub.add_parser("plot", help="PNG curves (entropy with target band, reward, accuracy, length, gate, W)")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png, or ./curves.png for several)")
@@ -222,6 +308,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"stare-jax: config error: {e}", file=sys.stderr)
         return 2
+    except _user_errors() as e:
+        print(f"stare-jax {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors about the user's input or files (bad data rows, missing/corrupt checkpoints, an exhausted dynamic
+    sampling budget): reported in one line, without a traceback. Anything else is a bug and keeps its traceback."""
+    from stare_jax.checkpoint import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+    from stare_jax.data.prompts import DataError
+    from stare_jax.rl.advantages import DynamicSamplingError
+    from stare_jax.train import TrainingError
+
+    return (DataError, TrainingError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError,
+            DynamicSamplingError, FileNotFoundError, FileExistsError)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import numpy as np
 
 from stare_jax.config import Config, save_config
 from stare_jax.data.prompts import PromptRow, PromptStream, format_prompt, read_rows
+from stare_jax.eval.runner import EvalSet, evaluate
+from stare_jax.rollouts import RewardFn, Rollouts, generate_rollouts
 
 
 class TrainingError(RuntimeError):
@@ -98,84 +100,7 @@ def build_mesh(cfg: Config):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Rollouts
-
-
-def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    ids = np.full((len(prompts), length), pad_id, np.int32)
-    mask = np.zeros((len(prompts), length), np.int32)
-    for r, p in enumerate(prompts):
-        ids[r, length - len(p):] = p
-        mask[r, length - len(p):] = 1
-    return ids, mask
-
-
-@dataclasses.dataclass
-class RewardFn:
-    """Scores decoded responses against reference answers: toy tasks in-process (a pure string check); math in
-    a sandboxed worker pool (model output is untrusted). Returns correctness in {0, 1} and pool stats."""
-
-    task: str
-    num_workers: int = 2
-    timeout_s: float = 10.0
-    _pool: object = None
-
-    def __call__(self, texts: Sequence[str], answers: Sequence[str]) -> tuple[np.ndarray, dict]:
-        if self.task != "math":
-            from stare_jax.toy import TASKS
-
-            score = TASKS[self.task].score
-            return np.asarray([score(t, a) for t, a in zip(texts, answers)], np.float32), {}
-        if self._pool is None:
-            from stare_jax.rewards.pool import RewardPool
-
-            self._pool = RewardPool(num_workers=self.num_workers, timeout_s=self.timeout_s)
-        from stare_jax.rewards.math import reference_alternatives
-
-        # a reference listing several acceptable forms (e.g. Minerva's joined lists) is scored against each
-        refs = [reference_alternatives(a) for a in answers]
-        scores, stats = self._pool.score_batch(list(texts), refs)
-        return np.asarray(scores, np.float32), dict(stats)
-
-    def close(self):
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
-
-
-@dataclasses.dataclass
-class Rollouts:
-    """One generation batch, prompt-major: arrays with leading prompt axis P (and group axis G)."""
-
-    prompt_ids_PxT: np.ndarray
-    prompt_mask_PxT: np.ndarray
-    tokens_PxGxN: np.ndarray
-    lengths_PxG: np.ndarray
-    logprobs_PxGxN: np.ndarray
-    correct_PxG: np.ndarray
-
-
-def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
-                      reward_fn: RewardFn, prompt_len: int, max_new_tokens: int, num_samples: int,
-                      temperature: float, top_p: float, top_k: int, seed: int, index_offset: int = 0):
-    """Sample num_samples responses per prompt and score them; returns (Rollouts, texts, reward stats)."""
-    P = len(prompts)
-    P_pad = sampler.batch_bucket(P)
-    ids, mask = left_pad(list(prompts) + [[tokenizer.bos_id if tokenizer.bos_id is not None else 0]] * (P_pad - P),
-                         prompt_len, sampler.pad_id)
-    active = np.arange(P_pad) < P
-    out = sampler.generate_arrays(ids, mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                                  temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=tokenizer.eos_ids,
-                                  seed=seed, prompt_index_P=np.arange(P_pad, dtype=np.int32) + index_offset,
-                                  active_P=active)
-    tokens, logprobs, lengths = jax.device_get((out.tokens_BxN, out.logprobs_BxN, out.lengths_B))
-    G, N = num_samples, tokens.shape[1]
-    tokens = np.asarray(tokens)[: P * G].reshape(P, G, N)
-    logprobs = np.asarray(logprobs)[: P * G].reshape(P, G, N)
-    lengths = np.asarray(lengths)[: P * G].reshape(P, G)
-    texts = [tokenizer.decode(tokens[p, g, : lengths[p, g]].tolist()) for p in range(P) for g in range(G)]
-    correct, stats = reward_fn(texts, [answers[p] for p in range(P) for _ in range(G)])
-    return Rollouts(ids[:P], mask[:P], tokens, lengths, logprobs, correct.reshape(P, G)), texts, stats
+# From rollouts to a train batch
 
 
 def rewards_from_correct(correct_PxG: np.ndarray, lengths_PxG: np.ndarray, cfg: Config) -> np.ndarray:
@@ -201,33 +126,6 @@ def train_batch_from_rollouts(r: Rollouts, advantages_PxG: np.ndarray) -> dict:
     return {"input_ids_BxT": ids.reshape(P * G, T + N), "attention_mask_BxT": attn.reshape(P * G, T + N),
             "response_mask_BxT": resp.reshape(P * G, T + N),
             "advantages_B": advantages_PxG.reshape(P * G).astype(np.float32)}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Evaluation
-
-
-@dataclasses.dataclass
-class EvalSet:
-    name: str
-    prompts: list[list[int]]
-    answers: list[str]
-    num_samples: int
-
-
-def evaluate(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn: RewardFn, prompt_len: int,
-             max_new_tokens: int, temperature: float, top_p: float, seed: int) -> dict:
-    """avg@N accuracy (and mean response length) per eval set, plus their mean as eval/accuracy."""
-    out = {}
-    for es in eval_sets:
-        r, _, _ = generate_rollouts(sampler, es.prompts, es.answers, tokenizer=tokenizer, reward_fn=reward_fn,
-                                    prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                                    num_samples=es.num_samples, temperature=temperature, top_p=top_p, top_k=0,
-                                    seed=seed)
-        out[f"eval/{es.name}/accuracy"] = float(r.correct_PxG.mean())
-        out[f"eval/{es.name}/response_len_mean"] = float(r.lengths_PxG.mean())
-    out["eval/accuracy"] = float(np.mean([out[f"eval/{es.name}/accuracy"] for es in eval_sets]))
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -271,7 +169,8 @@ def encode_rows(rows: Sequence[PromptRow], tokenizer, cfg: Config) -> tuple[list
     ids, keep = [], []
     for i, row in enumerate(rows):
         text = format_prompt(row.problem, cfg.data.prompt_template, tokenizer)
-        toks = tokenizer.encode(text, add_bos=True) if cfg.data.prompt_template != "chat" else tokenizer.encode(text)
+        # a rendered chat template carries its own special tokens; otherwise the tokenizer's default BOS rule
+        toks = tokenizer.encode(text, add_bos=False if cfg.data.prompt_template == "chat" else None)
         if len(toks) <= cfg.data.max_prompt_len:
             ids.append(toks)
             keep.append(i)
@@ -345,6 +244,10 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
         resume = False
     if (run_dir / "metrics.jsonl").exists() and not resume:
         raise TrainingError(f"{run_dir} already holds a run (metrics.jsonl); use --resume or a new --run-dir")
+    # data first: a bad row fails in a second, before any model is loaded
+    rows = read_rows(inputs.train_path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
+    eval_rows = {name: read_rows(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
+                 for name, path in inputs.eval_paths.items()}
     save_config(cfg, run_dir)
     mesh = build_mesh(cfg)
     tokenizer = load_tokenizer(inputs.tokenizer_path)
@@ -352,7 +255,6 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
     model = models.from_pretrained(inputs.model_path, dtype=dtype[cfg.model.dtype],
                                    param_dtype=dtype[cfg.model.param_dtype], mesh=mesh)
 
-    rows = read_rows(inputs.train_path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
     prompt_ids, keep = encode_rows(rows, tokenizer, cfg)
     if len(keep) < len(rows):
         log(f"data: {len(rows) - len(keep)} of {len(rows)} rows of {inputs.train_path} have prompts longer than "
@@ -362,13 +264,13 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
     stream = PromptStream(rows, cfg.rl.gen_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
                           process_index=jax.process_index(), process_count=jax.process_count())
     eval_sets = []
-    for name, path in inputs.eval_paths.items():
-        erows = read_rows(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
+    for name, erows in eval_rows.items():
         eids, ekeep = encode_rows(erows, tokenizer, cfg)
-        from stare_jax.eval.benchmarks import protocol_for
+        from stare_jax.eval.benchmarks import DEFAULT_PROTOCOL
 
-        n = cfg.sampling.eval_num_samples or protocol_for(name)["n"]
-        eval_sets.append(EvalSet(name, eids, [erows[i].answer for i in ekeep], n))
+        n = cfg.sampling.eval_num_samples or DEFAULT_PROTOCOL.get(name, {}).get("n", 4)
+        eval_sets.append(EvalSet(name, eids, [erows[i].answer for i in ekeep], n,
+                                 temperature=cfg.sampling.eval_temperature, top_p=cfg.sampling.eval_top_p))
     prompt_len = next_bucket(max(len(p) for p in prompt_ids + [q for es in eval_sets for q in es.prompts]), 16)
 
     tcfg = train_step_config(cfg, mesh)
@@ -405,8 +307,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
             return {}
         refresh_sampler()
         return evaluate(sampler, eval_sets, tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
-                        max_new_tokens=cfg.sampling.max_new_tokens, temperature=cfg.sampling.eval_temperature,
-                        top_p=cfg.sampling.eval_top_p, seed=_seed_for(cfg.seed, step, 99_991))
+                        max_new_tokens=cfg.sampling.max_new_tokens, seed=_seed_for(cfg.seed, step, 99_991))
 
     def save(step: int, force: bool = False):
         ckpt.save(step, {"train_state": train_state, "stare_state": stare_state},

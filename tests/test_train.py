@@ -140,6 +140,11 @@ def test_bad_input_errors(tmp_path, toy_cache):
     p = _run([sys.executable, "-m", "stare_jax.cli", "train", "--run-dir", str(tmp_path / "r1"),
               f"model.path={hf}", f"data.train_path={bad}"])
     assert p.returncode != 0 and "has no config.json" in p.stderr
+    # a data row without the answer field is named by file and line (checked before any model loading)
+    (hf / "config.json").write_text("{}")
+    p = _run([sys.executable, "-m", "stare_jax.cli", "train", "--run-dir", str(tmp_path / "r4"),
+              f"model.path={hf}", f"data.train_path={bad}"])
+    assert p.returncode == 1 and f"{bad}:2: row has no 'problem' field" in p.stderr and "Traceback" not in p.stderr
     p = _run(_train_cmd(tmp_path / "r2", toy_cache, "--resume", "--require-checkpoint", "total_steps=2"))
     assert p.returncode != 0 and "no checkpoint in" in p.stderr and "r2" in p.stderr
     p = _run(_train_cmd(tmp_path / "r3", toy_cache, "rl.stare.w=0.5"))

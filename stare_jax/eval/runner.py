@@ -1,0 +1,64 @@
+"""Evaluation runs: avg@N / pass@k / mean response length per benchmark, for `stare-jax eval` and for the periodic
+evaluation inside training (the same code path).
+
+Benchmarks that share sampling settings (samples per problem, temperature, top-p) are generated together, in prompt
+chunks of `batch_prompts`, so a large evaluation keeps the sampler's batch full instead of running one small
+benchmark at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+from stare_jax.eval.benchmarks import benchmark_metrics
+from stare_jax.rollouts import RewardFn, generate_rollouts
+
+
+@dataclasses.dataclass
+class EvalSet:
+    """One benchmark, tokenized: prompts, reference answers and its protocol."""
+
+    name: str
+    prompts: list[list[int]]
+    answers: list[str]
+    num_samples: int
+    temperature: float = 0.7
+    top_p: float = 0.95
+
+
+def evaluate_sets(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn: RewardFn, prompt_len: int,
+                  max_new_tokens: int, seed: int, ks: Sequence[int] = (1,), batch_prompts: int = 256) -> dict:
+    """{benchmark: benchmark_metrics(...)} (avg@N, pass@k for k in ks that fit N, mean_response_len)."""
+    correct = {es.name: [] for es in eval_sets}
+    lengths = {es.name: [] for es in eval_sets}
+    key = lambda es: (es.num_samples, es.temperature, es.top_p)  # noqa: E731
+    for (n, temp, top_p), group in itertools.groupby(sorted(eval_sets, key=key), key=key):
+        items = [(es.name, p, a) for es in group for p, a in zip(es.prompts, es.answers)]
+        for start in range(0, len(items), batch_prompts):
+            chunk = items[start:start + batch_prompts]
+            r, _, _ = generate_rollouts(sampler, [p for _, p, _ in chunk], [a for _, _, a in chunk],
+                                        tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
+                                        max_new_tokens=max_new_tokens, num_samples=n, temperature=temp, top_p=top_p,
+                                        top_k=0, seed=seed, index_offset=start)
+            for i, (name, _, _) in enumerate(chunk):
+                correct[name].append(r.correct_PxG[i])
+                lengths[name].append(r.lengths_PxG[i])
+    return {es.name: benchmark_metrics(np.stack(correct[es.name]), np.stack(lengths[es.name]),
+                                       ks=[k for k in ks if k <= es.num_samples]) for es in eval_sets}
+
+
+def evaluate(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn: RewardFn, prompt_len: int,
+             max_new_tokens: int, seed: int) -> dict:
+    """Flat metrics for the training log: eval/<name>/accuracy (avg@N), eval/<name>/response_len_mean and their
+    mean over benchmarks as eval/accuracy."""
+    results = evaluate_sets(sampler, eval_sets, tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
+                            max_new_tokens=max_new_tokens, seed=seed)
+    out = {}
+    for name, m in results.items():
+        out[f"eval/{name}/accuracy"] = m[f"avg@{m['n_samples']}"]
+        out[f"eval/{name}/response_len_mean"] = m["mean_response_len"]
+    out["eval/accuracy"] = float(np.mean([out[f"eval/{name}/accuracy"] for name in results]))
+    return out

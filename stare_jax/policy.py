@@ -1,0 +1,78 @@
+"""Load a policy for evaluation or export: a Hugging Face folder, or a training run folder (its config.yaml and
+the newest orbax checkpoint in RUN_DIR/checkpoints), and write any of them back out as a Hugging Face folder."""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import yaml
+
+from stare_jax.config import Config, config_from_dict
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja", "generation_config.json")
+
+
+@dataclasses.dataclass
+class Policy:
+    model: object
+    tokenizer_path: pathlib.Path
+    run_config: Config | None  # the training run's config when loaded from a run folder
+    step: int | None  # the checkpoint step restored (None for an HF folder)
+
+
+def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str = "float32", log=print) -> Policy:
+    """An HF folder (config.json) or a training run folder (config.yaml + checkpoints/)."""
+    from stare_jax import models
+
+    path = pathlib.Path(path)
+    if (path / "config.json").is_file():
+        return Policy(models.from_pretrained(path, dtype=_DTYPES[dtype]), path, None, None)
+    if not (path / "config.yaml").is_file():
+        raise FileNotFoundError(f"{path} is neither a Hugging Face folder (config.json) nor a training run folder "
+                                f"(config.yaml + checkpoints/)")
+    from flax import nnx
+
+    from stare_jax.checkpoint import Checkpointer
+    from stare_jax.rl.stare import init_stare_state
+    from stare_jax.rl.train_step import init_train_state
+    from stare_jax.train import resolve_inputs, train_step_config
+
+    cfg = config_from_dict(yaml.safe_load((path / "config.yaml").read_text()), source=str(path / "config.yaml"))
+    cfg, inputs = resolve_inputs(cfg, log)
+    model = models.from_pretrained(inputs.model_path, dtype=_DTYPES[dtype], param_dtype=_DTYPES[cfg.model.param_dtype])
+    tcfg = train_step_config(cfg)
+    graphdef, train_state = init_train_state(model, tcfg)
+    ckpt = Checkpointer(path / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0, async_save=False,
+                        must_exist=True)
+    try:
+        restored = ckpt.restore(step, abstract_state={"train_state": train_state,
+                                                      "stare_state": init_stare_state(tcfg.stare)})
+    finally:
+        ckpt.close()
+    nnx.update(model, restored.state["train_state"].params)
+    log(f"loaded {path} at checkpoint step {restored.step}")
+    return Policy(model, inputs.tokenizer_path, cfg, restored.step)
+
+
+def export_policy(src: str | pathlib.Path, out_dir: str | pathlib.Path, *, step: int | None = None, log=print):
+    """Write `src` (HF folder or training run) as an HF folder that transformers and stare_jax load: weights,
+    config, and the tokenizer files next to them."""
+    from stare_jax import models
+
+    out_dir = pathlib.Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"export: {out_dir} exists and is not empty")
+    policy = load_policy(src, step=step, log=log)
+    models.save_pretrained(policy.model, out_dir)
+    tok = pathlib.Path(policy.tokenizer_path)
+    tok_dir = tok.parent if tok.is_file() else tok
+    for name in TOKENIZER_FILES:
+        if (tok_dir / name).is_file() and not (out_dir / name).exists():
+            shutil.copy2(tok_dir / name, out_dir / name)
+    if tok.is_file() and tok.suffix == ".model" and not (out_dir / "tokenizer.model").exists():
+        shutil.copy2(tok, out_dir / "tokenizer.model")
+    return out_dir

@@ -1,0 +1,88 @@
+"""Rollouts: sample G responses per prompt with the sampler's array API, decode them and score them.
+
+Shared by the RL loop (train.py) and evaluation (eval/runner.py). Verification of model output: toy tasks are pure
+string checks in-process; math answers go through the sandboxed RewardPool (model output is untrusted)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+
+def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.full((len(prompts), length), pad_id, np.int32)
+    mask = np.zeros((len(prompts), length), np.int32)
+    for r, p in enumerate(prompts):
+        ids[r, length - len(p):] = p
+        mask[r, length - len(p):] = 1
+    return ids, mask
+
+
+@dataclasses.dataclass
+class RewardFn:
+    """Scores decoded responses against reference answers: toy tasks in-process (a pure string check); math in
+    a sandboxed worker pool (model output is untrusted). Returns correctness in {0, 1} and pool stats."""
+
+    task: str
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    _pool: object = None
+
+    def __call__(self, texts: Sequence[str], answers: Sequence[str]) -> tuple[np.ndarray, dict]:
+        if self.task != "math":
+            from stare_jax.toy import TASKS
+
+            score = TASKS[self.task].score
+            return np.asarray([score(t, a) for t, a in zip(texts, answers)], np.float32), {}
+        if self._pool is None:
+            from stare_jax.rewards.pool import RewardPool
+
+            self._pool = RewardPool(num_workers=self.num_workers, timeout_s=self.timeout_s)
+        from stare_jax.rewards.math import reference_alternatives
+
+        # a reference listing several acceptable forms (e.g. Minerva's joined lists) is scored against each
+        refs = [reference_alternatives(a) for a in answers]
+        scores, stats = self._pool.score_batch(list(texts), refs)
+        return np.asarray(scores, np.float32), dict(stats)
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """One generation batch, prompt-major: arrays with leading prompt axis P (and group axis G)."""
+
+    prompt_ids_PxT: np.ndarray
+    prompt_mask_PxT: np.ndarray
+    tokens_PxGxN: np.ndarray
+    lengths_PxG: np.ndarray
+    logprobs_PxGxN: np.ndarray
+    correct_PxG: np.ndarray
+
+
+def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
+                      reward_fn: RewardFn, prompt_len: int, max_new_tokens: int, num_samples: int,
+                      temperature: float, top_p: float, top_k: int, seed: int, index_offset: int = 0):
+    """Sample num_samples responses per prompt and score them; returns (Rollouts, texts, reward stats)."""
+    P = len(prompts)
+    P_pad = sampler.batch_bucket(P)
+    ids, mask = left_pad(list(prompts) + [[tokenizer.bos_id if tokenizer.bos_id is not None else 0]] * (P_pad - P),
+                         prompt_len, sampler.pad_id)
+    active = np.arange(P_pad) < P
+    out = sampler.generate_arrays(ids, mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=tokenizer.eos_ids,
+                                  seed=seed, prompt_index_P=np.arange(P_pad, dtype=np.int32) + index_offset,
+                                  active_P=active)
+    tokens, logprobs, lengths = jax.device_get((out.tokens_BxN, out.logprobs_BxN, out.lengths_B))
+    G, N = num_samples, tokens.shape[1]
+    tokens = np.asarray(tokens)[: P * G].reshape(P, G, N)
+    logprobs = np.asarray(logprobs)[: P * G].reshape(P, G, N)
+    lengths = np.asarray(lengths)[: P * G].reshape(P, G)
+    texts = [tokenizer.decode(tokens[p, g, : lengths[p, g]].tolist()) for p in range(P) for g in range(G)]
+    correct, stats = reward_fn(texts, [answers[p] for p in range(P) for _ in range(G)])
+    return Rollouts(ids[:P], mask[:P], tokens, lengths, logprobs, correct.reshape(P, G)), texts, stats
