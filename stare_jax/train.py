@@ -363,7 +363,9 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
                 "train_accuracy": float(kept.correct_PxG.mean()),
                 "response_len_mean": float(all_len.mean()), "gate_on": reweighting_active(cfg, m),
                 "stare_enabled": cfg.rl.stare.enabled,
-                "stare_w": float(m["stare_w"]), "stare_m": float(m["stare_m"]),
+                # GRPO-ds never reweights: its effective W and M are 1 (the controller's values are unused)
+                "stare_w": float(m["stare_w"]) if cfg.rl.stare.enabled else 1.0,
+                "stare_m": float(m["stare_m"]) if cfg.rl.stare.enabled else 1.0,
                 "selected_frac_pos": float(m.get("stare/frac_pos_high", m.get("stare/frac_pos_low", 0.0))),
                 "selected_frac_neg": float(m.get("stare/frac_neg_high", m.get("stare/frac_neg_low", 0.0))),
                 "clipfrac": float(m["clipfrac"]), "clipfrac_lower": float(m["clipfrac_lower"]),
