@@ -171,3 +171,30 @@ def test_real_model_on_real_data_smoke(tmp_path):
     assert [r["step"] for r in recs] == [1, 2]
     assert all(np.isfinite(r["entropy"]) and r["reward/n_ok"] + r["reward/n_timeout"] + r["reward/n_error"] > 0
                for r in recs)
+
+
+def test_export_and_eval_of_a_training_run(full_run, tmp_path, shared_data_dir):
+    """`stare-jax export RUN_DIR OUT` writes the newest checkpoint as an HF folder whose logits equal the restored
+    policy's; `stare-jax eval` runs the paper-protocol table on it (a 2-problem GSM8K slice, math verifier pool)."""
+    import jax.numpy as jnp
+
+    from stare_jax.models import from_pretrained
+    from stare_jax.policy import load_policy
+
+    out = tmp_path / "exported"
+    p = _run([sys.executable, "-m", "stare_jax.cli", "export", str(full_run), str(out)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (out / "config.json").is_file() and (out / "tokenizer.model").is_file()
+    policy = load_policy(full_run, log=lambda *_: None)
+    assert policy.step == 4
+    ids = jnp.asarray([[1, 5, 9, 13, 7, 8]], jnp.int32)
+    np.testing.assert_allclose(np.asarray(from_pretrained(out)(ids)), np.asarray(policy.model(ids)), atol=1e-6)
+    p = _run([sys.executable, "-m", "stare_jax.cli", "eval", "--checkpoint", str(out), "--benchmarks", "gsm8k",
+              "--data-dir", str(shared_data_dir / "math"), "--limit", "2", "--n", "2", "--max-new-tokens", "8",
+              "--max-prompt-len", "512", "--out", str(tmp_path / "ev")])
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert res["gsm8k"]["n_problems"] == 2 and res["gsm8k"]["n_samples"] == 2 and 0 <= res["gsm8k"]["avg@2"] <= 1
+    assert "| gsm8k |" in p.stdout
+    p = _run([sys.executable, "-m", "stare_jax.cli", "export", str(full_run), str(out)])
+    assert p.returncode == 1 and "exists and is not empty" in p.stderr
