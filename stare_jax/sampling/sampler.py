@@ -6,10 +6,12 @@ Layout and choices (why):
   token of every row then sits in slot T-1, so the first new token of every row goes to slot T, the next to
   T+1, ... -- one shared `cache_index` per step, a single dynamic_update_slice, no per-row scatter. Positions
   are cumsum(mask)-1, so a padded prompt gets the same positions (and RoPE) as the unpadded one.
-- The cache holds T + N slots, N = the max_new_tokens bucket (power of two, minimum `min_new_bucket`);
-  max_new_tokens itself, temperature and top_p are traced scalars, so calls that land in the same buckets reuse
-  the compiled program, and so are greedy/temperature/top_k/top_p: one program per (buckets, num_samples,
-  cache dtype, mesh). The number of prompts is bucketed too (power of two, multiple of the data shards).
+- The cache holds T + N slots, N = the max_new_tokens bucket (power of two, minimum `min_new_bucket`).
+  max_new_tokens, greedy on/off, temperature, top_k, top_p, the seed and the EOS ids are traced values, so
+  there is one program per (prompt bucket, new-token bucket, prompt-count bucket, num_samples, cache dtype,
+  mesh). The number of prompts is bucketed too (power of two, multiple of the data shards).
+- Prefill: slots [0, T-1) in one decode_step call whose logits are never used (XLA then drops the
+  [P, T-1, V] unembedding), then slot T-1 alone for the first next-token logits.
 - G samples per prompt: the P prompts are prefilled once, then the cache (and the last logits) is repeated G
   times along batch (row p*G+g = sample g of prompt p, prompt-major).
 - The cache is created, filled and consumed inside the one jitted program, so it never crosses a jit boundary
