@@ -230,6 +230,22 @@ def test_no_recompilation_within_buckets(model):
     assert next_bucket(1, 16) == 16 and next_bucket(17, 16) == 32 and next_bucket(64, 8) == 64
 
 
+def test_decode_phases_same_results_and_teacher_forced(model):
+    """A 2-phase decode (cache grown after 32 tokens) == the 1-phase decode; log-probs == full forward."""
+    prompts = [CONTEXT, [7] * 20]
+    kw = dict(max_new_tokens=40, num_samples=2, temperature=1.0, seed=9, eos_ids=[])
+    two = Sampler(model, decode_phases=2)
+    assert two.phases(64) == (32, 64)
+    a, b = two.generate(prompts, **kw), Sampler(model).generate(prompts, **kw)
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(np.concatenate(a.logprobs), np.concatenate(b.logprobs), atol=1e-5)
+    for r, (toks, lps) in enumerate(zip(a.tokens, a.logprobs)):
+        prompt = prompts[r // 2]
+        logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt + toks]))[0], -1))
+        ref = logp[len(prompt) - 1: len(prompt) - 1 + len(toks)][np.arange(len(toks)), toks]
+        np.testing.assert_allclose(lps, ref, atol=1e-5)
+
+
 def test_bf16_cache_close_to_fp32(model):
     f32 = generate(model, [CONTEXT, [1, 2]], max_new_tokens=8, temperature=0.0, eos_ids=[])
     b16 = Sampler(model, cache_dtype=jnp.bfloat16).generate([CONTEXT, [1, 2]], max_new_tokens=8,

@@ -79,6 +79,7 @@ class _LoopSpec:
     cache_dtype: str
     pad_id: int
     batch_sharding: NamedSharding | None
+    phases: tuple[int, ...] = ()  # cumulative new-token ends of the decode phases (last = new_bucket)
 
 
 class _Carry(NamedTuple):
@@ -135,15 +136,17 @@ def _generate_core(graphdef, state, prompt_ids_PxT, prompt_mask_PxT, prompt_inde
     model = nnx.merge(graphdef, state)
     P, T = prompt_ids_PxT.shape
     G, N = spec.num_samples, spec.new_bucket
-    B, S = P * G, T + N
+    B = P * G
     mask_PxT = prompt_mask_PxT.astype(jnp.int32)
 
     # Prefill the P distinct prompts once: slots [0, T-1) in one call whose logits are unused (so XLA drops
     # the [P, T-1, V] unembedding entirely), then the last prompt slot T-1 as a one-token step for the logits.
     ids_PxT = prompt_ids_PxT.astype(jnp.int32)
     positions_PxT = jnp.maximum(jnp.cumsum(mask_PxT, axis=-1) - 1, 0)
+    phases = spec.phases or (N,)
+    S = T + phases[0]  # the cache grows phase by phase (see body), starting with the first phase's slots
     cache = _constrain(model.init_cache(P, S, dtype=jnp.dtype(spec.cache_dtype)), spec.batch_sharding, P)
-    kv_mask_PxS = jnp.concatenate([mask_PxT, jnp.zeros((P, N), jnp.int32)], axis=-1)
+    kv_mask_PxS = jnp.concatenate([mask_PxT, jnp.zeros((P, phases[0]), jnp.int32)], axis=-1)
     if T > 1:
         _, cache = model.decode_step(ids_PxT[:, :-1], positions_PxT[:, :-1], cache, 0, kv_mask_PxS)
     logits_Px1xV, cache = model.decode_step(ids_PxT[:, -1:], positions_PxT[:, -1:], cache, T - 1, kv_mask_PxS)
@@ -182,8 +185,12 @@ def _generate_core(graphdef, state, prompt_ids_PxT, prompt_mask_PxT, prompt_inde
         kv_mask_BxS=kv_mask_BxS, cache=cache)
     carry = emit(carry, logits_BxV)
 
-    def cond(c: _Carry):
-        return (c.i < max_new_tokens) & jnp.any(~c.done_B)
+    def grow(c: _Carry, slots: int) -> _Carry:
+        """Pad the cache and kv mask to `slots` slots (one copy per phase)."""
+        extra = slots - c.kv_mask_BxS.shape[1]
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+        cache = _constrain(jax.tree.map(pad, c.cache), spec.batch_sharding, B)
+        return c._replace(cache=cache, kv_mask_BxS=_constrain(pad(c.kv_mask_BxS), spec.batch_sharding, B))
 
     def body(c: _Carry) -> _Carry:
         slot = T + c.i - 1  # cache slot of the token being fed (token index c.i - 1)
@@ -192,7 +199,14 @@ def _generate_core(graphdef, state, prompt_ids_PxT, prompt_mask_PxT, prompt_inde
         c = c._replace(kv_mask_BxS=kv_mask_BxS, cache=_constrain(cache, spec.batch_sharding, B))
         return emit(c, logits_Bx1xV[:, -1].astype(jnp.float32))
 
-    carry = jax.lax.while_loop(cond, body, carry)
+    # Decode in phases: phase k runs tokens up to phases[k] against a cache of T + phases[k] slots, so the
+    # attention of early steps does not read the (still empty) slots of later ones. Unfinished phases are
+    # skipped as soon as every row is done.
+    for k, end in enumerate(phases):
+        if k > 0:
+            carry = grow(carry, T + end)
+        carry = jax.lax.while_loop(
+            lambda c, end=end: (c.i < jnp.minimum(max_new_tokens, end)) & jnp.any(~c.done_B), body, carry)
     return SampleArrays(carry.tokens_BxN, carry.logprobs_BxN, carry.lengths_B, carry.eos_B)
 
 
@@ -246,16 +260,24 @@ class Sampler:
     mesh: optional jax Mesh; the batch is sharded over its data axes ("data", "fsdp") and parameters are kept in
     the sampler layout (replicated over the data axes, "tensor" kept). Call `update_params` once per RL step
     with the trainer's current parameters to reshard them on device.
+    cache_dtype: KV-cache dtype (float32 or bfloat16). min_*_bucket: smallest prompt / new-token / prompt-count
+    buckets. decode_phases: split the decode into up to this many while loops over a growing cache (each
+    phase at least min_phase_tokens long), so early steps attend over fewer slots; worth it for long
+    generations on accelerators, ~3% on CPU at 128 tokens, and each phase is compiled separately (default 1).
+    pad_id: token written after a sequence's end (default: config pad_token_id, else 0).
     """
 
     def __init__(self, model: nnx.Module, *, mesh: Mesh | None = None, cache_dtype=jnp.float32,
                  min_prompt_bucket: int = 16, min_new_bucket: int = 16, min_batch_bucket: int = 1,
+                 decode_phases: int = 1, min_phase_tokens: int = 32,
                  pad_id: int | None = None):
         self.config = model_config(model)
         self.mesh = mesh
         self.cache_dtype = jnp.dtype(cache_dtype).name
         self.min_prompt_bucket = min_prompt_bucket
         self.min_new_bucket = min_new_bucket
+        self.decode_phases = max(1, int(decode_phases))
+        self.min_phase_tokens = max(1, int(min_phase_tokens))
         self.min_batch_bucket = min_batch_bucket
         cfg_pad = getattr(self.config, "pad_token_id", None)
         self.pad_id = int(pad_id if pad_id is not None else (cfg_pad if cfg_pad is not None else 0))
@@ -278,9 +300,15 @@ class Sampler:
         """Padded number of prompts: power of two (>= min_batch_bucket), a multiple of the data shards."""
         return _round_up(next_bucket(num_prompts, self.min_batch_bucket), self.data_shards)
 
+    def phases(self, new_bucket: int) -> tuple[int, ...]:
+        """Cumulative token ends of the decode phases: up to `decode_phases` equal parts of the new-token
+        bucket, each at least `min_phase_tokens` long (each phase is one more while loop to compile)."""
+        n = max(1, min(self.decode_phases, new_bucket // self.min_phase_tokens))
+        return tuple(new_bucket * (k + 1) // n for k in range(n))
+
     def _spec(self, num_samples, new_bucket) -> _LoopSpec:
         return _LoopSpec(num_samples=int(num_samples), new_bucket=int(new_bucket), cache_dtype=self.cache_dtype,
-                         pad_id=self.pad_id, batch_sharding=self._batch_sharding)
+                         pad_id=self.pad_id, batch_sharding=self._batch_sharding, phases=self.phases(new_bucket))
 
     def _put_batch(self, x):
         if self._batch_sharding is None:
