@@ -275,10 +275,16 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
 
     tcfg = train_step_config(cfg, mesh)
     graphdef, train_state = init_train_state(model, tcfg)
-    if mesh is not None:
-        train_state = place_train_state(train_state, mesh)
-    step_fn = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
     stare_state = init_stare_state(tcfg.stare)
+    # commit the initial state to its devices, as the step's outputs are, so step 2 does not recompile
+    if mesh is not None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        train_state = place_train_state(train_state, mesh)
+        stare_state = jax.device_put(stare_state, NamedSharding(mesh, PartitionSpec()))
+    else:
+        train_state, stare_state = jax.device_put((train_state, stare_state), jax.devices()[0])
+    step_fn = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
     sampler = Sampler(model, mesh=mesh, cache_dtype=dtype[cfg.sampling.kv_cache_dtype],
                       pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else None)
     reward_fn = RewardFn(cfg.data.task)
