@@ -59,7 +59,10 @@ def _cudnn_usable(q) -> bool:
 
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(t: int, num_heads: int, interpret: bool):
+def _splash_kernel(t: int, num_heads: int, interpret: bool, trace_mesh: str):
+    """The kernel for one shape. `trace_mesh` (the ambient abstract mesh, including shard_map's manual axes) is
+    part of the cache key: a kernel built inside shard_map holds mask arrays typed for that context and must not
+    be reused outside it."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -89,7 +92,7 @@ def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interp
     kh = k_BxSxKxD.shape[2]
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
-    kernel = _splash_kernel(t, h, bool(interpret))
+    kernel = _splash_kernel(t, h, bool(interpret), str(jax.sharding.get_abstract_mesh()))
     g = h // kh
     # splash takes [H, T, D] per example; repeat kv heads for GQA.
     q = jnp.swapaxes(q_BxTxHxD, 1, 2) * (d ** -0.5)
