@@ -281,7 +281,9 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
         from jax.sharding import NamedSharding, PartitionSpec
 
         train_state = place_train_state(train_state, mesh)
-        stare_state = jax.device_put(stare_state, NamedSharding(mesh, PartitionSpec()))
+        # created replicated by a jitted init: device_put would compare the NaN last_entropy across processes
+        stare_state = jax.jit(lambda: init_stare_state(tcfg.stare),
+                              out_shardings=NamedSharding(mesh, PartitionSpec()))()
     else:
         train_state, stare_state = jax.device_put((train_state, stare_state), jax.devices()[0])
     step_fn = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
