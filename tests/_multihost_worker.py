@@ -67,6 +67,7 @@ def main(argv=None):
     import numpy as np
     from jax.experimental import multihost_utils
 
+    from _rl_fixtures import random_train_batch  # tests/ is on sys.path: this script lives there
     from stare_jax.checkpoint import Checkpointer
     from stare_jax.distributed import global_batch_from_process_local, process_batch_rows
     from stare_jax.models import ModelConfig, init_model
@@ -85,21 +86,7 @@ def main(argv=None):
                           debug_outputs=True)
 
     def global_batch(seed):
-        rng = np.random.default_rng(seed)
-        ids = rng.integers(0, model_cfg.vocab_size, (B, L)).astype(np.int32)
-        attn = np.ones((B, L), np.int32)
-        resp = np.zeros((B, L), np.int32)
-        plen = rng.integers(3, 9, size=B)
-        rlen = rng.integers(4, L - 8, size=B)
-        for i in range(B):
-            pad = L - plen[i] - rlen[i]
-            attn[i, :pad] = 0  # left padding
-            resp[i, pad + plen[i]:] = 1
-        acc = rng.integers(0, 2, size=(B // 4, 4)).astype(np.float32)
-        acc[:, 0], acc[:, 1] = 1, 0
-        adv = ((acc - acc.mean(1, keepdims=True)) / (acc.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
-        return dict(input_ids_BxT=ids, attention_mask_BxT=attn, response_mask_BxT=resp,
-                    advantages_B=adv.astype(np.float32))
+        return random_train_batch(model_cfg.vocab_size, B, L, seed)
 
     mesh = make_mesh({"data": 2, "fsdp": 4})
     rows = process_batch_rows(mesh, B)

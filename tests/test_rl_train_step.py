@@ -14,6 +14,8 @@ from stare_jax.rl.stare import StareConfig, init_stare_state, token_weights
 from stare_jax.rl.train_step import (OptimizerConfig, TrainStepConfig, batch_entropy, init_train_state,
                                      make_train_step, place_train_state, shift_batch)
 
+from _rl_fixtures import random_train_batch
+
 MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                     intermediate_size=64, tie_word_embeddings=True, initializer_range=0.3, max_position_embeddings=64)
 B, L = 16, 20
@@ -23,20 +25,7 @@ BASE = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), stare=STARE_ON, logpr
 
 
 def _batch(seed=0):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, MODEL.vocab_size, (B, L)).astype(np.int32)
-    attn = np.ones((B, L), np.int32)
-    resp = np.zeros((B, L), np.int32)
-    plen = rng.integers(3, 9, size=B)
-    rlen = rng.integers(4, L - 8, size=B)
-    for i in range(B):
-        pad = L - plen[i] - rlen[i]
-        attn[i, :pad] = 0  # left padding
-        resp[i, pad + plen[i]:] = 1
-    acc = rng.integers(0, 2, size=(B // 4, 4)).astype(np.float32)
-    acc[:, 0], acc[:, 1] = 1, 0
-    adv = ((acc - acc.mean(1, keepdims=True)) / (acc.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
-    return dict(input_ids_BxT=ids, attention_mask_BxT=attn, response_mask_BxT=resp, advantages_B=adv)
+    return random_train_batch(MODEL.vocab_size, B, L, seed)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,21 @@
+"""Shared test data for the train-step tests (single process and multi-process workers)."""
+import numpy as np
+
+
+def random_train_batch(vocab_size: int, B: int, L: int, seed: int = 0) -> dict:
+    """A left-padded prompt+response batch with GRPO-normalised advantages over groups of 4 (each group has at
+    least one correct and one wrong response, so every advantage is nonzero)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab_size, (B, L)).astype(np.int32)
+    attn = np.ones((B, L), np.int32)
+    resp = np.zeros((B, L), np.int32)
+    plen = rng.integers(3, 9, size=B)
+    rlen = rng.integers(4, L - 8, size=B)
+    for i in range(B):
+        pad = L - plen[i] - rlen[i]
+        attn[i, :pad] = 0  # left padding
+        resp[i, pad + plen[i]:] = 1
+    acc = rng.integers(0, 2, size=(B // 4, 4)).astype(np.float32)
+    acc[:, 0], acc[:, 1] = 1, 0
+    adv = ((acc - acc.mean(1, keepdims=True)) / (acc.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
+    return dict(input_ids_BxT=ids, attention_mask_BxT=attn, response_mask_BxT=resp, advantages_B=adv.astype(np.float32))
