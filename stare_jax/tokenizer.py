@@ -330,6 +330,17 @@ class _TokenizerBase:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:  # pragma: no cover
         raise NotImplementedError
 
+    def _set_special_ids(self, ids: Mapping[str, int | None], gen: dict | None) -> None:
+        """bos/eos/unk/pad ids from the named special tokens; pad falls back to generation_config's pad_token_id;
+        eos_ids adds generation_config's eos list."""
+        self.bos_id = ids.get("bos_token")
+        self.eos_id = ids.get("eos_token")
+        self.unk_id = ids.get("unk_token")
+        self.pad_id = ids.get("pad_token")
+        if self.pad_id is None and gen and gen.get("pad_token_id") is not None:
+            self.pad_id = int(gen["pad_token_id"])
+        self.eos_ids = self._finish_eos_ids(_generation_eos(gen))
+
     def encode_batch(self, texts: Sequence[str], add_bos: bool | None = None) -> list[list[int]]:
         """encode() of each text (the HF backend runs them in parallel in Rust)."""
         if isinstance(texts, str):
@@ -476,14 +487,7 @@ class HFTokenizer(_TokenizerBase):
         missing = [t for t in self.special_tokens.values() if self._tok.token_to_id(t) is None]
         if missing:
             self._tok.add_special_tokens([AddedToken(t, special=True) for t in dict.fromkeys(missing)])
-        ids = {k: self._tok.token_to_id(v) for k, v in self.special_tokens.items()}
-        self.bos_id = ids.get("bos_token")
-        self.eos_id = ids.get("eos_token")
-        self.unk_id = ids.get("unk_token")
-        self.pad_id = ids.get("pad_token")
-        if self.pad_id is None and gen and gen.get("pad_token_id") is not None:
-            self.pad_id = int(gen["pad_token_id"])
-        self.eos_ids = self._finish_eos_ids(_generation_eos(gen))
+        self._set_special_ids({k: self._tok.token_to_id(v) for k, v in self.special_tokens.items()}, gen)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.chat_template, self._chat_template_source = _chat_template(folder, self.config, config_path)
         self._clean_up = bool(self.config.get("clean_up_tokenization_spaces", False)) and (
@@ -580,19 +584,12 @@ class SentencePieceTokenizer(_TokenizerBase):
             gen = _read_json(folder / "generation_config.json")
             self.chat_template, self._chat_template_source = _chat_template(folder, self.config, config_path)
         ids = {k: int(self._sp.piece_to_id(v)) for k, v in self.special_tokens.items()}
-        self.bos_id = ids.get("bos_token")
-        self.eos_id = ids.get("eos_token")
-        self.unk_id = ids.get("unk_token")
-        self.pad_id = ids.get("pad_token")
-        if self.pad_id is None and gen and gen.get("pad_token_id") is not None:
-            self.pad_id = int(gen["pad_token_id"])
-        self.eos_ids = self._finish_eos_ids(_generation_eos(gen))
+        self._set_special_ids(ids, gen)
         self._add_bos_default = bool(self.config.get("add_bos_token", True)) and self.bos_id is not None
-        # ids dropped by decode(skip_special_tokens=True): control pieces and the named special tokens (not unk).
-        self._special_ids = {i for i in range(self.vocab_size) if self._sp.is_control(i)}
-        self._special_ids |= {v for k, v in ids.items() if k != "unk_token"}
         # user-defined pieces (e.g. <|im_start|>) decode to their text; control pieces to "" in sentencepiece.
         self._control_ids = {i for i in range(self.vocab_size) if self._sp.is_control(i)}
+        # ids dropped by decode(skip_special_tokens=True): control pieces and the named special tokens (not unk).
+        self._special_ids = self._control_ids | {v for k, v in ids.items() if k != "unk_token"}
 
     @property
     def backend(self):
