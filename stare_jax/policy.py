@@ -6,12 +6,10 @@ import dataclasses
 import pathlib
 import shutil
 
-import jax.numpy as jnp
 import yaml
 
 from stare_jax.config import Config, config_from_dict
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "generation_config.json")
 
@@ -30,7 +28,7 @@ def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str
 
     path = pathlib.Path(path)
     if (path / "config.json").is_file():
-        return Policy(models.from_pretrained(path, dtype=_DTYPES[dtype]), path, None, None)
+        return Policy(models.from_pretrained(path, dtype=dtype), path, None, None)
     if not (path / "config.yaml").is_file():
         raise FileNotFoundError(f"{path} is neither a Hugging Face folder (config.json) nor a training run folder "
                                 f"(config.yaml + checkpoints/)")
@@ -43,7 +41,8 @@ def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str
 
     cfg = config_from_dict(yaml.safe_load((path / "config.yaml").read_text()), source=str(path / "config.yaml"))
     cfg, inputs = resolve_inputs(cfg, log)
-    model = models.from_pretrained(inputs.model_path, dtype=_DTYPES[dtype], param_dtype=_DTYPES[cfg.model.param_dtype])
+    model = models.from_pretrained(inputs.model_path, dtype=dtype, param_dtype=cfg.model.param_dtype,
+                                   attention_impl=cfg.model.attention_impl, remat_policy=cfg.model.remat_policy)
     tcfg = train_step_config(cfg)
     graphdef, train_state = init_train_state(model, tcfg)
     ckpt = Checkpointer(path / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0, async_save=False,

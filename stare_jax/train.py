@@ -55,14 +55,11 @@ def compile_count() -> int:
 # Configuration of the compiled step from the run config
 
 
-def data_shards(mesh) -> int:
-    return 1 if mesh is None else int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
-
-
 def train_step_config(cfg: Config, mesh=None):
     """The static TrainStepConfig of the jitted step, derived from the run config."""
     from stare_jax.rl.stare import StareConfig
     from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig
+    from stare_jax.sampling.sharding import data_size as data_shards  # the batch (data x fsdp) shard count
 
     rl, s, o = cfg.rl, cfg.rl.stare, cfg.optimizer
     B = rl.train_batch_size * rl.group_size
@@ -146,10 +143,9 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, Run
         from stare_jax import toy
 
         t = cfg.toy
-        assets = toy.prepare(toy.ToyAssetConfig(task=t.task, sft_noise=t.sft_noise, seed=t.seed, num_train=t.num_train, num_eval=t.num_eval,
-                                                k_min=t.k_min, k_max=t.k_max, hidden_size=t.hidden_size,
-                                                num_layers=t.num_layers, sft_steps=t.sft_steps, sft_lr=t.sft_lr),
-                             t.cache_dir, log=log)
+        # the run config's toy section names a subset of the asset fields; the rest keep their defaults
+        shared = {f.name for f in dataclasses.fields(toy.ToyAssetConfig)} & {f.name for f in dataclasses.fields(t)}
+        assets = toy.prepare(toy.ToyAssetConfig(**{k: getattr(t, k) for k in shared}), t.cache_dir, log=log)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task=t.task, prompt_template="raw"))
         return cfg, RunInputs(assets.model_dir, assets.model_dir / "tokenizer.model", assets.train_path,
                               {"heldout": str(assets.eval_path)})
@@ -251,9 +247,9 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
     save_config(cfg, run_dir)
     mesh = build_mesh(cfg)
     tokenizer = load_tokenizer(inputs.tokenizer_path)
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-    model = models.from_pretrained(inputs.model_path, dtype=dtype[cfg.model.dtype],
-                                   param_dtype=dtype[cfg.model.param_dtype], mesh=mesh)
+    model = models.from_pretrained(inputs.model_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+                                   mesh=mesh, attention_impl=cfg.model.attention_impl,
+                                   remat_policy=cfg.model.remat_policy)
 
     prompt_ids, keep = encode_rows(rows, tokenizer, cfg)
     if len(keep) < len(rows):
@@ -287,7 +283,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
     else:
         train_state, stare_state = jax.device_put((train_state, stare_state), jax.devices()[0])
     step_fn = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
-    sampler = Sampler(model, mesh=mesh, cache_dtype=dtype[cfg.sampling.kv_cache_dtype],
+    sampler = Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype,
                       pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else None)
     reward_fn = RewardFn(cfg.data.task)
 
