@@ -1,6 +1,5 @@
 """Clipped (dual-clip) policy loss with omega, 4 aggregation modes, metrics, micro-batch accumulation."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -3,7 +3,6 @@ import math
 from fractions import Fraction
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P

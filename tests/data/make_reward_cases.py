@@ -16,7 +16,6 @@ Deterministic: `python tests/data/make_reward_cases.py [DATA_DIR]` rewrites the 
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import re
 import sys
