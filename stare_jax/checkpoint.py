@@ -381,8 +381,9 @@ class PreemptionHandler:
     """Set by SIGTERM (TPU/GCE preemption notice); the training loop polls `should_stop(step)` each step,
     and when True saves a checkpoint and exits cleanly. The signal handler only sets a flag.
 
-    Multi-host: when jax.distributed is initialised with several processes, `should_stop` also consults
-    jax's preemption sync point (all hosts agree on the same step to stop at).
+    Multi-host: `should_stop` is this process's flag; the training loop combines the flags of all processes
+    each step (stare_jax.distributed.any_process), so every host stops and saves at the same step even when
+    only some of them were signalled.
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
@@ -412,17 +413,10 @@ class PreemptionHandler:
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()
 
-    def should_stop(self, step: int) -> bool:
-        if self.requested:
-            return True
-        if jax.process_count() > 1:
-            try:
-                from jax.experimental import multihost_utils
-
-                return bool(multihost_utils.reached_preemption_sync_point(step))
-            except (RuntimeError, ImportError, AttributeError):  # preemption service not set up
-                return False
-        return False
+    def should_stop(self, step: int) -> bool:  # noqa: ARG002 - the step is part of the polling contract
+        """Whether THIS process got the signal; multi-process loops must agree across processes
+        (stare_jax.distributed.any_process), since only some hosts may be signalled."""
+        return self.requested
 
     def __enter__(self) -> "PreemptionHandler":
         return self

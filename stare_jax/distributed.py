@@ -54,3 +54,85 @@ def global_batch_from_process_local(batch_local: Mapping[str, np.ndarray], mesh:
                              f"feeds {n_local} of the {global_batch_size} rows (leading axis)")
         out[k] = jax.make_array_from_process_local_data(sharding, v, (global_batch_size,) + v.shape[1:])
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers of the multi-process RL loop. Convention: every process holds the SAME global host data for the small
+# per-step inputs (prompt ids, the train batch) and feeds its own rows of it (`global_batch`); device results
+# come back to every host with `fetch_global`; each process scores its own share of the responses
+# (`process_share`) and the scores are gathered (`gather_shares`).
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def global_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh,
+                 batch_axes: Sequence[str] = ("data", "fsdp")) -> dict:
+    """{key: global jax.Array} from a host batch that is identical on every process: each process feeds only
+    the rows its devices hold (`process_batch_rows`)."""
+    n = len(next(iter(batch.values())))
+    rows = process_batch_rows(mesh, n, batch_axes)
+    return global_batch_from_process_local({k: np.asarray(v)[rows] for k, v in batch.items()}, mesh, n, batch_axes)
+
+
+def fetch_global(tree):
+    """Every array of `tree` as a full host NumPy array on every process (a cross-process all-gather for global
+    arrays spanning several processes; a plain device_get otherwise)."""
+    if not is_multiprocess():
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
+def process_share(n: int) -> tuple[int, int]:
+    """[lo, hi) of this process's contiguous share of n items split as evenly as possible over the processes
+    (the rows it decodes and scores)."""
+    k, count = jax.process_index(), jax.process_count()
+    return k * n // count, (k + 1) * n // count
+
+
+def gather_shares(local: np.ndarray, n: int) -> np.ndarray:
+    """The n items [n, ...] from every process's `process_share(n)` slice `local` (concatenated in process
+    order); the identity in a single process."""
+    local = np.asarray(local)
+    if not is_multiprocess():
+        return local
+    from jax.experimental import multihost_utils
+
+    count = jax.process_count()
+    width = -(-n // count)  # shares differ by at most one item: pad each to the widest
+    padded = np.zeros((width,) + local.shape[1:], local.dtype)
+    padded[: len(local)] = local
+    gathered = np.asarray(multihost_utils.process_allgather(padded, tiled=False))  # [count, width, ...]
+    parts = [gathered[k, : (k + 1) * n // count - k * n // count] for k in range(count)]
+    return np.concatenate(parts, axis=0)
+
+
+def sum_across_processes(counts: Mapping[str, float], keys: Sequence[str]) -> dict:
+    """{key: sum over processes of counts.get(key, 0)} for a fixed key list (the same on every process, so the
+    collective matches even where a process had nothing to count)."""
+    local = np.asarray([float(counts.get(k, 0)) for k in keys], np.float64)
+    if is_multiprocess() and keys:
+        from jax.experimental import multihost_utils
+
+        local = np.asarray(multihost_utils.process_allgather(local)).sum(axis=0)
+    return {k: float(v) for k, v in zip(keys, local)}
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is True on any of them (a stop decision all processes must share)."""
+    if not is_multiprocess():
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.asarray([int(bool(flag))], np.int32))).any())
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches this point (no-op in a single process)."""
+    if is_multiprocess():
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-import jax
 import numpy as np
+
+from stare_jax import distributed
 
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -65,10 +66,18 @@ class Rollouts:
     correct_PxG: np.ndarray
 
 
+REWARD_COUNTERS = ("n_items", "n_ok", "n_correct", "n_timeout", "n_crash", "n_error", "n_restarts")
+
+
 def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
                       reward_fn: RewardFn, prompt_len: int, max_new_tokens: int, num_samples: int,
                       temperature: float, top_p: float, top_k: int, seed: int, index_offset: int = 0):
-    """Sample num_samples responses per prompt and score them; returns (Rollouts, texts, reward stats)."""
+    """Sample num_samples responses per prompt and score them; returns (Rollouts, texts, reward stats).
+
+    Multi-process: every process passes the same global prompts; the sampler shards the batch over the devices
+    of all processes, the tokens come back to every host, each process decodes and scores its own share of
+    the responses (texts holds that share only), and the scores and reward-pool counters are gathered, so the
+    returned Rollouts and stats are the global ones, equal on every process and to a single-process run."""
     P = len(prompts)
     P_pad = sampler.batch_bucket(P)
     ids, mask = left_pad(list(prompts) + [[tokenizer.bos_id if tokenizer.bos_id is not None else 0]] * (P_pad - P),
@@ -78,11 +87,15 @@ def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequen
                                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=tokenizer.eos_ids,
                                   seed=seed, prompt_index_P=np.arange(P_pad, dtype=np.int32) + index_offset,
                                   active_P=active)
-    tokens, logprobs, lengths = jax.device_get((out.tokens_BxN, out.logprobs_BxN, out.lengths_B))
+    tokens, logprobs, lengths = distributed.fetch_global((out.tokens_BxN, out.logprobs_BxN, out.lengths_B))
     G, N = num_samples, tokens.shape[1]
-    tokens = np.asarray(tokens)[: P * G].reshape(P, G, N)
-    logprobs = np.asarray(logprobs)[: P * G].reshape(P, G, N)
-    lengths = np.asarray(lengths)[: P * G].reshape(P, G)
-    texts = [tokenizer.decode(tokens[p, g, : lengths[p, g]].tolist()) for p in range(P) for g in range(G)]
-    correct, stats = reward_fn(texts, [answers[p] for p in range(P) for _ in range(G)])
+    tokens = tokens[: P * G].reshape(P, G, N)
+    logprobs = logprobs[: P * G].reshape(P, G, N)
+    lengths = lengths[: P * G].reshape(P, G)
+    lo, hi = distributed.process_share(P * G)  # the responses this process decodes and scores
+    texts = [tokenizer.decode(tokens[b // G, b % G, : lengths[b // G, b % G]].tolist()) for b in range(lo, hi)]
+    correct_share, stats = reward_fn(texts, [answers[b // G] for b in range(lo, hi)])
+    correct = distributed.gather_shares(np.asarray(correct_share, np.float32), P * G)
+    if reward_fn.task == "math":
+        stats = {**stats, **distributed.sum_across_processes(stats, REWARD_COUNTERS)}
     return Rollouts(ids[:P], mask[:P], tokens, lengths, logprobs, correct.reshape(P, G)), texts, stats

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stare_jax import distributed as dist
 from stare_jax.config import Config, save_config
 from stare_jax.data.prompts import PromptRow, PromptStream, format_prompt, read_rows
 from stare_jax.eval.runner import EvalSet, evaluate
@@ -145,7 +146,14 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, Run
         t = cfg.toy
         # the run config's toy section names a subset of the asset fields; the rest keep their defaults
         shared = {f.name for f in dataclasses.fields(toy.ToyAssetConfig)} & {f.name for f in dataclasses.fields(t)}
-        assets = toy.prepare(toy.ToyAssetConfig(**{k: getattr(t, k) for k in shared}), t.cache_dir, log=log)
+        asset_cfg = toy.ToyAssetConfig(**{k: getattr(t, k) for k in shared})
+        # multi-process: process 0 builds the assets first; the others then find them in a shared cache (or,
+        # on hosts with their own disks, build the same deterministic assets themselves)
+        if jax.process_index() == 0:
+            assets = toy.prepare(asset_cfg, t.cache_dir, log=log)
+        dist.barrier("stare_jax_toy_assets")
+        if jax.process_index() != 0:
+            assets = toy.prepare(asset_cfg, t.cache_dir, log=log)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task=t.task, prompt_template="raw"))
         return cfg, RunInputs(assets.model_dir, assets.model_dir / "tokenizer.model", assets.train_path,
                               {"heldout": str(assets.eval_path)})
@@ -202,6 +210,8 @@ def init_distributed(coordinator_address: str | None, num_processes: int | None,
                                 "--process-id (or none of them, for automatic detection)")
         if not 0 <= process_id < num_processes:
             raise TrainingError(f"--process-id {process_id} is outside [0, --num-processes={num_processes})")
+        # CPU cross-process collectives (local multi-process runs) go through gloo; GPU/TPU are unaffected
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                    process_id=process_id)
     elif os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
@@ -244,7 +254,8 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
     rows = read_rows(inputs.train_path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
     eval_rows = {name: read_rows(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
                  for name, path in inputs.eval_paths.items()}
-    save_config(cfg, run_dir)
+    if jax.process_index() == 0:
+        save_config(cfg, run_dir)
     mesh = build_mesh(cfg)
     tokenizer = load_tokenizer(inputs.tokenizer_path)
     model = models.from_pretrained(inputs.model_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
@@ -257,8 +268,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
             f"data.max_prompt_len={cfg.data.max_prompt_len} tokens and are left out")
     rows = [rows[i] for i in keep]
     prompt_of = {id(r): p for r, p in zip(rows, prompt_ids)}
-    stream = PromptStream(rows, cfg.rl.gen_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle,
-                          process_index=jax.process_index(), process_count=jax.process_count())
+    stream = PromptStream(rows, cfg.rl.gen_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     eval_sets = []
     for name, erows in eval_rows.items():
         eids, ekeep = encode_rows(erows, tokenizer, cfg)
@@ -301,7 +311,8 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
     writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
                            resume_step=start_step if resume else None, required_keys=REQUIRED_STEP_KEYS)
     preempt = install_preemption_handler()
-    bar = ProgressBar(cfg.total_steps, start_step=start_step, enabled=cfg.logging.progress_bar)
+    bar = ProgressBar(cfg.total_steps, start_step=start_step,
+                      enabled=cfg.logging.progress_bar and jax.process_index() == 0)
 
     def refresh_sampler():
         sampler.update_params(nnx.merge(graphdef, train_state.params, train_state.rest))
@@ -355,6 +366,8 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
             rewards = rewards_from_correct(kept.correct_PxG, kept.lengths_PxG, cfg)
             adv = np.asarray(grpo_advantages(jnp.asarray(rewards), norm_by_std=cfg.rl.norm_adv_by_std))
             batch = train_batch_from_rollouts(kept, adv)
+            if dist.is_multiprocess():  # the same host batch on every process -> one global array
+                batch = dist.global_batch(batch, mesh)
             t1 = time.time()
             train_state, stare_state, m = step_fn(train_state, batch, stare_state)
             m = jax.device_get(m)
@@ -401,7 +414,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
             save(done)
             summary["steps_run"] += 1
             summary["new_compiles_per_step"].append(compile_count() - compiles_before)
-            if preempt.should_stop(done):
+            if dist.any_process(preempt.should_stop(done)):  # every process stops at the same step
                 save(done, force=True)
                 summary["stopped"] = f"preempted (signal) after step {done}"
                 log(f"preemption signal: saved checkpoint at step {done}, exiting")
@@ -416,5 +429,6 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
         reward_fn.close()
         preempt.uninstall()
     summary.update({"run_dir": str(run_dir), "wall_s": time.time() - t_start, "last": last_record})
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    if jax.process_index() == 0:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary

@@ -1,7 +1,7 @@
 """One process of the multi-process train-step test (tests/test_multihost.py launches it; not a pytest file).
 
     python tests/_multihost_worker.py --phase train|restore --out DIR [--ckpt DIR]
-        [--num-processes N --process-id I --coordinator 127.0.0.1:PORT] [--steps K]
+        [--num-processes N --process-id I --coordinator-address 127.0.0.1:PORT] [--steps K]
 
 The environment (set by the launcher) gives each process its CPU devices: JAX_PLATFORMS=cpu and
 XLA_FLAGS=--xla_force_host_platform_device_count=8/N, so every run sees 8 global devices and builds the same
@@ -42,7 +42,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--num-processes", type=int, default=1)
     ap.add_argument("--process-id", type=int, default=0)
-    ap.add_argument("--coordinator", default=None)
+    ap.add_argument("--coordinator-address", default=None)
     ap.add_argument("--compile-cache", default=None)
     args = ap.parse_args(argv)
     os.environ["STARE_MH_PID"] = str(args.process_id)
@@ -57,7 +57,7 @@ def main(argv=None):
         # CPU cross-process collectives go through gloo (jax 0.10's default; set explicitly so a changed
         # default fails loudly here instead of hanging in the first all-reduce)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+        jax.distributed.initialize(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
                                    process_id=args.process_id, initialization_timeout=120)
     _log(f"jax {jax.__version__}: process {jax.process_index()}/{jax.process_count()}, "
          f"{jax.local_device_count()} local / {jax.device_count()} global devices")

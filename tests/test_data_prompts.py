@@ -89,17 +89,9 @@ def test_stream_epochs_are_permutations_and_reshuffled():
     assert [r.id for r in next(PromptStream(rows, 4, shuffle=False))] == ["0", "1", "2", "3"]
 
 
-def test_stream_process_shards_partition_the_rows():
-    rows = _rows(16)
-    seen = []
-    for pi in range(2):
-        s = PromptStream(rows, 4, seed=1, process_index=pi, process_count=2)
-        ids = [int(r.id) for _ in range(2) for r in next(s)]
-        assert all(i % 2 == pi for i in ids)
-        seen += ids
-    assert sorted(seen) == list(range(16))
-    with pytest.raises(DataError, match="process 1 has 2 rows but a batch needs 4"):
-        PromptStream(_rows(5), 4, process_index=1, process_count=2)
+def test_stream_too_few_rows_names_the_counts():
+    with pytest.raises(DataError, match="the data has 3 rows but a batch needs 4"):
+        PromptStream(_rows(3), 4)
 
 
 def test_stream_resume_is_exact():

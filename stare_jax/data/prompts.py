@@ -1,10 +1,16 @@
-"""Prompt data: read {problem, answer} rows from jsonl/parquet, format prompts, and stream shuffled, per-process
-sharded, checkpointable batches with grain.
+"""Prompt data: read {problem, answer} rows from jsonl/parquet, format prompts, and stream shuffled,
+checkpointable batches with grain.
 
 The grain pipeline yields batches of *row indices* (int32 arrays) rather than strings: index batches stack
 cheaply, the iterator state is a tiny dict (`{"next_index": n}`) that goes into the run checkpoint, and the
-caller looks the rows up in the list this module returned. Each process reads the rows `i` with
-`i % process_count == process_index`, so multi-host runs split the data without coordination.
+caller looks the rows up in the list this module returned.
+
+Multi-process runs: every process walks the same GLOBAL index stream (same seed, same order) and so knows the
+whole generation batch of each step; the work on it is split by the devices and processes downstream (the
+sampler shards the batch over every process's devices, each process scores its own share of the responses, see
+rollouts.py). The global order makes a run's batches, and so its results, independent of the number of
+processes, and the iterator state identical on every process: a checkpoint written by 1 x 8 devices resumes on
+2 x 4 and vice versa.
 """
 from __future__ import annotations
 
@@ -108,26 +114,12 @@ def format_prompt(problem: str, template: str = "paper", tokenizer=None) -> str:
     raise ValueError(f"unknown prompt_template {template!r}; accepted: 'paper', 'chat', 'raw'")
 
 
-def index_batches(
-    num_rows: int,
-    batch_size: int,
-    *,
-    seed: int = 0,
-    shuffle: bool = True,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> grain.IterDataset:
-    """An endless grain dataset of int32 row-index batches for this process: its 1/process_count share of the
-    rows, reshuffled every epoch (a full permutation per epoch), batch_size indices per batch."""
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index {process_index} outside [0, {process_count})")
-    local = list(range(process_index, num_rows, process_count))
-    if len(local) < batch_size:
-        raise DataError(
-            f"process {process_index} has {len(local)} rows but a batch needs {batch_size} "
-            f"({num_rows} rows split over {process_count} processes)"
-        )
-    ds = grain.MapDataset.source(np.asarray(local, dtype=np.int32))
+def index_batches(num_rows: int, batch_size: int, *, seed: int = 0, shuffle: bool = True) -> grain.IterDataset:
+    """An endless grain dataset of int32 row-index batches: a full permutation of the rows per epoch (reshuffled
+    every epoch), batch_size indices per batch; the same on every process."""
+    if num_rows < batch_size:
+        raise DataError(f"the data has {num_rows} rows but a batch needs {batch_size}")
+    ds = grain.MapDataset.source(np.arange(num_rows, dtype=np.int32))
     if shuffle:
         ds = ds.seed(seed).shuffle()
     ds = ds.repeat(None)
@@ -135,16 +127,14 @@ def index_batches(
 
 
 class PromptStream:
-    """Checkpointable iterator over batches of PromptRow for one process.
+    """Checkpointable iterator over global batches of PromptRow (the same on every process).
 
     `state()` returns a JSON-able dict to store in the run checkpoint; `restore(state)` continues exactly there.
     """
 
-    def __init__(self, rows: Sequence[PromptRow], batch_size: int, *, seed: int = 0, shuffle: bool = True,
-                 process_index: int = 0, process_count: int = 1):
+    def __init__(self, rows: Sequence[PromptRow], batch_size: int, *, seed: int = 0, shuffle: bool = True):
         self.rows = list(rows)
-        self._iter = iter(index_batches(len(self.rows), batch_size, seed=seed, shuffle=shuffle,
-                                        process_index=process_index, process_count=process_count))
+        self._iter = iter(index_batches(len(self.rows), batch_size, seed=seed, shuffle=shuffle))
 
     def __iter__(self) -> Iterator[list[PromptRow]]:
         return self

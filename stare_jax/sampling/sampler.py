@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from stare_jax import distributed
 from stare_jax.sampling import selection
 from stare_jax.sampling import sharding as sampling_sharding
 
@@ -313,6 +314,8 @@ class Sampler:
     def _put_batch(self, x):
         if self._batch_sharding is None:
             return jnp.asarray(x)
+        if distributed.is_multiprocess():  # every process passes the same global host batch
+            return distributed.global_batch({"x": x}, self.mesh, sampling_sharding.data_axes(self.mesh))["x"]
         return jax.device_put(x, self._batch_sharding)
 
     def generate_arrays(self, prompt_ids_PxT, prompt_mask_PxT, *, max_new_tokens: int, num_samples: int = 1,
