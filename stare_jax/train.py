@@ -30,6 +30,7 @@ from stare_jax.config import Config, save_config
 from stare_jax.data.prompts import PromptRow, PromptStream, format_prompt, read_rows
 from stare_jax.eval.runner import EvalSet, evaluate
 from stare_jax.rollouts import RewardFn, Rollouts, generate_rollouts
+from stare_jax.run_dir import RunDir
 
 
 class TrainingError(RuntimeError):
@@ -235,27 +236,30 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
     from stare_jax.sampling import Sampler, next_bucket
     from stare_jax.tokenizer import load_tokenizer
 
-    run_dir = pathlib.Path(run_dir)
+    rd = RunDir.for_run(run_dir)  # local folder, or gs://... with a local mirror of the text outputs
     t_start = time.time()
     init_distributed(*distributed)
     cfg, inputs = resolve_inputs(cfg, log)
-    has_ckpt = (run_dir / "checkpoints").is_dir() and any(p.name.isdigit() for p in (run_dir / "checkpoints").iterdir())
+    has_ckpt = rd.has_checkpoint()
     if resume and not has_ckpt:
         if require_checkpoint:
-            raise TrainingError(f"--resume --require-checkpoint: no checkpoint in {run_dir / 'checkpoints'}")
-        if (run_dir / "metrics.jsonl").exists():
+            raise TrainingError(f"--resume --require-checkpoint: no checkpoint in {rd.checkpoints}")
+        if rd.exists("metrics.jsonl"):
             raise TrainingError(f"{run_dir} holds a run (metrics.jsonl) but no checkpoint to resume from; "
                                 f"use a new --run-dir")
         log(f"--resume: no checkpoint in {run_dir}, starting a new run there")
         resume = False
-    if (run_dir / "metrics.jsonl").exists() and not resume:
+    if rd.exists("metrics.jsonl") and not resume:
         raise TrainingError(f"{run_dir} already holds a run (metrics.jsonl); use --resume or a new --run-dir")
     # data first: a bad row fails in a second, before any model is loaded
     rows = read_rows(inputs.train_path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
     eval_rows = {name: read_rows(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
                  for name, path in inputs.eval_paths.items()}
     if jax.process_index() == 0:
-        save_config(cfg, run_dir)
+        if not resume:
+            rd.reset_mirror()
+        save_config(cfg, rd.local)
+        rd.push()
     mesh = build_mesh(cfg)
     tokenizer = load_tokenizer(inputs.tokenizer_path)
     model = models.from_pretrained(inputs.model_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
@@ -297,7 +301,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
                       pad_id=tokenizer.pad_id if tokenizer.pad_id is not None else None)
     reward_fn = RewardFn(cfg.data.task)
 
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=cfg.checkpoint.every_steps,
+    ckpt = Checkpointer(rd.checkpoints, keep=cfg.checkpoint.keep, every_steps=cfg.checkpoint.every_steps,
                         async_save=cfg.checkpoint.async_save, must_exist=resume)
     start_step = 0
     if resume:
@@ -307,8 +311,10 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
         train_state, stare_state = restored.state["train_state"], restored.state["stare_state"]
         stream.restore(restored.extra["data"])
         start_step = int(restored.extra["step"])
-        log(f"resumed from {run_dir / 'checkpoints'} at step {start_step}")
-    writer = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
+        log(f"resumed from {rd.checkpoints} at step {start_step}")
+        if jax.process_index() == 0:
+            rd.pull()  # a remote run's earlier metrics, so the writer appends to (and trims) the full history
+    writer = MetricsWriter(rd.local, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
                            resume_step=start_step if resume else None, required_keys=REQUIRED_STEP_KEYS)
     preempt = install_preemption_handler()
     bar = ProgressBar(cfg.total_steps, start_step=start_step,
@@ -402,7 +408,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
                     raise TrainingError(
                         f"non-finite loss/gradient at step {step + 1}: the update was skipped and the run stopped "
                         f"(checkpoint.on_nan=stop); parameters from before this step are saved at "
-                        f"{run_dir / 'checkpoints'} step {step}")
+                        f"{rd.checkpoints} step {step}")
                 log(f"step {step + 1}: non-finite loss/gradient, update skipped (checkpoint.on_nan=skip)")
             done = step + 1
             if eval_every and (done % eval_every == 0 or done == cfg.total_steps):
@@ -412,6 +418,8 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
             last_record = writer.log(done, record)
             bar.update(last_record)
             save(done)
+            if jax.process_index() == 0:
+                rd.push(with_dirs=done % max(cfg.checkpoint.every_steps, 1) == 0)
             summary["steps_run"] += 1
             summary["new_compiles_per_step"].append(compile_count() - compiles_before)
             if dist.any_process(preempt.should_stop(done)):  # every process stops at the same step
@@ -425,10 +433,13 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
         ckpt.wait()
         ckpt.close()
         writer.close()
+        if jax.process_index() == 0:
+            rd.push(with_dirs=True)
         bar.close()
         reward_fn.close()
         preempt.uninstall()
     summary.update({"run_dir": str(run_dir), "wall_s": time.time() - t_start, "last": last_record})
     if jax.process_index() == 0:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        (rd.local / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        rd.push()
     return summary

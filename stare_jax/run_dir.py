@@ -1,0 +1,100 @@
+"""Where a run's files go: a local folder, or an object-store URL (gs://bucket/path, s3://...) for multi-host
+runs whose workers must all see the checkpoints.
+
+Checkpoints are written by orbax straight to RUN_DIR/checkpoints (orbax handles object stores). The small
+text outputs written by process 0 (config.yaml, metrics.jsonl, timing.jsonl, summary.json, tensorboard/) are
+appended to as the run goes, which object stores cannot do, so for a remote run dir they are written to a
+local mirror folder and copied up with etils.epath after every step (a resumed run first copies the remote
+metrics back down, so nothing logged before the interruption is lost). gs:// needs `gcsfs` (installed by
+the launch scripts' setup; see requirements-cloud.txt).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+
+from etils import epath
+
+MIRRORED_FILES = ("config.yaml", "metrics.jsonl", "timing.jsonl", "summary.json")
+MIRRORED_DIRS = ("tensorboard",)
+
+
+def is_remote(path) -> bool:
+    return "://" in str(path)
+
+
+def default_mirror_root() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("STARE_JAX_MIRROR_DIR", pathlib.Path.home() / ".cache" / "stare_jax" / "runs"))
+
+
+@dataclasses.dataclass
+class RunDir:
+    """local: where the text outputs are written; remote: the object-store run dir they are copied to (None for a
+    local run); checkpoints: the orbax checkpoint folder (under the remote run dir when there is one)."""
+
+    local: pathlib.Path
+    remote: epath.Path | None = None
+
+    @classmethod
+    def for_run(cls, run_dir, mirror_root: pathlib.Path | None = None) -> "RunDir":
+        if not is_remote(run_dir):
+            return cls(pathlib.Path(run_dir))
+        text = str(run_dir).rstrip("/")
+        name = text.split("://", 1)[1].replace("/", "_")[-80:] + "-" + hashlib.sha1(text.encode()).hexdigest()[:8]
+        return cls((mirror_root or default_mirror_root()) / name, epath.Path(text))
+
+    @property
+    def root(self) -> epath.Path:
+        return self.remote if self.remote is not None else epath.Path(self.local)
+
+    @property
+    def checkpoints(self) -> str:
+        return str(self.root / "checkpoints")
+
+    def has_checkpoint(self) -> bool:
+        """A completed checkpoint step (a numeric folder) exists."""
+        d = self.root / "checkpoints"
+        return d.is_dir() and any(p.name.isdigit() for p in d.iterdir())
+
+    def exists(self, name: str) -> bool:
+        return (self.root / name).exists()
+
+    def reset_mirror(self) -> None:
+        """A new run in a remote run dir: drop what an earlier run with the same URL left in the local mirror."""
+        if self.remote is None:
+            return
+        import shutil
+
+        for name in MIRRORED_FILES:
+            (self.local / name).unlink(missing_ok=True)
+        for d in MIRRORED_DIRS:
+            shutil.rmtree(self.local / d, ignore_errors=True)
+
+    def pull(self, names=("metrics.jsonl", "timing.jsonl")) -> None:
+        """Copy the remote's files down into the local mirror (before resuming; missing ones are skipped)."""
+        if self.remote is None:
+            return
+        self.local.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            src = self.remote / name
+            if src.exists():
+                (self.local / name).write_bytes(src.read_bytes())
+
+    def push(self, with_dirs: bool = False) -> None:
+        """Copy the local text outputs up to the remote run dir (tensorboard/ too when with_dirs)."""
+        if self.remote is None:
+            return
+        self.remote.mkdir(parents=True, exist_ok=True)
+        for name in MIRRORED_FILES:
+            src = self.local / name
+            if src.is_file():
+                (self.remote / name).write_bytes(src.read_bytes())
+        if with_dirs:
+            for d in MIRRORED_DIRS:
+                for src in sorted((self.local / d).rglob("*")) if (self.local / d).is_dir() else []:
+                    if src.is_file():
+                        dst = self.remote / src.relative_to(self.local).as_posix()
+                        dst.parent.mkdir(parents=True, exist_ok=True)
+                        dst.write_bytes(src.read_bytes())
