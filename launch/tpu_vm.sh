@@ -265,7 +265,7 @@ do_setup() {
   local jax_version
   jax_version="$(sed -n 's/^jax==//p' "$ROOT/constraints.txt" | head -n 1)"
   [[ -n "$jax_version" ]] || die "no 'jax==' pin in $ROOT/constraints.txt"
-  ssh_all "set -e; test -f $RDIR/requirements.txt || { echo \"stare_jax is not in $RDIR on \$(hostname): run launch/tpu_vm.sh sync first\" >&2; exit 1; }; cd $RDIR; command -v $PY >/dev/null || { sudo apt-get update -q && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q $PY $PY-venv; }; test -x .venv/bin/python || $PY -m venv .venv; .venv/bin/pip install -q -U pip; .venv/bin/pip install -q -c constraints.txt -r requirements.txt; .venv/bin/pip install -q -c constraints.txt \"jax[tpu]==$jax_version\"; .venv/bin/pip install -q --no-deps -e .; .venv/bin/python -c \"import jax, flax, stare_jax; print(jax.__version__)\""
+  ssh_all "set -e; test -f $RDIR/requirements.txt || { echo \"stare_jax is not in $RDIR on \$(hostname): run launch/tpu_vm.sh sync first\" >&2; exit 1; }; cd $RDIR; command -v $PY >/dev/null || { sudo apt-get update -q && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -q $PY $PY-venv; }; test -x .venv/bin/python || $PY -m venv .venv; .venv/bin/pip install -q -U pip; .venv/bin/pip install -q -c constraints.txt -r requirements.txt -r requirements-cloud.txt; .venv/bin/pip install -q -c constraints.txt \"jax[tpu]==$jax_version\"; .venv/bin/pip install -q --no-deps -e .; .venv/bin/python -c \"import jax, flax, stare_jax; print(jax.__version__)\""
 }
 
 do_run() {

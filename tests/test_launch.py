@@ -116,7 +116,7 @@ def test_tpu_setup_installs_on_all_workers():
     assert line.startswith(f"{GC} tpu-vm ssh stare-v5p --zone=us-east5-a --worker=all --command ")
     cmd = remote(line)
     for part in ["cd ~/stare_jax", "python3.11 -m venv .venv", "apt-get install -y -q python3.11 python3.11-venv",
-                 ".venv/bin/pip install -q -c constraints.txt -r requirements.txt",
+                 ".venv/bin/pip install -q -c constraints.txt -r requirements.txt -r requirements-cloud.txt",
                  f'.venv/bin/pip install -q -c constraints.txt "jax[tpu]=={JAX_VERSION}"',
                  ".venv/bin/pip install -q --no-deps -e ."]:
         assert part in cmd, part
