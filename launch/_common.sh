@@ -157,3 +157,26 @@ check_config() {
   [[ "$c" == /* ]] || p="$ROOT/$c"
   [[ -f "$p" ]] || die "config file not found: $c (looked for $p)"
 }
+
+# check_gpu_type TYPE: a GPU model `stare-jax plan` knows (its HBM and peak FLOP/s).
+GPU_TYPES="A100 H100 H200 B200"
+check_gpu_type() {
+  [[ " $GPU_TYPES " == *" $1 "* ]] || die "--gpu-type must be one of: $GPU_TYPES, got '$1'"
+}
+
+# check_layout CFG [ACCELERATOR]: the config checked against the accelerator on THIS machine, before anything is
+# created or started: the mesh must divide the device count, the batch must split over the data shards, prompt +
+# response must fit the model's context (`stare-jax plan`, which also knows every accelerator name). Without
+# ACCELERATOR the config's launch.accelerator is used. Needs this checkout's .venv (bash launch/local_setup.sh);
+# STARE_JAX_SKIP_LAYOUT_CHECK=1 skips it (e.g. launching from a machine without Python 3.11).
+check_layout() {
+  local c="$1" accel="${2:-}" py="${STARE_JAX_PYTHON:-$ROOT/.venv/bin/python}" err
+  [[ "${STARE_JAX_SKIP_LAYOUT_CHECK:-0}" == 1 ]] && return 0
+  [[ -x "$py" ]] || die "checking $c needs this checkout's environment: run 'bash launch/local_setup.sh' first (or set STARE_JAX_SKIP_LAYOUT_CHECK=1)"
+  local args=(-m stare_jax.cli plan "$c" --json)
+  [[ -n "$accel" ]] && args+=(--accelerator "$accel")
+  if ! err="$(cd "$ROOT" && "$py" "${args[@]}" 2>&1 >/dev/null)"; then
+    err="$(printf '%s\n' "$err" | grep -v '^[[:space:]]*$' | tail -n 1)"
+    die "config $c on ${accel:-its launch.accelerator}: ${err#stare-jax plan: }"
+  fi
+}

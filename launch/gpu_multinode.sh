@@ -24,7 +24,9 @@ Common options:
   --mode slurm|ssh          launcher
   --nodes N                 number of nodes = processes (N >= 1)
   --gpus-per-node G         GPUs per node (G >= 1)
-  --config CFG              config file (relative to the checkout or absolute)
+  --config CFG              config file (relative to the checkout or absolute); checked against the cluster
+                            first (mesh divides the device count, batch splits over the data shards, context fits)
+  --gpu-type T              A100, H100 (default), H200 or B200: the GPU model for that check
   --run-dir DIR             run directory seen by every node
   --no-resume               start fresh instead of resuming from the latest checkpoint in --run-dir
   --port PORT               coordinator port (slurm; default: derived from the job id like jax's Slurm detector)
@@ -51,7 +53,7 @@ JAX_NUM_PROCESSES / JAX_PROCESS_ID are exported for stare_jax's own use; jax its
 EOF
 }
 
-MODE="" NODES="" GPN="" CONFIG="" RUN_DIR="" RESUME=1 PORT="" JOB="stare-jax" PARTITION="" ACCOUNT="" TIME=""
+MODE="" NODES="" GPN="" GPU_TYPE="H100" CONFIG="" RUN_DIR="" RESUME=1 PORT="" JOB="stare-jax" PARTITION="" ACCOUNT="" TIME=""
 CPT="" SUBMIT=1 HOSTS="" HOSTFILE="" COORD="" REMOTE_DIR="$ROOT"
 SSH_OPTS=()
 mapfile -d '' ARGS < <(split_eq "$@")
@@ -64,6 +66,7 @@ while [[ $# -gt 0 ]]; do
     --nodes) need_value "$@"; NODES="$2"; shift 2 ;;
     --gpus-per-node) need_value "$@"; GPN="$2"; shift 2 ;;
     --config) need_value "$@"; CONFIG="$2"; shift 2 ;;
+    --gpu-type) need_value "$@"; GPU_TYPE="$2"; shift 2 ;;
     --run-dir) need_value "$@"; RUN_DIR="$2"; shift 2 ;;
     --resume) RESUME=1; shift ;;
     --no-resume) RESUME=0; shift ;;
@@ -141,6 +144,8 @@ else
     warn "--coordinator-address $COORD is not on ${HOST_LIST[0]} (host of process 0); it must be that host's address"
   fi
 fi
+check_gpu_type "$GPU_TYPE"
+check_layout "$CONFIG" "${NODES}x${GPN}x${GPU_TYPE}"
 
 # --- commands ---
 if [[ "$MODE" == slurm ]]; then

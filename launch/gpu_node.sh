@@ -15,7 +15,9 @@ Runs, from the root of this checkout (set up with the CUDA steps of BUILD.md: ja
 Options:
   --gpus N          number of local GPUs to use (GPUs 0..N-1 unless --devices), N >= 1
   --devices LIST    explicit CUDA device ids, e.g. 4,5,6,7 (its length must equal --gpus)
-  --config CFG      config file (relative to the checkout or absolute)
+  --config CFG      config file (relative to the checkout or absolute); checked against the GPUs first
+                    (mesh divides the device count, batch splits over the data shards, context fits)
+  --gpu-type T      A100, H100 (default), H200 or B200: the GPU model for that check
   --run-dir DIR     run directory (checkpoints, metrics, config.yaml); a local path or gs://...
   --no-resume       start fresh instead of resuming from the latest checkpoint in --run-dir
   --log FILE        log file (default logs/train.log in the checkout)
@@ -25,7 +27,7 @@ Options:
 EOF
 }
 
-GPUS="" DEVICES="" CONFIG="" RUN_DIR="" RESUME=1 LOG="logs/train.log"
+GPUS="" DEVICES="" CONFIG="" RUN_DIR="" RESUME=1 LOG="logs/train.log" GPU_TYPE="H100"
 EXTRA_ENV=()
 mapfile -d '' ARGS < <(split_eq "$@")
 set -- ${ARGS[@]+"${ARGS[@]}"}
@@ -36,6 +38,7 @@ while [[ $# -gt 0 ]]; do
     --gpus) need_value "$@"; GPUS="$2"; shift 2 ;;
     --devices) need_value "$@"; DEVICES="$2"; shift 2 ;;
     --config) need_value "$@"; CONFIG="$2"; shift 2 ;;
+    --gpu-type) need_value "$@"; GPU_TYPE="$2"; shift 2 ;;
     --run-dir) need_value "$@"; RUN_DIR="$2"; shift 2 ;;
     --resume) RESUME=1; shift ;;
     --no-resume) RESUME=0; shift ;;
@@ -56,6 +59,8 @@ else
   DEVICES="$(seq_csv "$GPUS")"
 fi
 check_config "$CONFIG"
+check_gpu_type "$GPU_TYPE"
+check_layout "$CONFIG" "${GPUS}x${GPU_TYPE}"
 [[ -n "$RUN_DIR" ]] || die "--run-dir is required (local directory or gs://bucket/path)"
 for kv in ${EXTRA_ENV[@]+"${EXTRA_ENV[@]}"}; do
   [[ "$kv" =~ ^[A-Za-z_][A-Za-z0-9_]*=.*$ ]] || die "--env must be KEY=VALUE, got '$kv'"

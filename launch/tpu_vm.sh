@@ -189,6 +189,11 @@ case "$SUB" in
     ;;
 esac
 case "$SUB" in
+  create | run | watch)
+    [[ -z "$CONFIG" ]] || { check_config "$CONFIG"; check_layout "$CONFIG" "$ACCEL"; }
+    ;;
+esac
+case "$SUB" in
   logs)
     [[ "$WORKER" =~ ^(0|[1-9][0-9]*)$ ]] || die "--worker must be a worker index 0, 1, ..., got '$WORKER'"
     if [[ -n "$ACCEL" ]] && ((WORKER >= TPU_WORKERS)); then

@@ -129,7 +129,7 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
 
     acc_name = accelerator or getattr(getattr(cfg, "launch", None), "accelerator", None)
     if not acc_name:
-        raise ValueError("plan: no accelerator given (pass one, or set launch.accelerator in the config)")
+        raise ValueError("no accelerator given (pass one, or set launch.accelerator in the config)")
     acc = parse_accelerator(acc_name)
     mesh = resolve_mesh(cfg.mesh, acc.num_devices)
     hf_config = pathlib.Path(cfg.model.path or "") / "config.json"
@@ -138,9 +138,9 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     elif cfg.model.preset:
         model_cfg = get_preset(cfg.model.preset)  # the checkpoint folder need not exist to plan a run
     elif cfg.model.path:
-        raise ValueError(f"plan: {hf_config} does not exist and the config names no model.preset")
+        raise ValueError(f"{hf_config} does not exist and the config names no model.preset")
     else:
-        raise ValueError("plan: the config names no model (model.path or model.preset)")
+        raise ValueError("the config names no model (model.path or model.preset)")
     model_cfg = model_cfg.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
                                   attention_impl=cfg.model.attention_impl, remat_policy=cfg.model.remat_policy)
     P = num_params if num_params is not None else param_count(model_cfg)
@@ -152,14 +152,14 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     seq_len = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
     if seq_len > model_cfg.max_position_embeddings:
         raise ValueError(
-            f"plan: prompt {cfg.data.max_prompt_len} + response {cfg.sampling.max_new_tokens} = {seq_len} tokens "
+            f"prompt {cfg.data.max_prompt_len} + response {cfg.sampling.max_new_tokens} = {seq_len} tokens "
             f"exceeds the model's context ({model_cfg.max_position_embeddings})"
         )
     G = cfg.rl.group_size
     train_seqs = cfg.rl.train_batch_size * G
     if train_seqs % (cfg.rl.micro_batch_size * dp):
         raise ValueError(
-            f"plan: {train_seqs} training sequences (rl.train_batch_size x rl.group_size) do not split into "
+            f"{train_seqs} training sequences (rl.train_batch_size x rl.group_size) do not split into "
             f"micro-batches of rl.micro_batch_size={cfg.rl.micro_batch_size} on each of {dp} data shards"
         )
     mb_seqs_dev = cfg.rl.micro_batch_size

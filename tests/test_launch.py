@@ -423,6 +423,15 @@ STUB_HOST="$host" bash -c "$1"
     ("gpu_multinode.sh", SLURM[2:], "--mode is required"),
     ("gpu_multinode.sh", ["--mode", "mpi", *SLURM[2:]], "--mode must be slurm or ssh"),
     ("gpu_multinode.sh", [*SLURM, "--hosts", "a,b"], "are for --mode ssh"),
+    # the config against the accelerator (stare-jax plan, run locally before anything is created)
+    ("tpu_vm.sh", ["create", *TPU, "--accelerator-type", "v5p-24", "--config", CFG],
+     f"config {CFG} on v5p-24: 512 training sequences (rl.train_batch_size x rl.group_size) do not split into "
+     "micro-batches of rl.micro_batch_size=1 on each of 12 data shards"),
+    ("gpu_node.sh", ["--gpus", "6", "--config", "configs/paper/qwen2.5-32b_stare_o1.yaml", "--run-dir", "r"],
+     "on 6xH100: mesh {'data': 1, 'fsdp': -1, 'tensor': 4} does not divide the 6 devices"),
+    ("gpu_node.sh", ["--gpus", "8", "--gpu-type", "V100", "--config", CFG, "--run-dir", "r"],
+     "--gpu-type must be one of: A100 H100 H200 B200, got 'V100'"),
+    ("gpu_multinode.sh", [a if a != "2" else "3" for a in SLURM], "on 3x8xH100: 512 training sequences"),
 ])
 def test_bad_input_fails_before_anything(script, args, message):
     out = sh(script, *args, "--dry-run")
@@ -447,3 +456,13 @@ def test_shellcheck_clean():
     r = subprocess.run([exe, "-x", *[f"launch/{s}" for s in MY_SCRIPTS]], cwd=ROOT, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_layout_check_needs_the_local_environment():
+    out = sh("tpu_vm.sh", "create", *TPU, "--accelerator-type", "v5p-64", "--config", CFG, "--dry-run",
+             env={"STARE_JAX_PYTHON": "/nonexistent/python"})
+    assert out.returncode == 2 and out.stdout == ""
+    assert "needs this checkout's environment: run 'bash launch/local_setup.sh' first" in out.stderr
+    skipped = sh("tpu_vm.sh", "create", *TPU, "--accelerator-type", "v5p-24", "--config", CFG, "--dry-run",
+                 env={"STARE_JAX_SKIP_LAYOUT_CHECK": "1"})
+    assert skipped.returncode == 0 and skipped.stdout.startswith(f"{GC} tpu-vm create")
