@@ -106,6 +106,12 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _add_distributed_args(p) -> None:
+    p.add_argument("--coordinator-address", default=None, help="multi-process: HOST:PORT of process 0")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-process: total number of processes")
+    p.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index")
+
+
 def _cmd_eval(args) -> int:
     """avg@N / pass@k / mean length per benchmark for an HF folder or a training run's checkpoint."""
     import time
@@ -119,13 +125,26 @@ def _cmd_eval(args) -> int:
     from stare_jax.sampling import Sampler, next_bucket
     from stare_jax.tokenizer import load_tokenizer
 
+    import jax
+
+    from stare_jax.models.sharding import make_mesh
+    from stare_jax.train import init_distributed
+
     t0 = time.time()
+    init_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    n_dev = jax.device_count()
+    if args.tensor < 1 or n_dev % args.tensor:
+        print(f"stare-jax eval: --tensor {args.tensor} does not divide the {n_dev} devices", file=sys.stderr)
+        return 2
+    # several devices (of one or more processes): the prompt batch over data x the weights over tensor
+    mesh = make_mesh({"data": n_dev // args.tensor, "tensor": args.tensor}) if n_dev > 1 else None
+    main = jax.process_index() == 0
     names = [b for b in args.benchmarks.split(",") if b]
     unknown = [b for b in names if b not in DEFAULT_PROTOCOL]
     if unknown:
         print(f"stare-jax eval: unknown benchmark(s) {unknown}; known: {sorted(DEFAULT_PROTOCOL)}", file=sys.stderr)
         return 2
-    policy = load_policy(args.checkpoint)
+    policy = load_policy(args.checkpoint, mesh=mesh, log=print if main else (lambda *_: None))
     tok = load_tokenizer(policy.tokenizer_path)
     sets, longest = [], 1
     for name in names:
@@ -144,7 +163,7 @@ def _cmd_eval(args) -> int:
         sets.append(EvalSet(name, prompts, [r["answer"] for r in rows], args.n or proto["n"],
                             temperature=proto["temperature"] if args.temperature is None else args.temperature,
                             top_p=proto["top_p"]))
-    sampler = Sampler(policy.model, pad_id=tok.pad_id)
+    sampler = Sampler(policy.model, mesh=mesh, pad_id=tok.pad_id)
     reward = RewardFn("math", num_workers=args.workers, timeout_s=args.timeout)
     try:
         results = evaluate_sets(sampler, sets, tokenizer=tok, reward_fn=reward, prompt_len=next_bucket(longest, 16),
@@ -153,6 +172,8 @@ def _cmd_eval(args) -> int:
     finally:
         reward.close()
     table = format_results_markdown(results)
+    if not main:  # every process computed the same gathered results; process 0 reports them
+        return 0
     out = pathlib.Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -245,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per scored item")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="folder for eval.md and eval.json")
+    p.add_argument("--tensor", type=int, default=1,
+                   help="tensor-parallel size of the sampler on several devices (the rest shard the batch)")
+    _add_distributed_args(p)
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("export", help="write a training run's checkpoint (or an HF folder) as an HF folder")
@@ -265,9 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest checkpoint in RUN_DIR if it has one, else start a new run there")
     p.add_argument("--require-checkpoint", action="store_true",
                    help="with --resume: fail (instead of starting fresh) when RUN_DIR has no checkpoint")
-    p.add_argument("--coordinator-address", default=None, help="multi-process: HOST:PORT of process 0")
-    p.add_argument("--num-processes", type=int, default=None, help="multi-process: total number of processes")
-    p.add_argument("--process-id", type=int, default=None, help="multi-process: this process's index")
+    _add_distributed_args(p)
     _add_config_args(p)
     p.set_defaults(func=_cmd_train)
 

@@ -22,34 +22,46 @@ class Policy:
     step: int | None  # the checkpoint step restored (None for an HF folder)
 
 
-def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str = "float32", log=print) -> Policy:
-    """An HF folder (config.json) or a training run folder (config.yaml + checkpoints/)."""
+def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str = "float32", mesh=None,
+                log=print) -> Policy:
+    """An HF folder (config.json) or a training run folder (config.yaml + checkpoints/); with a mesh the
+    parameters are loaded (and restored) straight into their sharded layout on it, on every process."""
     from stare_jax import models
 
     path = pathlib.Path(path)
     if (path / "config.json").is_file():
-        return Policy(models.from_pretrained(path, dtype=dtype), path, None, None)
+        return Policy(models.from_pretrained(path, dtype=dtype, mesh=mesh), path, None, None)
     if not (path / "config.yaml").is_file():
         raise FileNotFoundError(f"{path} is neither a Hugging Face folder (config.json) nor a training run folder "
                                 f"(config.yaml + checkpoints/)")
+    import jax
     from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
 
     from stare_jax.checkpoint import Checkpointer
     from stare_jax.rl.stare import init_stare_state
-    from stare_jax.rl.train_step import init_train_state
+    from stare_jax.rl.train_step import init_train_state, place_train_state
     from stare_jax.train import resolve_inputs, train_step_config
 
     cfg = config_from_dict(yaml.safe_load((path / "config.yaml").read_text()), source=str(path / "config.yaml"))
     cfg, inputs = resolve_inputs(cfg, log)
-    model = models.from_pretrained(inputs.model_path, dtype=dtype, param_dtype=cfg.model.param_dtype,
+    model = models.from_pretrained(inputs.model_path, dtype=dtype, param_dtype=cfg.model.param_dtype, mesh=mesh,
                                    attention_impl=cfg.model.attention_impl, remat_policy=cfg.model.remat_policy)
-    tcfg = train_step_config(cfg)
+    tcfg = train_step_config(cfg)  # only the state's tree and shapes matter here, not the run's batch layout
     graphdef, train_state = init_train_state(model, tcfg)
+    if mesh is not None:
+        train_state = place_train_state(train_state, mesh)
+        where = NamedSharding(mesh, PartitionSpec())  # replicated
+    else:
+        where = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    stare_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
+                               jax.eval_shape(lambda: init_stare_state(tcfg.stare)))
+    abstract = {"train_state": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                            train_state), "stare_state": stare_state}
     ckpt = Checkpointer(path / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0, async_save=False,
                         must_exist=True)
     try:
-        restored = ckpt.restore(step, abstract_state={"train_state": train_state,
-                                                      "stare_state": init_stare_state(tcfg.stare)})
+        restored = ckpt.restore(step, abstract_state=abstract)
     finally:
         ckpt.close()
     nnx.update(model, restored.state["train_state"].params)

@@ -62,7 +62,6 @@ class Rollouts:
     prompt_mask_PxT: np.ndarray
     tokens_PxGxN: np.ndarray
     lengths_PxG: np.ndarray
-    logprobs_PxGxN: np.ndarray
     correct_PxG: np.ndarray
 
 
@@ -87,10 +86,10 @@ def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequen
                                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=tokenizer.eos_ids,
                                   seed=seed, prompt_index_P=np.arange(P_pad, dtype=np.int32) + index_offset,
                                   active_P=active)
-    tokens, logprobs, lengths = distributed.fetch_global((out.tokens_BxN, out.logprobs_BxN, out.lengths_B))
+    # the sampler's log-probs are not fetched: the train step recomputes them (old log-probs) in its own layout
+    tokens, lengths = distributed.fetch_global((out.tokens_BxN, out.lengths_B))
     G, N = num_samples, tokens.shape[1]
     tokens = tokens[: P * G].reshape(P, G, N)
-    logprobs = logprobs[: P * G].reshape(P, G, N)
     lengths = lengths[: P * G].reshape(P, G)
     lo, hi = distributed.process_share(P * G)  # the responses this process decodes and scores
     texts = [tokenizer.decode(tokens[b // G, b % G, : lengths[b // G, b % G]].tolist()) for b in range(lo, hi)]
@@ -98,4 +97,4 @@ def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequen
     correct = distributed.gather_shares(np.asarray(correct_share, np.float32), P * G)
     if reward_fn.task == "math":
         stats = {**stats, **distributed.sum_across_processes(stats, REWARD_COUNTERS)}
-    return Rollouts(ids[:P], mask[:P], tokens, lengths, logprobs, correct.reshape(P, G)), texts, stats
+    return Rollouts(ids[:P], mask[:P], tokens, lengths, correct.reshape(P, G)), texts, stats

@@ -327,3 +327,21 @@ def test_train_cli_two_processes_write_one_set_of_outputs(train_runs):
     assert (mp / "config.yaml").is_file() and not list(mp.glob("*.tmp"))
     resumed_logs = [p.read_text(errors="replace") for p in sorted(train_runs["dir"].glob("train_cli_2x4_resume_p*"))]
     assert len(resumed_logs) == 2 and all("resumed from" in t and "at step 3" in t for t in resumed_logs)
+
+
+def test_eval_cli_two_processes_equal_one_process(train_runs, shared_data_dir):
+    """`stare-jax eval` of the 2-process run's checkpoint, as 2 processes x 4 devices and as 1 x 8: the same
+    table (sampled tokens, scores and lengths are gathered from both processes; process 0 alone writes it)."""
+    d = train_runs["dir"]
+    common = ["--checkpoint", str(train_runs["mp"]), "--benchmarks", "gsm8k", "--data-dir",
+              str(shared_data_dir / "math"), "--limit", "6", "--n", "2", "--max-new-tokens", "8",
+              "--max-prompt-len", "512"]
+    cli = [sys.executable, "-m", "stare_jax.cli", "eval"]
+    Launch("eval_cli_1x8", d, 1, [*cli, *common, "--out", str(d / "ev_ref")]).wait()
+    Launch("eval_cli_2x4", d, 2, [*cli, *common, "--out", str(d / "ev_mp")]).wait()
+    ref = json.loads((d / "ev_ref" / "eval.json").read_text())
+    mp = json.loads((d / "ev_mp" / "eval.json").read_text())
+    assert mp == ref and mp["gsm8k"]["n_problems"] == 6 and mp["gsm8k"]["n_samples"] == 2
+    assert mp["gsm8k"]["mean_response_len"] > 0
+    logs = [p.read_text(errors="replace") for p in sorted(d.glob("eval_cli_2x4_p*.log"))]
+    assert "| gsm8k |" in logs[0] and "| gsm8k |" not in logs[1]  # one report, from process 0
