@@ -147,6 +147,16 @@ train_args() {
   if [[ "$3" == 1 ]]; then
     TRAIN_ARGS+=(--resume)
   fi
+  TRAIN_ARGS+=(${OVERRIDES[@]+"${OVERRIDES[@]}"})
+}
+
+# add_override KEY=VALUE: a config override (--set) passed on to `stare-jax train` and to the layout check.
+OVERRIDES=()
+add_override() {
+  [[ "$1" =~ ^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=.+$ ]] \
+    || die "--set must be KEY=VALUE with a dotted config key (e.g. model.path=/data/Qwen2.5-Math-7B), got '$1'"
+  check_word --set "$1"
+  OVERRIDES+=("$1")
 }
 
 # check_config PATH: the config file exists in this checkout (relative paths are relative to the checkout).
@@ -173,7 +183,7 @@ check_layout() {
   local c="$1" accel="${2:-}" py="${STARE_JAX_PYTHON:-$ROOT/.venv/bin/python}" err
   [[ "${STARE_JAX_SKIP_LAYOUT_CHECK:-0}" == 1 ]] && return 0
   [[ -x "$py" ]] || die "checking $c needs this checkout's environment: run 'bash launch/local_setup.sh' first (or set STARE_JAX_SKIP_LAYOUT_CHECK=1)"
-  local args=(-m stare_jax.cli plan "$c" --json)
+  local args=(-m stare_jax.cli plan "$c" ${OVERRIDES[@]+"${OVERRIDES[@]}"} --json)
   [[ -n "$accel" ]] && args+=(--accelerator "$accel")
   if ! err="$(cd "$ROOT" && "$py" "${args[@]}" 2>&1 >/dev/null)"; then
     err="$(printf '%s\n' "$err" | grep -v '^[[:space:]]*$' | tail -n 1)"

@@ -27,6 +27,8 @@ Common options:
   --config CFG              config file (relative to the checkout or absolute); checked against the cluster
                             first (mesh divides the device count, batch splits over the data shards, context fits)
   --gpu-type T              A100, H100 (default), H200 or B200: the GPU model for that check
+  --set KEY=VALUE           config override passed to stare-jax train (repeatable), e.g. --set
+                            sampling.max_prompts_per_call=32 (what the paper configs' GPU alternatives need)
   --run-dir DIR             run directory seen by every node
   --no-resume               start fresh instead of resuming from the latest checkpoint in --run-dir
   --port PORT               coordinator port (slurm; default: derived from the job id like jax's Slurm detector)
@@ -66,6 +68,7 @@ while [[ $# -gt 0 ]]; do
     --nodes) need_value "$@"; NODES="$2"; shift 2 ;;
     --gpus-per-node) need_value "$@"; GPN="$2"; shift 2 ;;
     --config) need_value "$@"; CONFIG="$2"; shift 2 ;;
+    --set) need_value "$@"; add_override "$2"; shift 2 ;;
     --gpu-type) need_value "$@"; GPU_TYPE="$2"; shift 2 ;;
     --run-dir) need_value "$@"; RUN_DIR="$2"; shift 2 ;;
     --resume) RESUME=1; shift ;;

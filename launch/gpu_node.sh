@@ -18,6 +18,7 @@ Options:
   --config CFG      config file (relative to the checkout or absolute); checked against the GPUs first
                     (mesh divides the device count, batch splits over the data shards, context fits)
   --gpu-type T      A100, H100 (default), H200 or B200: the GPU model for that check
+  --set KEY=VALUE   config override passed to stare-jax train (repeatable), e.g. --set model.path=/data/q7b
   --run-dir DIR     run directory (checkpoints, metrics, config.yaml); a local path or gs://...
   --no-resume       start fresh instead of resuming from the latest checkpoint in --run-dir
   --log FILE        log file (default logs/train.log in the checkout)
@@ -38,6 +39,7 @@ while [[ $# -gt 0 ]]; do
     --gpus) need_value "$@"; GPUS="$2"; shift 2 ;;
     --devices) need_value "$@"; DEVICES="$2"; shift 2 ;;
     --config) need_value "$@"; CONFIG="$2"; shift 2 ;;
+    --set) need_value "$@"; add_override "$2"; shift 2 ;;
     --gpu-type) need_value "$@"; GPU_TYPE="$2"; shift 2 ;;
     --run-dir) need_value "$@"; RUN_DIR="$2"; shift 2 ;;
     --resume) RESUME=1; shift ;;

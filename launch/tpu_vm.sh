@@ -30,7 +30,10 @@ Options:
   --version RUNTIME         TPU software version (default: from the type, see below)
   --spot | --preemptible    capacity that can be reclaimed (--preemptible is not accepted with --queued)
   --queued                  use a queued resource (gcloud compute tpus queued-resources) instead of tpu-vm create
-  --config CFG              config file, relative to the checkout (run, watch)
+  --config CFG              config file, relative to the checkout (run, watch; with create: only checked
+                            against --accelerator-type)
+  --set KEY=VALUE           config override passed to stare-jax train (repeatable), e.g. --set
+                            model.path=/data/Qwen2.5-Math-7B --set data.train_path=gs://BUCKET/train.jsonl
   --run-dir DIR             gs://bucket/path (needed on multi-host slices: every worker must see the checkpoints)
                             or a directory on each worker (run, watch)
   --no-resume               start fresh instead of resuming from the latest checkpoint in --run-dir
@@ -127,6 +130,7 @@ while [[ $# -gt 0 ]]; do
     --preemptible) PREEMPTIBLE=1; shift ;;
     --queued) QUEUED=1; shift ;;
     --config) need_value "$@"; CONFIG="$2"; shift 2 ;;
+    --set) need_value "$@"; add_override "$2"; shift 2 ;;
     --run-dir) need_value "$@"; RUN_DIR="$2"; shift 2 ;;
     --resume) RESUME=1; shift ;;
     --no-resume) RESUME=0; shift ;;

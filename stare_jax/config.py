@@ -85,6 +85,8 @@ class SamplingConfig:
     top_p: float = _f(1.0, lo=0.0, hi=1.0, lo_open=True)
     top_k: int = _f(0, lo=0, doc="0 = off")
     kv_cache_dtype: DType = _f("bfloat16")
+    max_prompts_per_call: int = _f(0, lo=0, doc="prompts per sampler call (bounds the KV cache); 0 = the whole "
+                                                "generation batch in one call")
     eval_temperature: float = _f(0.7, lo=0.0)
     eval_top_p: float = _f(0.95, lo=0.0, hi=1.0, lo_open=True)
     eval_num_samples: int = _f(0, lo=0, doc="samples per eval problem; 0 = the paper's protocol per benchmark")
@@ -196,7 +198,8 @@ class LaunchConfig:
     """Where the run is meant to go (used by `stare-jax plan` and the launch/ scripts)."""
 
     accelerator: str | None = _f(None, doc="TPU type (e.g. v5p-64) or GPUs as [NODESx]GPUSxTYPE (e.g. 2x8xH100)")
-    gpu_alternative: str | None = _f(None, doc="a GPU cluster the same run also fits, e.g. 2x8xH100")
+    gpu_alternative: str | None = _f(None, doc="a GPU cluster the run also fits (with the overrides the config's "
+                                               "comment names, e.g. a smaller sampler call), e.g. 2x8xH100")
 
 
 @dataclass

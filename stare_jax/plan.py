@@ -174,7 +174,13 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "activations": training_activation_bytes(model_cfg, mb_seqs_dev, seq_len, tensor=tensor),
         "logits_chunks": mb_seqs_dev * min(cfg.rl.logprob_chunk_size, seq_len) * (V / tensor) * 4 * 3,
     }
-    gen_seqs_dev = cfg.rl.gen_batch_size * G / dp
+    # one sampler call holds sampling.max_prompts_per_call prompts (0: the whole generation batch), padded as the
+    # sampler pads them (Sampler.batch_bucket)
+    from stare_jax.sampling import quarter_octave_bucket
+
+    call_prompts = min(cfg.rl.gen_batch_size, cfg.sampling.max_prompts_per_call or cfg.rl.gen_batch_size)
+    padded = -(-quarter_octave_bucket(call_prompts) // dp) * dp
+    gen_seqs_dev = padded * G / dp
     sampling = {
         "sampler_weights": P * cb / tensor,
         "kv_cache": 2 * L * gen_seqs_dev * seq_len * model_cfg.num_kv_heads * model_cfg.head_dim * kvb

@@ -70,13 +70,40 @@ REWARD_COUNTERS = ("n_items", "n_ok", "n_correct", "n_timeout", "n_crash", "n_er
 
 def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
                       reward_fn: RewardFn, prompt_len: int, max_new_tokens: int, num_samples: int,
-                      temperature: float, top_p: float, top_k: int, seed: int, index_offset: int = 0):
+                      temperature: float, top_p: float, top_k: int, seed: int, index_offset: int = 0,
+                      max_prompts_per_call: int = 0):
     """Sample num_samples responses per prompt and score them; returns (Rollouts, texts, reward stats).
 
+    max_prompts_per_call > 0 splits the prompts into sampler calls of at most that many prompts (bounding the KV
+    cache); every prompt's randomness is keyed by its index (index_offset + position), so each prompt's samples
+    use the same random draws as in one call.
+
     Multi-process: every process passes the same global prompts; the sampler shards the batch over the devices
-    of all processes, the tokens come back to every host, each process decodes and scores its own share of
-    the responses (texts holds that share only), and the scores and reward-pool counters are gathered, so the
+    of all processes, the tokens come back to every host, each process decodes and scores its own share of the
+    responses (texts holds that share only), and the scores and reward-pool counters are gathered, so the
     returned Rollouts and stats are the global ones, equal on every process and to a single-process run."""
+    step = max_prompts_per_call if max_prompts_per_call > 0 else max(len(prompts), 1)
+    parts = [_generate_call(sampler, prompts[i:i + step], answers[i:i + step], tokenizer=tokenizer,
+                            reward_fn=reward_fn, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                            num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            index_offset=index_offset + i)
+             for i in range(0, len(prompts), step)]
+    if len(parts) == 1:
+        return parts[0]
+    fields = [f.name for f in dataclasses.fields(Rollouts)]
+    merged = Rollouts(**{f: np.concatenate([getattr(r, f) for r, _, _ in parts]) for f in fields})
+    stats = {}
+    for _, _, st in parts:
+        for k, v in st.items():
+            if k.startswith("n_") and isinstance(v, (int, float)):
+                stats[k] = stats.get(k, 0) + v
+    return merged, [t for _, texts, _ in parts for t in texts], stats
+
+
+def _generate_call(sampler, prompts, answers, *, tokenizer, reward_fn: RewardFn, prompt_len: int,
+                   max_new_tokens: int, num_samples: int, temperature: float, top_p: float, top_k: int, seed: int,
+                   index_offset: int):
+    """One sampler call of generate_rollouts."""
     P = len(prompts)
     P_pad = sampler.batch_bucket(P)
     ids, mask = left_pad(list(prompts) + [[tokenizer.bos_id if tokenizer.bos_id is not None else 0]] * (P_pad - P),

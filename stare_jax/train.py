@@ -328,7 +328,8 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
             return {}
         refresh_sampler()
         return evaluate(sampler, eval_sets, tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
-                        max_new_tokens=cfg.sampling.max_new_tokens, seed=_seed_for(cfg.seed, step, 99_991))
+                        max_new_tokens=cfg.sampling.max_new_tokens, seed=_seed_for(cfg.seed, step, 99_991),
+                        batch_prompts=cfg.sampling.max_prompts_per_call or 256)
 
     def save(step: int, force: bool = False):
         ckpt.save(step, {"train_state": train_state, "stare_state": stare_state},
@@ -357,7 +358,8 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
                     tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
                     max_new_tokens=cfg.sampling.max_new_tokens, num_samples=G,
                     temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                    seed=_seed_for(cfg.seed, step, j), index_offset=j * cfg.rl.gen_batch_size)
+                    seed=_seed_for(cfg.seed, step, j), index_offset=j * cfg.rl.gen_batch_size,
+                    max_prompts_per_call=cfg.sampling.max_prompts_per_call)
                 gen_correct.append(r.correct_PxG)
                 gen_lengths.append(r.lengths_PxG)
                 for k, v in stats.items():  # counts of timeouts / crashes / errors in the sandboxed pool

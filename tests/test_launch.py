@@ -149,6 +149,10 @@ def test_tpu_run_logs_stop_delete():
     assert "echo $! > logs/train.pid" in cmd and "echo $? > logs/train.exit" in cmd
     (fresh,) = dry("tpu_vm.sh", "run", *TPU, "--config", CFG, "--run-dir", RUN, "--no-resume")
     assert "--resume" not in remote(fresh)
+    (over,) = dry("tpu_vm.sh", "run", *TPU, "--config", CFG, "--run-dir", RUN, "--set", "model.path=/data/q7b",
+                  "--set", "data.train_path=gs://b/train.jsonl")
+    assert (f"train --config {CFG} --run-dir {RUN} --resume model.path=/data/q7b data.train_path=gs://b/train.jsonl "
+            "> logs/") in remote(over)
     (logs,) = dry("tpu_vm.sh", "logs", *TPU, "--worker", "3")
     assert "--worker=3" in logs and remote(logs) == "tail -n 100 -F ~/stare_jax/logs/train-$(hostname).log"
     (stop,) = dry("tpu_vm.sh", "stop", *TPU)
@@ -432,6 +436,13 @@ STUB_HOST="$host" bash -c "$1"
     ("gpu_node.sh", ["--gpus", "8", "--gpu-type", "V100", "--config", CFG, "--run-dir", "r"],
      "--gpu-type must be one of: A100 H100 H200 B200, got 'V100'"),
     ("gpu_multinode.sh", [a if a != "2" else "3" for a in SLURM], "on 3x8xH100: 512 training sequences"),
+    ("gpu_node.sh", ["--gpus", "8", "--config", CFG, "--run-dir", "r", "--set", "model.path"],
+     "--set must be KEY=VALUE with a dotted config key"),
+    ("gpu_node.sh", ["--gpus", "8", "--config", CFG, "--run-dir", "r", "--set", "rl.stare.w=$(reboot)"],
+     "has characters that are not accepted"),
+    # overrides take part in the layout check: a micro-batch size that does not tile the batch on 8 GPUs
+    ("gpu_node.sh", ["--gpus", "8", "--config", CFG, "--run-dir", "r", "--set", "rl.micro_batch_size=3"],
+     "micro-batches of rl.micro_batch_size=3 on each of 8 data shards"),
 ])
 def test_bad_input_fails_before_anything(script, args, message):
     out = sh(script, *args, "--dry-run")

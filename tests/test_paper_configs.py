@@ -113,3 +113,21 @@ def test_mesh_fits_the_named_tpu_slice(cfgs, model):
     assert arch.num_kv_heads % mesh.tensor == 0 and arch.num_heads % mesh.tensor == 0
     # micro-batches of micro_batch_size sequences per data shard tile the 64 x 8 training batch
     assert (c.rl.train_batch_size * c.rl.group_size) % (c.rl.micro_batch_size * mesh.data * fsdp) == 0
+
+
+GPU_OVERRIDES = ["sampling.max_prompts_per_call=32"]  # what the configs' GPU-alternative comments pass (--set)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_plan_fits_the_slice_and_the_gpu_alternative(model):
+    """`stare-jax plan` (analytic estimate): every arm fits its TPU slice as configured, and its GPU alternative
+    with the override its comment names (the comment's figure is the estimate's)."""
+    from stare_jax.plan import GiB, estimate
+
+    text = (PAPER / f"_base_{model}.yaml").read_text()
+    for arm in ARMS:
+        cfg = load_config(_path(model, arm))
+        assert estimate(cfg)["fits"], (model, arm, cfg.launch.accelerator)
+        gpu = estimate(load_config(_path(model, arm), GPU_OVERRIDES), cfg.launch.gpu_alternative)
+        assert gpu["fits"], (model, arm, cfg.launch.gpu_alternative)
+        assert f"--set {GPU_OVERRIDES[0]}" in text and f"{gpu['peak_bytes_per_device'] / GiB:.1f} GiB" in text

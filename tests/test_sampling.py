@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.sampling import (Sampler, compiled_programs, generate, greedy_tokens, inverse_cdf_sample,
-                                next_bucket, reshard_for_sampling, select_tokens, top_k_mask, top_p_mask)
+                                next_bucket, quarter_octave_bucket, reshard_for_sampling, select_tokens, top_k_mask,
+                                top_p_mask)
 
 V = 256
 CONTEXT = [3, 14, 15, 92, 65, 35]
@@ -207,7 +208,7 @@ def test_reproducible_and_independent_of_batch_composition(model):
     assert alone.tokens == a.tokens[:3]
     assert len({tuple(t) for t in a.tokens[:3]}) == 3  # G samples differ
     assert other.tokens != a.tokens
-    # The array API pads an unbucketed [3, 9] batch itself (to [4, 16]) and gives the same samples.
+    # The array API pads an unbucketed [3, 9] batch itself (to [3, 16]) and gives the same samples.
     prompts = [CONTEXT, [1, 2, 3], [4] * 9]
     ids, mask = np.zeros((3, 9), np.int32), np.zeros((3, 9), np.int32)
     for r, p in enumerate(prompts):
@@ -228,6 +229,9 @@ def test_no_recompilation_within_buckets(model):
     Sampler(model, min_batch_bucket=2).generate([CONTEXT], max_new_tokens=5, temperature=0.9, top_k=3, seed=3)
     assert compiled_programs() == before
     assert next_bucket(1, 16) == 16 and next_bucket(17, 16) == 32 and next_bucket(64, 8) == 64
+    assert [quarter_octave_bucket(n) for n in (1, 3, 8, 9, 11, 17, 100, 192, 193, 256)] == \
+        [1, 3, 8, 10, 12, 20, 112, 192, 224, 256]
+    assert Sampler(model, min_batch_bucket=2).batch_bucket(1) == 2
 
 
 def test_decode_phases_same_results_and_teacher_forced(model):

@@ -51,11 +51,11 @@ def evaluate_sets(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn
 
 
 def evaluate(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn: RewardFn, prompt_len: int,
-             max_new_tokens: int, seed: int) -> dict:
+             max_new_tokens: int, seed: int, batch_prompts: int = 256) -> dict:
     """Flat metrics for the training log: eval/<name>/accuracy (avg@N), eval/<name>/response_len_mean and their
     mean over benchmarks as eval/accuracy."""
     results = evaluate_sets(sampler, eval_sets, tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
-                            max_new_tokens=max_new_tokens, seed=seed)
+                            max_new_tokens=max_new_tokens, seed=seed, batch_prompts=batch_prompts)
     out = {}
     for name, m in results.items():
         out[f"eval/{name}/accuracy"] = m[f"avg@{m['n_samples']}"]

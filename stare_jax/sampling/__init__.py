@@ -5,13 +5,13 @@ Sampler(model, mesh=...).generate_arrays(ids_PxT, mask_PxT, ...)         array A
 reshard_for_sampling(state, mesh)                                         trainer layout -> sampler layout
 """
 from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, Sampler, compiled_programs, generate,
-                                        next_bucket)
+                                        next_bucket, quarter_octave_bucket)
 from stare_jax.sampling.selection import (greedy_tokens, inverse_cdf_sample, select_tokens, token_logprobs,
                                           top_k_mask, top_p_mask)
 from stare_jax.sampling.sharding import batch_sharding, reshard_for_sampling, sampler_param_sharding
 
 __all__ = [
-    "SampleArrays", "SampleOutput", "Sampler", "compiled_programs", "generate", "next_bucket",
+    "SampleArrays", "SampleOutput", "Sampler", "compiled_programs", "generate", "next_bucket", "quarter_octave_bucket",
     "greedy_tokens", "inverse_cdf_sample", "select_tokens", "token_logprobs", "top_k_mask", "top_p_mask",
     "batch_sharding", "reshard_for_sampling", "sampler_param_sharding",
 ]

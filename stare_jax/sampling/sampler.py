@@ -102,6 +102,12 @@ def next_bucket(n: int, minimum: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def quarter_octave_bucket(n: int) -> int:
+    """n rounded up to a multiple of 2^(k-2) for 2^k <= n < 2^(k+1): 1..8 stay, then 10, 12, 14, 16, 20, ..."""
+    n = max(int(n), 1)
+    return _round_up(n, 1 << max(n.bit_length() - 3, 0))
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -298,8 +304,10 @@ class Sampler:
         return sampling_sharding.data_size(self.mesh)
 
     def batch_bucket(self, num_prompts: int) -> int:
-        """Padded number of prompts: power of two (>= min_batch_bucket), a multiple of the data shards."""
-        return _round_up(next_bucket(num_prompts, self.min_batch_bucket), self.data_shards)
+        """Padded number of prompts (>= min_batch_bucket), a multiple of the data shards: rounded up to a quarter of
+        its power-of-two octave (so at most 4 programs per octave and under 25% padding, e.g. 192 stays 192
+        where a power-of-two bucket would sample 256 rows)."""
+        return _round_up(quarter_octave_bucket(max(num_prompts, self.min_batch_bucket)), self.data_shards)
 
     def phases(self, new_bucket: int) -> tuple[int, ...]:
         """Cumulative token ends of the decode phases: up to `decode_phases` equal parts of the new-token
