@@ -135,7 +135,7 @@ def train_batch_from_rollouts(r: Rollouts, advantages_PxG: np.ndarray) -> dict:
 class RunInputs:
     model_path: pathlib.Path
     tokenizer_path: pathlib.Path
-    train_path: pathlib.Path
+    train_path: str | pathlib.Path  # a local path or an object-store URL (gs://...)
     eval_paths: dict
 
 
@@ -166,7 +166,7 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, Run
     if not (model_path / "config.json").is_file():
         raise TrainingError(f"model.path {model_path} has no config.json (not a Hugging Face checkpoint folder)")
     tok_path = pathlib.Path(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else model_path
-    return cfg, RunInputs(model_path, tok_path, pathlib.Path(cfg.data.train_path), dict(cfg.data.eval_paths))
+    return cfg, RunInputs(model_path, tok_path, cfg.data.train_path, dict(cfg.data.eval_paths))
 
 
 def encode_rows(rows: Sequence[PromptRow], tokenizer, cfg: Config) -> tuple[list[list[int]], list[int]]:

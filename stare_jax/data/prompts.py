@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 
 import grain
 import numpy as np
+from etils import epath
 
 PAPER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -41,8 +42,9 @@ class PromptRow:
 
 def iter_jsonl_objects(path: str | pathlib.Path) -> Iterator[tuple[int, dict]]:
     """(1-based line number, object) for every non-blank line of a JSON-lines file; DataError naming the file and
-    line for invalid JSON or a line that is not a JSON object. The one jsonl reader of the project."""
-    path = pathlib.Path(path)
+    line for invalid JSON or a line that is not a JSON object. The one jsonl reader of the project. Local paths
+    and object-store URLs (gs://..., via etils.epath) both work."""
+    path = epath.Path(path)
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -73,8 +75,9 @@ def _row_from_mapping(obj, where: str, prompt_field: str, answer_field: str, ind
 
 
 def read_rows(path: str | pathlib.Path, *, prompt_field: str = "problem", answer_field: str = "answer") -> list[PromptRow]:
-    """Read every row of a .jsonl or .parquet file; any bad row raises DataError naming the file and line."""
-    path = pathlib.Path(path)
+    """Read every row of a .jsonl or .parquet file (local, or gs://... on multi-host runs); any bad row raises
+    DataError naming the file and line."""
+    path = epath.Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
     rows: list[PromptRow] = []
@@ -84,7 +87,8 @@ def read_rows(path: str | pathlib.Path, *, prompt_field: str = "problem", answer
         except ImportError as e:  # pragma: no cover - pyarrow is a runtime dependency
             raise DataError(f"{path}: reading parquet needs pyarrow ({e})") from None
         try:
-            records = pq.read_table(path).to_pylist()
+            with path.open("rb") as f:
+                records = pq.read_table(f).to_pylist()
         except Exception as e:  # noqa: BLE001 - pyarrow raises many types for bad files
             raise DataError(f"{path}: not a readable parquet file: {e}") from None
         for i, obj in enumerate(records):
