@@ -1,11 +1,13 @@
-"""Multi-process helpers: which rows of a global train batch this process feeds, and the global jax.Array
-batch built from those process-local rows (jax.make_array_from_process_local_data).
+"""Multi-process helpers (jax.distributed runs: several hosts, or several local CPU processes in tests).
 
-In a multi-process run (jax.distributed.initialize) the jitted train step's batch in_sharding spans devices of
-every process, so a host NumPy batch cannot be passed as is: each process holds only some rows (for the batch
-sharding P(("data", "fsdp")) on a mesh built from jax.devices(), a contiguous block of B / process_count rows),
-and the global array is assembled from those local blocks. In a single process the helpers are the identity
-(all rows are local).
+The RL loop's convention: every process holds the same small global host data for a step (the prompt batch, the
+train batch) and feeds only the rows its devices hold (`global_batch`, built on `process_batch_rows` +
+`global_batch_from_process_local`: for the batch sharding P(("data", "fsdp")) on a mesh built from
+jax.devices(), a contiguous block of rows per process); device results that every host needs (sampled tokens)
+come back with `fetch_global`; work done on the host (decoding and scoring responses) is split into per-process
+shares (`process_share`) whose results are gathered (`gather_shares`, `sum_across_processes`); and decisions
+that every process must take together (stopping on a preemption signal) go through `any_process`. In a single
+process every helper is the identity or a plain device_get.
 """
 from __future__ import annotations
 
