@@ -251,6 +251,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
         resume = False
     if rd.exists("metrics.jsonl") and not resume:
         raise TrainingError(f"{run_dir} already holds a run (metrics.jsonl); use --resume or a new --run-dir")
+    dist.barrier("stare_jax_run_dir_checked")  # every process decided before process 0 writes into the run dir
     # data first: a bad row fails in a second, before any model is loaded
     rows = read_rows(inputs.train_path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
     eval_rows = {name: read_rows(path, prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
