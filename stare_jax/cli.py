@@ -116,18 +116,17 @@ def _cmd_eval(args) -> int:
     """avg@N / pass@k / mean length per benchmark for an HF folder or a training run's checkpoint."""
     import time
 
+    import jax
+
     from stare_jax.data.prompts import format_prompt
     from stare_jax.eval.benchmarks import (DEFAULT_PROTOCOL, format_results_json, format_results_markdown,
                                            load_benchmark)
     from stare_jax.eval.runner import EvalSet, evaluate_sets
+    from stare_jax.models.sharding import make_mesh
     from stare_jax.policy import load_policy
     from stare_jax.rollouts import RewardFn
     from stare_jax.sampling import Sampler, next_bucket
     from stare_jax.tokenizer import load_tokenizer
-
-    import jax
-
-    from stare_jax.models.sharding import make_mesh
     from stare_jax.train import init_distributed
 
     t0 = time.time()

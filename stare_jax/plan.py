@@ -135,6 +135,10 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     hf_config = pathlib.Path(cfg.model.path or "") / "config.json"
     if cfg.model.path and hf_config.is_file():
         model_cfg = ModelConfig.from_json_file(hf_config)
+    elif getattr(getattr(cfg, "toy", None), "enabled", False):  # the embedded toy model (e.g. a smoke test)
+        from stare_jax import toy
+
+        model_cfg = toy.model_config(toy.asset_config(cfg.toy))
     elif cfg.model.preset:
         model_cfg = get_preset(cfg.model.preset)  # the checkpoint folder need not exist to plan a run
     elif cfg.model.path:

@@ -117,6 +117,24 @@ def encode_answer(tok, answer_text: str) -> list[int]:
     return tok.encode(answer_text, add_bos=False) + [tok.eos_id]
 
 
+def asset_config(run_toy) -> ToyAssetConfig:
+    """The asset config named by a run config's `toy` section (it sets a subset of the fields; the rest keep
+    their defaults)."""
+    shared = {f.name for f in dataclasses.fields(ToyAssetConfig)} & {f.name for f in dataclasses.fields(run_toy)}
+    return ToyAssetConfig(**{k: getattr(run_toy, k) for k in shared})
+
+
+def model_config(cfg: ToyAssetConfig, **token_ids):
+    """The toy's Qwen2-shaped ModelConfig (vocab_size and special token ids from its tokenizer when given)."""
+    from stare_jax import models
+
+    fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                  num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size,
+                  max_position_embeddings=64, rope_theta=10000.0, qkv_bias=True, architecture="Qwen2ForCausalLM",
+                  tie_word_embeddings=True, initializer_range=0.05)
+    return models.ModelConfig(**{**fields, **token_ids})
+
+
 def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", log=print) -> ToyAssets:
     """Build (or reuse) the toy assets for `cfg`; returns their paths."""
 
@@ -147,11 +165,8 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
     tok = load_tokenizer(model_dir / "tokenizer.model")
     log(f"toy: tokenizer with {tok.vocab_size} pieces trained in {time.time() - t0:.1f}s")
 
-    mcfg = models.ModelConfig(
-        vocab_size=tok.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size, max_position_embeddings=64,
-        rope_theta=10000.0, qkv_bias=True, architecture="Qwen2ForCausalLM", tie_word_embeddings=True,
-        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, initializer_range=0.05)
+    mcfg = model_config(cfg, vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                        pad_token_id=tok.pad_id)
     model = models.init_model(mcfg, seed=cfg.seed)
     task = TASKS[cfg.task]
     prompts = [(encode_example(tok, r["problem"]), task.parse_spec(r["answer"])) for r in train]

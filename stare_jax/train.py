@@ -145,9 +145,7 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, Run
         from stare_jax import toy
 
         t = cfg.toy
-        # the run config's toy section names a subset of the asset fields; the rest keep their defaults
-        shared = {f.name for f in dataclasses.fields(toy.ToyAssetConfig)} & {f.name for f in dataclasses.fields(t)}
-        asset_cfg = toy.ToyAssetConfig(**{k: getattr(t, k) for k in shared})
+        asset_cfg = toy.asset_config(t)
         # multi-process: process 0 builds the assets first; the others then find them in a shared cache (or,
         # on hosts with their own disks, build the same deterministic assets themselves)
         if jax.process_index() == 0:

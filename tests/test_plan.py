@@ -79,3 +79,18 @@ def test_plan_of_a_paper_like_config():
         estimate(too_long, num_params=1)
     with pytest.raises(ValueError, match="no accelerator"):
         estimate(load_config(None, ["model.preset=qwen2.5-7b"]), num_params=1)
+
+
+def test_plan_of_the_embedded_toy_config():
+    """The toy config (no model.path/preset) is planned from the toy's own model config (e.g. a TPU smoke run)."""
+    import pathlib
+
+    from stare_jax.config import load_config
+    from stare_jax.plan import estimate, param_count
+    from stare_jax.toy import ToyAssetConfig, model_config
+
+    cfg = load_config(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu_stare.yaml",
+                      ["rl.micro_batch_size=16"])
+    plan = estimate(cfg, "v5p-8")
+    assert plan["fits"] and plan["devices"] == 4 and plan["total_flops_per_step"] > 0
+    assert param_count(model_config(ToyAssetConfig())) > 100_000
