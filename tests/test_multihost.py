@@ -365,3 +365,26 @@ def test_eval_cli_two_processes_equal_one_process(train_runs, shared_data_dir):
     assert mp["gsm8k"]["mean_response_len"] > 0
     logs = [p.read_text(errors="replace") for p in sorted(d.glob("eval_cli_2x4_p*.log"))]
     assert "| gsm8k |" in logs[0] and "| gsm8k |" not in logs[1]  # one report, from process 0
+
+
+def test_train_cli_preemption_of_one_process_stops_both_at_the_same_step(train_runs):
+    """SIGTERM to process 1 only (one preempted host): both processes agree on the step to stop at, save one
+    multi-host checkpoint there and exit cleanly (neither hangs in a collective the other left)."""
+    import signal
+
+    d = train_runs["dir"]
+    run = d / "preempted"
+    launch = Launch("train_cli_2x4_sigterm", d, 2, _train_cli(run, d / "toy", "total_steps=200"))
+    deadline = time.time() + TIMEOUT_S
+    while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text().strip():
+        assert time.time() < deadline and all(p.poll() is None for p in launch.procs), launch._tails()
+        time.sleep(0.2)
+    launch.procs[1].send_signal(signal.SIGTERM)
+    launch.wait()
+    summary = json.loads((run / "summary.json").read_text())
+    stopped = summary["last"]["step"]
+    assert summary["stopped"] == f"preempted (signal) after step {stopped}" and stopped < 200
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] == stopped
+    logs = [p.read_text(errors="replace") for p in launch.logs]
+    assert all(f"saved checkpoint at step {stopped}" in t for t in logs)
