@@ -27,7 +27,15 @@ def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str
     """An HF folder (config.json) or a training run folder (config.yaml + checkpoints/); with a mesh the
     parameters are loaded (and restored) straight into their sharded layout on it, on every process."""
     from stare_jax import models
+    from stare_jax.run_dir import is_remote, local_copy
 
+    if is_remote(path):  # an HF folder on gs://: copied to local disk once (a remote run folder is not supported)
+        from etils import epath
+
+        if not (epath.Path(str(path)) / "config.json").exists():
+            raise FileNotFoundError(f"{path}: only Hugging Face folders (config.json) are read from object storage; "
+                                    f"export a training run with `stare-jax export` first")
+        path = local_copy(str(path), log=log)
     path = pathlib.Path(path)
     if (path / "config.json").is_file():
         return Policy(models.from_pretrained(path, dtype=dtype, mesh=mesh), path, None, None)

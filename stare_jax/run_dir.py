@@ -25,6 +25,42 @@ def is_remote(path) -> bool:
     return "://" in str(path)
 
 
+def local_copy(url: str, cache_root: pathlib.Path | None = None, log=print) -> pathlib.Path:
+    """A local copy of a remote file or folder (e.g. a Hugging Face checkpoint on gs://, which the safetensors
+    loader reads from local disk), under cache_root (default ~/.cache/stare_jax/remote). Copied once per host:
+    into a temporary folder renamed into place when complete, so an interrupted copy is never used."""
+    import shutil
+
+    src = epath.Path(str(url).rstrip("/"))
+    if not src.exists():
+        raise FileNotFoundError(f"{url} does not exist")
+    root = cache_root or default_mirror_root().parent / "remote"
+    dst = root / (src.name + "-" + hashlib.sha1(str(src).encode()).hexdigest()[:10])
+    if dst.exists():
+        return dst / src.name if src.is_file() else dst
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = [src] if src.is_file() else sorted(_files_under(src), key=str)
+    log(f"copying {url} ({len(files)} files) to {dst}")
+    for f in files:
+        rel = f.name if f == src else f.relative_to(src).as_posix()
+        out = tmp / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with f.open("rb") as r, open(out, "wb") as w:
+            shutil.copyfileobj(r, w, 64 << 20)
+    os.replace(tmp, dst)
+    return dst / src.name if src.is_file() else dst
+
+
+def _files_under(folder: epath.Path):
+    """Every file below folder (epath's rglob refuses object stores, where a recursive glob is one RPC per entry)."""
+    for child in folder.iterdir():
+        if child.is_dir():
+            yield from _files_under(child)
+        else:
+            yield child
+
+
 def default_mirror_root() -> pathlib.Path:
     return pathlib.Path(os.environ.get("STARE_JAX_MIRROR_DIR", pathlib.Path.home() / ".cache" / "stare_jax" / "runs"))
 

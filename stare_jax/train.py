@@ -30,7 +30,7 @@ from stare_jax.config import Config, save_config
 from stare_jax.data.prompts import PromptRow, PromptStream, format_prompt, read_rows
 from stare_jax.eval.runner import EvalSet, evaluate
 from stare_jax.rollouts import RewardFn, Rollouts, generate_rollouts
-from stare_jax.run_dir import RunDir
+from stare_jax.run_dir import RunDir, is_remote, local_copy
 
 
 class TrainingError(RuntimeError):
@@ -160,10 +160,12 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, Run
         raise TrainingError("model.path is not set: point it at a Hugging Face checkpoint folder")
     if not cfg.data.train_path:
         raise TrainingError("data.train_path is not set: point it at a jsonl/parquet file of {problem, answer} rows")
-    model_path = pathlib.Path(cfg.model.path)
+    # a checkpoint on gs:// is copied to local disk once per host (the safetensors loader reads local files)
+    local = lambda p: local_copy(p, log=log) if is_remote(p) else pathlib.Path(p)  # noqa: E731
+    model_path = local(cfg.model.path)
     if not (model_path / "config.json").is_file():
-        raise TrainingError(f"model.path {model_path} has no config.json (not a Hugging Face checkpoint folder)")
-    tok_path = pathlib.Path(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else model_path
+        raise TrainingError(f"model.path {cfg.model.path} has no config.json (not a Hugging Face checkpoint folder)")
+    tok_path = local(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else model_path
     return cfg, RunInputs(model_path, tok_path, cfg.data.train_path, dict(cfg.data.eval_paths))
 
 

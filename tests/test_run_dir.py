@@ -82,3 +82,23 @@ def test_training_in_a_remote_run_dir_resumes_with_its_history(tmp_path, monkeyp
     assert summary["steps_run"] == 1
     assert [r["step"] for r in read_metrics(remote)] == [1, 2, 3]
     assert (remote / "checkpoints" / "3").is_dir()
+
+
+def test_local_copy_of_a_folder_and_a_file(tmp_path):
+    from stare_jax.run_dir import local_copy
+
+    src = tmp_path / "bucket" / "Qwen-tiny"
+    (src / "sub").mkdir(parents=True)
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"x" * 1000)
+    (src / "sub" / "extra.txt").write_text("e")
+    logs = []
+    got = local_copy(str(src), cache_root=tmp_path / "cache", log=logs.append)
+    assert (got / "config.json").read_text() == "{}" and (got / "model.safetensors").stat().st_size == 1000
+    assert (got / "sub" / "extra.txt").read_text() == "e" and len(logs) == 1
+    assert local_copy(str(src) + "/", cache_root=tmp_path / "cache", log=logs.append) == got and len(logs) == 1
+    assert not list((tmp_path / "cache").glob("*.tmp*"))
+    one = local_copy(str(src / "config.json"), cache_root=tmp_path / "cache", log=logs.append)
+    assert one.name == "config.json" and one.read_text() == "{}"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        local_copy(str(tmp_path / "bucket" / "nope"), cache_root=tmp_path / "cache")
