@@ -58,13 +58,6 @@ def global_batch_from_process_local(batch_local: Mapping[str, np.ndarray], mesh:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Helpers of the multi-process RL loop. Convention: every process holds the SAME global host data for the small
-# per-step inputs (prompt ids, the train batch) and feeds its own rows of it (`global_batch`); device results
-# come back to every host with `fetch_global`; each process scores its own share of the responses
-# (`process_share`) and the scores are gathered (`gather_shares`).
-
-
 def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
@@ -88,11 +81,14 @@ def fetch_global(tree):
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
 
-def process_share(n: int) -> tuple[int, int]:
-    """[lo, hi) of this process's contiguous share of n items split as evenly as possible over the processes
-    (the rows it decodes and scores)."""
-    k, count = jax.process_index(), jax.process_count()
+def _share(k: int, count: int, n: int) -> tuple[int, int]:
+    """[lo, hi) of share k when n items are split into count contiguous shares as evenly as possible."""
     return k * n // count, (k + 1) * n // count
+
+
+def process_share(n: int) -> tuple[int, int]:
+    """[lo, hi) of this process's contiguous share of n items (the rows it decodes and scores)."""
+    return _share(jax.process_index(), jax.process_count(), n)
 
 
 def gather_shares(local: np.ndarray, n: int) -> np.ndarray:
@@ -108,8 +104,8 @@ def gather_shares(local: np.ndarray, n: int) -> np.ndarray:
     padded = np.zeros((width,) + local.shape[1:], local.dtype)
     padded[: len(local)] = local
     gathered = np.asarray(multihost_utils.process_allgather(padded, tiled=False))  # [count, width, ...]
-    parts = [gathered[k, : (k + 1) * n // count - k * n // count] for k in range(count)]
-    return np.concatenate(parts, axis=0)
+    sizes = [hi - lo for lo, hi in (_share(k, count, n) for k in range(count))]
+    return np.concatenate([gathered[k, :size] for k, size in enumerate(sizes)], axis=0)
 
 
 def sum_across_processes(counts: Mapping[str, float], keys: Sequence[str]) -> dict:

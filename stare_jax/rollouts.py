@@ -68,6 +68,14 @@ class Rollouts:
 REWARD_COUNTERS = ("n_items", "n_ok", "n_correct", "n_timeout", "n_crash", "n_error", "n_restarts")
 
 
+def add_counts(total: dict, stats: dict) -> dict:
+    """Adds the numeric n_* counters of reward stats (timeouts, crashes, ... of the sandboxed pool) into total."""
+    for k, v in stats.items():
+        if k.startswith("n_") and isinstance(v, (int, float)):
+            total[k] = total.get(k, 0) + v
+    return total
+
+
 def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
                       reward_fn: RewardFn, prompt_len: int, max_new_tokens: int, num_samples: int,
                       temperature: float, top_p: float, top_k: int, seed: int, index_offset: int = 0,
@@ -94,9 +102,7 @@ def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequen
     merged = Rollouts(**{f: np.concatenate([getattr(r, f) for r, _, _ in parts]) for f in fields})
     stats = {}
     for _, _, st in parts:
-        for k, v in st.items():
-            if k.startswith("n_") and isinstance(v, (int, float)):
-                stats[k] = stats.get(k, 0) + v
+        add_counts(stats, st)
     return merged, [t for _, texts, _ in parts for t in texts], stats
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import os
 import pathlib
+import shutil
 
 from etils import epath
 
@@ -29,8 +30,6 @@ def local_copy(url: str, cache_root: pathlib.Path | None = None, log=print) -> p
     """A local copy of a remote file or folder (e.g. a Hugging Face checkpoint on gs://, which the safetensors
     loader reads from local disk), under cache_root (default ~/.cache/stare_jax/remote). Copied once per host:
     into a temporary folder renamed into place when complete, so an interrupted copy is never used."""
-    import shutil
-
     src = epath.Path(str(url).rstrip("/"))
     if not src.exists():
         raise FileNotFoundError(f"{url} does not exist")
@@ -43,13 +42,17 @@ def local_copy(url: str, cache_root: pathlib.Path | None = None, log=print) -> p
     files = [src] if src.is_file() else sorted(_files_under(src), key=str)
     log(f"copying {url} ({len(files)} files) to {dst}")
     for f in files:
-        rel = f.name if f == src else f.relative_to(src).as_posix()
-        out = tmp / rel
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with f.open("rb") as r, open(out, "wb") as w:
-            shutil.copyfileobj(r, w, 64 << 20)
+        _copy(f, tmp / (f.name if f == src else f.relative_to(src).as_posix()))
     os.replace(tmp, dst)
     return dst / src.name if src.is_file() else dst
+
+
+def _copy(src, dst) -> None:
+    """Copy one file between any two epath/pathlib locations (local or object store), streamed in 64 MiB chunks."""
+    dst = epath.Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with epath.Path(src).open("rb") as r, dst.open("wb") as w:
+        shutil.copyfileobj(r, w, 64 << 20)
 
 
 def _files_under(folder: epath.Path):
@@ -101,8 +104,6 @@ class RunDir:
         """A new run in a remote run dir: drop what an earlier run with the same URL left in the local mirror."""
         if self.remote is None:
             return
-        import shutil
-
         for name in MIRRORED_FILES:
             (self.local / name).unlink(missing_ok=True)
         for d in MIRRORED_DIRS:
@@ -112,25 +113,17 @@ class RunDir:
         """Copy the remote's files down into the local mirror (before resuming; missing ones are skipped)."""
         if self.remote is None:
             return
-        self.local.mkdir(parents=True, exist_ok=True)
         for name in names:
-            src = self.remote / name
-            if src.exists():
-                (self.local / name).write_bytes(src.read_bytes())
+            if (self.remote / name).exists():
+                _copy(self.remote / name, self.local / name)
 
     def push(self, with_dirs: bool = False) -> None:
         """Copy the local text outputs up to the remote run dir (tensorboard/ too when with_dirs)."""
         if self.remote is None:
             return
-        self.remote.mkdir(parents=True, exist_ok=True)
-        for name in MIRRORED_FILES:
-            src = self.local / name
-            if src.is_file():
-                (self.remote / name).write_bytes(src.read_bytes())
+        files = [self.local / name for name in MIRRORED_FILES]
         if with_dirs:
-            for d in MIRRORED_DIRS:
-                for src in sorted((self.local / d).rglob("*")) if (self.local / d).is_dir() else []:
-                    if src.is_file():
-                        dst = self.remote / src.relative_to(self.local).as_posix()
-                        dst.parent.mkdir(parents=True, exist_ok=True)
-                        dst.write_bytes(src.read_bytes())
+            files += [f for d in MIRRORED_DIRS for f in sorted((self.local / d).rglob("*"))]
+        for src in files:
+            if src.is_file():
+                _copy(src, self.remote / src.relative_to(self.local).as_posix())

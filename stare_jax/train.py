@@ -29,7 +29,7 @@ from stare_jax import distributed as dist
 from stare_jax.config import Config, save_config
 from stare_jax.data.prompts import PromptRow, PromptStream, format_prompt, read_rows
 from stare_jax.eval.runner import EvalSet, evaluate
-from stare_jax.rollouts import RewardFn, Rollouts, generate_rollouts
+from stare_jax.rollouts import RewardFn, Rollouts, add_counts, generate_rollouts
 from stare_jax.run_dir import RunDir, is_remote, local_copy
 
 
@@ -363,9 +363,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
                     max_prompts_per_call=cfg.sampling.max_prompts_per_call)
                 gen_correct.append(r.correct_PxG)
                 gen_lengths.append(r.lengths_PxG)
-                for k, v in stats.items():  # counts of timeouts / crashes / errors in the sandboxed pool
-                    if k.startswith("n_") and isinstance(v, (int, float)):
-                        reward_stats[k] = reward_stats.get(k, 0) + v
+                add_counts(reward_stats, stats)
                 keep = (np.asarray(dynamic_sampling_keep_mask(r.correct_PxG)) if cfg.rl.dynamic_sampling
                         else np.ones(r.correct_PxG.shape[0], bool))
                 acc.add(dataclasses.asdict(r), keep)
