@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from stare_jax import models
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.rl.losses import policy_loss
@@ -150,3 +151,33 @@ def test_ppo_epochs_minibatches_and_micro_batch_scope(single, batch):
     with pytest.raises(ValueError, match="micro_batch_size"):
         bad = dataclasses.replace(cfg, stare=dataclasses.replace(cfg.stare, micro_batch_size=3))
         make_train_step(graphdef, bad)(ts, batch, init_stare_state(bad.stare))
+
+
+def test_optimizer_state_sharded_like_params():
+    """Adam's moments live sharded like their parameters (per-device bytes = total / shards), counts replicated;
+    before this fix jax.jit(tx.init) replicated them on every device."""
+    mesh = make_mesh({"fsdp": 4}, devices=jax.devices()[:4])
+    model = init_model(MODEL, seed=0, mesh=mesh)
+    _, ts = init_train_state(model, BASE)
+
+    def per_device_and_total(tree):
+        leaves = jax.tree.leaves(tree)
+        per_dev = sum(x.addressable_shards[0].data.nbytes for x in leaves)
+        return per_dev, sum(x.nbytes for x in leaves)
+
+    p_dev, p_total = per_device_and_total(ts.params)
+    moments = [x for x in jax.tree.leaves(ts.opt_state) if x.ndim > 0]
+    o_dev, o_total = per_device_and_total(moments)
+    assert o_total == 2 * p_total  # mu and nu
+    assert o_dev == 2 * p_dev  # each moment exactly as sharded as its parameter
+    assert o_dev < o_total / 3  # all but the (tiny) norm weights are split 4 ways
+    for mu, p in zip(jax.tree.leaves(ts.opt_state[1][0].mu), jax.tree.leaves(ts.params)):
+        assert mu.sharding.is_equivalent_to(p.sharding, p.ndim)
+        if not p.sharding.is_fully_replicated:  # per-device bytes == total / shards
+            assert mu.addressable_shards[0].data.nbytes == mu.nbytes // 4
+    # the abstract path (ahead-of-time compile) gives the same shardings without allocating
+    abstract_model = models.abstract_model(MODEL, mesh=mesh)
+    _, abstract_ts = init_train_state(abstract_model, BASE)
+    for a, r in zip(jax.tree.leaves(abstract_ts.opt_state), jax.tree.leaves(ts.opt_state)):
+        assert isinstance(a, jax.ShapeDtypeStruct) and a.shape == r.shape
+        assert a.sharding.is_equivalent_to(r.sharding, r.ndim)

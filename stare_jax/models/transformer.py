@@ -349,15 +349,26 @@ class Transformer(nnx.Module):
         return self.logits_from_hidden(self.norm(x)), new_cache
 
 
+def abstract_model(cfg: ModelConfig, mesh=None, rules=None) -> Transformer:
+    """The model with every parameter a jax.ShapeDtypeStruct (carrying its NamedSharding on `mesh` when given):
+    nothing is allocated, so any size can be traced and compiled ahead of time (e.g. for a TPU topology)."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    if mesh is None:
+        return abstract
+    from stare_jax.models.sharding import state_shardings
+
+    graphdef, abs_state = nnx.split(abstract)
+    shardings = state_shardings(abs_state, mesh, rules)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings)
+    return nnx.merge(graphdef, state)
+
+
 def init_model(cfg: ModelConfig, seed: int = 0, mesh=None, rules=None) -> Transformer:
     """Random init (normal(0, initializer_range) weights, unit norms, zero biases); sharded onto mesh if given."""
     if mesh is None:
         return Transformer(cfg, rngs=nnx.Rngs(seed))
-    from stare_jax.models.sharding import state_shardings
-
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
-    graphdef, abs_state = nnx.split(abstract)
-    shardings = state_shardings(abs_state, mesh, rules)
+    graphdef, abs_state = nnx.split(abstract_model(cfg, mesh, rules))
+    shardings = jax.tree.map(lambda a: a.sharding, abs_state)
 
     def make():
         return nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed)))
