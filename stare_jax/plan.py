@@ -13,6 +13,8 @@ import math
 import pathlib
 import re
 
+from stare_jax.models.sharding import resolve_mesh
+
 GiB = 1024**3
 
 
@@ -65,22 +67,6 @@ def parse_accelerator(name: str) -> Accelerator:
         f"unknown accelerator type {name!r}; accepted: TPU types v4-N, v5litepod-N (v5e), v5p-N, v6e-N, or GPUs "
         f"as [NODESx]GPUSx{{{','.join(_GPU)}}} (e.g. 8xH100, 2x8xH100)"
     )
-
-
-def resolve_mesh(mesh_cfg, num_devices: int) -> dict[str, int]:
-    """Axis sizes with at most one -1 filled from the device count; errors if they do not multiply to it."""
-    sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
-    free = [k for k, v in sizes.items() if v == -1]
-    if len(free) > 1:
-        raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
-    fixed = math.prod(v for v in sizes.values() if v != -1)
-    if free:
-        if num_devices % fixed:
-            raise ValueError(f"mesh {sizes} does not divide the {num_devices} devices (fixed axes multiply to {fixed})")
-        sizes[free[0]] = num_devices // fixed
-    if math.prod(sizes.values()) != num_devices:
-        raise ValueError(f"mesh {sizes} has {math.prod(sizes.values())} devices but the accelerator has {num_devices}")
-    return sizes
 
 
 def param_count(model_cfg) -> int:

@@ -29,6 +29,7 @@ from stare_jax import distributed as dist
 from stare_jax.config import Config, save_config
 from stare_jax.data.prompts import PromptRow, PromptStream, format_prompt, read_rows
 from stare_jax.eval.runner import EvalSet, evaluate
+from stare_jax.models.sharding import mesh_for_config
 from stare_jax.rollouts import RewardFn, Rollouts, add_counts, generate_rollouts
 from stare_jax.run_dir import RunDir, is_remote, local_copy
 
@@ -88,14 +89,9 @@ def train_step_config(cfg: Config, mesh=None):
         logprob_chunk_size=rl.logprob_chunk_size, theory_diagnostics=s.theory_diagnostics)
 
 
-def build_mesh(cfg: Config):
-    """None on a single device; otherwise the configured (data, fsdp, tensor) mesh over all devices."""
-    if jax.device_count() == 1:
-        return None
-    from stare_jax.models.sharding import make_mesh
-    from stare_jax.plan import resolve_mesh
-
-    return make_mesh(resolve_mesh(cfg.mesh, jax.device_count()))
+def build_mesh(cfg: Config, devices=None):
+    """None on a single device; otherwise the configured (data, fsdp, tensor) mesh over `devices` (default all)."""
+    return mesh_for_config(cfg.mesh, devices)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -375,6 +371,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
             batch = train_batch_from_rollouts(kept, adv)
             if dist.is_multiprocess():  # the same host batch on every process -> one global array
                 batch = dist.global_batch(batch, mesh)
+            sampler.release()  # the sampler's weight copy is not alive during the train step
             t1 = time.time()
             train_state, stare_state, m = step_fn(train_state, batch, stare_state)
             m = jax.device_get(m)

@@ -54,8 +54,16 @@ def attention_dot_product(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, *, implem
     return out.astype(dt)
 
 
+def target_platform() -> str:
+    """The platform the program being traced is for: the ambient mesh's (jax.set_mesh), which may be a TPU
+    topology's abstract devices in an ahead-of-time compile on a CPU host, else the default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    platform = None if mesh is None or mesh.empty else getattr(mesh, "platform", None)
+    return platform or jax.default_backend()
+
+
 def _cudnn_usable(q) -> bool:
-    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    return target_platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
 
 
 @functools.lru_cache(maxsize=32)
@@ -91,7 +99,7 @@ def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interp
         return out[:, :t]
     kh = k_BxSxKxD.shape[2]
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = target_platform() != "tpu"
     kernel = _splash_kernel(t, h, bool(interpret), str(jax.sharding.get_abstract_mesh()))
     g = h // kh
     # splash takes [H, T, D] per example; repeat kv heads for GQA.

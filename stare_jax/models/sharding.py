@@ -69,6 +69,32 @@ def make_mesh(shape: Mapping[str, int], axis_types=None, devices=None) -> jax.sh
                          devices=devices)
 
 
+def resolve_mesh(mesh_cfg, num_devices: int) -> dict[str, int]:
+    """Axis sizes of a run config's `mesh` section (data / fsdp / tensor) with at most one -1 filled from the
+    device count; errors if they do not multiply to it."""
+    sizes = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
+    free = [k for k, v in sizes.items() if v == -1]
+    if len(free) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {sizes}")
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if free:
+        if num_devices % fixed:
+            raise ValueError(f"mesh {sizes} does not divide the {num_devices} devices (fixed axes multiply to {fixed})")
+        sizes[free[0]] = num_devices // fixed
+    if math.prod(sizes.values()) != num_devices:
+        raise ValueError(f"mesh {sizes} has {math.prod(sizes.values())} devices but the accelerator has {num_devices}")
+    return sizes
+
+
+def mesh_for_config(mesh_cfg, devices=None) -> jax.sharding.Mesh | None:
+    """The run's (data, fsdp, tensor) mesh over `devices` (default: all of jax.devices(); a TPU topology's
+    abstract devices for ahead-of-time compiles); None for a single device (programs then run unsharded)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if len(devices) == 1:
+        return None
+    return make_mesh(resolve_mesh(mesh_cfg, len(devices)), devices=devices)
+
+
 def _mesh_axes_for(name, rules: Rules):
     if name is None:
         return None

@@ -6,7 +6,8 @@ Layout and choices (why):
   token of every row then sits in slot T-1, so the first new token of every row goes to slot T, the next to
   T+1, ... -- one shared `cache_index` per step, a single dynamic_update_slice, no per-row scatter. Positions
   are cumsum(mask)-1, so a padded prompt gets the same positions (and RoPE) as the unpadded one.
-- The cache holds T + N slots, N = the max_new_tokens bucket (power of two, minimum `min_new_bucket`).
+- The cache holds T + N slots, N = the max_new_tokens bucket (`new_token_bucket`: a quarter of its power-of-two
+  octave, minimum `min_new_bucket`, so 3072 new tokens get exactly 3072 slots, not 4096).
   max_new_tokens, greedy on/off, temperature, top_k, top_p, the seed and the EOS ids are traced values, so
   there is one program per (prompt bucket, new-token bucket, prompt-count bucket, num_samples, cache dtype,
   mesh). The number of prompts is bucketed too (power of two, multiple of the data shards).
@@ -25,6 +26,7 @@ Layout and choices (why):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -33,9 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from stare_jax import distributed
+from stare_jax.models import sharding as model_sharding
 from stare_jax.sampling import selection
 from stare_jax.sampling import sharding as sampling_sharding
 
@@ -110,6 +113,12 @@ def quarter_octave_bucket(n: int) -> int:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def new_token_bucket(max_new_tokens: int, minimum: int) -> int:
+    """Cache slots for the generated tokens: max_new_tokens rounded up to a quarter octave (at most 4 programs
+    per power of two, under 25% unused slots), at least `minimum`."""
+    return quarter_octave_bucket(max(int(max_new_tokens), int(minimum), 1))
 
 
 def model_config(model) -> Any:
@@ -265,8 +274,13 @@ class Sampler:
     """Holds the model split into (graphdef, sampler-layout state) and runs the jitted sampling program.
 
     mesh: optional jax Mesh; the batch is sharded over its data axes ("data", "fsdp") and parameters are kept in
-    the sampler layout (replicated over the data axes, "tensor" kept). Call `update_params` once per RL step
-    with the trainer's current parameters to reshard them on device.
+    the sampler layout (replicated over the data axes, "tensor" kept) in the model's compute dtype (bf16 weights
+    for a bf16 model: the forward casts every weight to it anyway, so the results are identical and the copy is
+    half the size). The program runs under the mesh and its activation rules (so Pallas kernels such as splash
+    attention run per shard under shard_map). Call `update_params` once per RL step with the trainer's current
+    parameters to reshard them on device, and `release` before the train step so the copy is not alive during it.
+    A model whose parameters are jax.ShapeDtypeStructs (models.abstract_model) gives an abstract sampler whose
+    programs can only be lowered (`lower`), e.g. for a TPU topology on a CPU host.
     cache_dtype: KV-cache dtype (float32 or bfloat16). min_*_bucket: smallest prompt / new-token / prompt-count
     buckets. decode_phases: split the decode into up to this many while loops over a growing cache (each
     phase at least min_phase_tokens long), so early steps attend over fewer slots; worth it for long
@@ -288,16 +302,44 @@ class Sampler:
         self.min_batch_bucket = min_batch_bucket
         cfg_pad = getattr(self.config, "pad_token_id", None)
         self.pad_id = int(pad_id if pad_id is not None else (cfg_pad if cfg_pad is not None else 0))
+        self.compute_dtype = jnp.dtype(getattr(self.config, "dtype", "float32")).name
         self.graphdef, state = nnx.split(model)
-        self.state = sampling_sharding.reshard_for_sampling(state, mesh)
+        self.state = None
         self._batch_sharding = sampling_sharding.batch_sharding(mesh) if mesh is not None else None
+        self.update_params(state)
 
     def update_params(self, params) -> None:
-        """Take new parameters (an nnx.Module of the same graph, or its nnx.State), resharded on device.
-        The previous sampler copy is dropped first so the two copies need not coexist in memory."""
+        """Take new parameters (an nnx.Module of the same graph, or its nnx.State), resharded on device and cast
+        to the compute dtype. The previous sampler copy is dropped first so the two copies need not coexist."""
         state = nnx.split(params)[1] if isinstance(params, nnx.Module) else params
         self.state = None
-        self.state = sampling_sharding.reshard_for_sampling(state, self.mesh)
+        self.state = sampling_sharding.reshard_for_sampling(state, self.mesh, dtype=self.compute_dtype)
+
+    def release(self) -> None:
+        """Drop the sampler's weight copy (e.g. before the train step); `update_params` brings it back."""
+        self.state = None
+
+    @property
+    def abstract(self) -> bool:
+        """True when the sampler holds jax.ShapeDtypeStructs (can lower programs, not run them)."""
+        return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.state))
+
+    def _program_context(self):
+        """The mesh and its activation rules around the jitted program (nothing without a mesh)."""
+        if self.mesh is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(model_sharding.activation_rules(model_sharding.DEFAULT_RULES))
+        return stack
+
+    def lower(self, num_prompts: int, prompt_len: int, *, max_new_tokens: int, num_samples: int = 1):
+        """The jax `Lowered` sampling program for `num_prompts` prompts of (bucketed) length `prompt_len`: the
+        same code path as generate_arrays (buckets, padding, shardings), for an ahead-of-time compile."""
+        if not self.abstract:
+            raise ValueError("Sampler.lower needs an abstract sampler (built from models.abstract_model)")
+        ids = np.zeros((num_prompts, prompt_len), np.int32)
+        return self.generate_arrays(ids, np.ones_like(ids), max_new_tokens=max_new_tokens, num_samples=num_samples)
 
     @property
     def data_shards(self) -> int:
@@ -320,6 +362,8 @@ class Sampler:
                          pad_id=self.pad_id, batch_sharding=self._batch_sharding, phases=self.phases(new_bucket))
 
     def _put_batch(self, x):
+        if self.abstract:
+            return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype, sharding=self._batch_sharding)
         if self._batch_sharding is None:
             return jnp.asarray(x)
         if distributed.is_multiprocess():  # every process passes the same global host batch
@@ -349,7 +393,9 @@ class Sampler:
         if max_pos is not None and max_new_tokens >= max_pos:
             raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's "
                              f"context {max_pos}")
-        new_bucket = next_bucket(max_new_tokens, self.min_new_bucket)
+        if self.state is None:
+            raise RuntimeError("the sampler's weights were released: call update_params(params) first")
+        new_bucket = new_token_bucket(max_new_tokens, self.min_new_bucket)
         spec = self._spec(num_samples, new_bucket)
         prompt_index_P = np.arange(P, dtype=np.int32) if prompt_index_P is None else prompt_index_P
         active_P = np.ones((P,), bool) if active_P is None else active_P
@@ -361,12 +407,18 @@ class Sampler:
             mask = jnp.pad(mask, ((0, P_pad - P), (T_pad - T, 0))).at[P:, -1].set(1)  # pad rows: 1 real token
             index = jnp.pad(index, (0, P_pad - P))
             active = jnp.pad(active, (0, P_pad - P))
-        out = _generate_jit(
-            self.graphdef, self.state, self._put_batch(ids), self._put_batch(mask), self._put_batch(index),
-            self._put_batch(active), jax.random.key(seed), jnp.int32(max_new_tokens),
-            jnp.bool_(temperature == 0), jnp.float32(temperature if temperature > 0 else 1.0),
-            jnp.int32(min(int(top_k), int(self.config.vocab_size))), jnp.float32(top_p),
-            jnp.asarray(_eos_array(eos_ids, self.config)), spec=spec)
+        args = (self.graphdef, self.state, self._put_batch(ids), self._put_batch(mask), self._put_batch(index),
+                self._put_batch(active), jax.random.key(seed), jnp.int32(max_new_tokens),
+                jnp.bool_(temperature == 0), jnp.float32(temperature if temperature > 0 else 1.0),
+                jnp.int32(min(int(top_k), int(self.config.vocab_size))), jnp.float32(top_p),
+                jnp.asarray(_eos_array(eos_ids, self.config)))
+        if self.abstract:
+            rep = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+            args = args[:6] + tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in args[6:])
+            with self._program_context():
+                return _generate_jit.lower(*args, spec=spec)
+        with self._program_context():
+            out = _generate_jit(*args, spec=spec)
         B = P * num_samples
         if new_bucket != max_new_tokens or P_pad != P:
             out = SampleArrays(out.tokens_BxN[:B, :max_new_tokens], out.logprobs_BxN[:B, :max_new_tokens],

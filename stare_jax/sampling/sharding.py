@@ -3,14 +3,16 @@
 The trainer keeps parameters FSDP-sharded (sharded over "fsdp"/"data"); decoding one token at a time with
 FSDP would all-gather every weight at every step, so the sampler instead keeps parameters replicated over the
 data axes and only sharded over "tensor" (tensor parallel, if the mesh has such an axis of size > 1).
-`reshard_for_sampling` does that with one `jax.device_put` onto the new NamedShardings: device to device,
-no host round trip.
+`reshard_for_sampling` does that with one jitted program (cast to the compute dtype + the new NamedShardings):
+device to device, no host round trip.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 DATA_AXES = ("data", "fsdp")  # batch axes of the sampler (those present in the mesh are used)
@@ -55,16 +57,37 @@ def sampler_param_sharding(x: jax.Array, mesh: Mesh, keep_axes: Sequence[str] = 
     return NamedSharding(mesh, PartitionSpec(*(_keep(e, keep_axes, mesh) for e in spec)))
 
 
-def reshard_for_sampling(state, mesh: Mesh | None, keep_axes: Sequence[str] = PARAM_KEEP_AXES):
-    """Parameters (any pytree of arrays, e.g. an nnx.State) in the sampler's layout on `mesh`, on device.
+def _cast(x, dtype):
+    """Floating arrays to `dtype` (None: unchanged); integer / key leaves are never cast."""
+    if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return x.astype(dtype)
 
-    Without a mesh the state is returned unchanged. Arrays already in the target layout are not copied.
-    """
-    if mesh is None:
-        return state
+
+def reshard_for_sampling(state, mesh: Mesh | None, keep_axes: Sequence[str] = PARAM_KEEP_AXES, *, dtype=None):
+    """Parameters (any pytree of arrays, e.g. an nnx.State) in the sampler's layout on `mesh`, on device, with
+    floating leaves cast to `dtype` (the model's compute dtype; None keeps them).
+
+    One jitted program (cast + reshard, device to device, the trainer's copy untouched); without a mesh and
+    with nothing to cast the state is returned unchanged. jax.ShapeDtypeStruct leaves (an abstract state) give
+    the abstract result, so the same function serves ahead-of-time compiles."""
     leaves, treedef = jax.tree.flatten(state)
-    targets = [sampler_param_sharding(x, mesh, keep_axes) if isinstance(x, jax.Array) else None for x in leaves]
-    arrays = [x for x, t in zip(leaves, targets) if t is not None]
-    moved = iter(jax.device_put(arrays, [t for t in targets if t is not None]))
-    out = [next(moved) if t is not None else x for x, t in zip(leaves, targets)]
-    return jax.tree.unflatten(treedef, out)
+    dtype = None if dtype is None else jnp.dtype(dtype)
+    if mesh is None and all(_cast(x, dtype).dtype == x.dtype for x in leaves):
+        return state
+    if mesh is None:
+        targets = [getattr(x, "sharding", None) for x in leaves]
+    else:
+        targets = [sampler_param_sharding(x, mesh, keep_axes) for x in leaves]
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        out = [jax.ShapeDtypeStruct(x.shape, _cast(x, dtype).dtype, sharding=t) for x, t in zip(leaves, targets)]
+        return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, reshard_program(tuple(targets), dtype)(leaves))
+
+
+@functools.lru_cache(maxsize=16)
+def reshard_program(targets: tuple, dtype):
+    """The jitted trainer -> sampler weight program: cast each leaf, then lay it out as `targets` (one
+    NamedSharding per leaf, or None to keep it where it is)."""
+    out_shardings = list(targets) if all(t is not None for t in targets) else None
+    return jax.jit(lambda leaves: [_cast(x, dtype) for x in leaves], out_shardings=out_shardings)
