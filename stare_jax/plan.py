@@ -108,16 +108,13 @@ def training_activation_bytes(model_cfg, seqs: float, seq_len: int, *, tensor: i
     return L * (per_layer_all + scores)
 
 
-def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = None) -> dict:
-    """Per-device memory (bytes) and per-step FLOPs for run config `cfg` on `accelerator` (default: cfg.launch)."""
+def run_model_config(cfg):
+    """The ModelConfig a run config trains, read from its checkpoint's config.json when that exists, else its
+    preset (the checkpoint folder need not exist to plan a run) or the embedded toy model, with the run's
+    dtypes, attention kernel and remat policy applied. No weights are read."""
     from stare_jax.models import get_preset
     from stare_jax.models.config import ModelConfig
 
-    acc_name = accelerator or getattr(getattr(cfg, "launch", None), "accelerator", None)
-    if not acc_name:
-        raise ValueError("no accelerator given (pass one, or set launch.accelerator in the config)")
-    acc = parse_accelerator(acc_name)
-    mesh = resolve_mesh(cfg.mesh, acc.num_devices)
     hf_config = pathlib.Path(cfg.model.path or "") / "config.json"
     if cfg.model.path and hf_config.is_file():
         model_cfg = ModelConfig.from_json_file(hf_config)
@@ -126,13 +123,23 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
 
         model_cfg = toy.model_config(toy.asset_config(cfg.toy))
     elif cfg.model.preset:
-        model_cfg = get_preset(cfg.model.preset)  # the checkpoint folder need not exist to plan a run
+        model_cfg = get_preset(cfg.model.preset)
     elif cfg.model.path:
         raise ValueError(f"{hf_config} does not exist and the config names no model.preset")
     else:
         raise ValueError("the config names no model (model.path or model.preset)")
-    model_cfg = model_cfg.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-                                  attention_impl=cfg.model.attention_impl, remat_policy=cfg.model.remat_policy)
+    return model_cfg.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
+                             attention_impl=cfg.model.attention_impl, remat_policy=cfg.model.remat_policy)
+
+
+def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = None) -> dict:
+    """Per-device memory (bytes) and per-step FLOPs for run config `cfg` on `accelerator` (default: cfg.launch)."""
+    acc_name = accelerator or getattr(getattr(cfg, "launch", None), "accelerator", None)
+    if not acc_name:
+        raise ValueError("no accelerator given (pass one, or set launch.accelerator in the config)")
+    acc = parse_accelerator(acc_name)
+    mesh = resolve_mesh(cfg.mesh, acc.num_devices)
+    model_cfg = run_model_config(cfg)
     P = num_params if num_params is not None else param_count(model_cfg)
     dp = mesh["data"] * mesh["fsdp"]
     shard = mesh["fsdp"] * mesh["tensor"]

@@ -25,7 +25,9 @@ Data flow (STARE-semantics.md, "Closed-loop gate"):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -34,6 +36,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from stare_jax.models.sharding import DEFAULT_RULES, activation_rules
 from stare_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
 from stare_jax.rl.losses import AGG_MODES, loss_normalizer, policy_loss
 from stare_jax.rl.stare import StareConfig, StareState, stare_omega, update_controller
@@ -377,8 +380,6 @@ def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: T
     donate_argnums = (0,) if donate else ()
     if mesh is None:
         return jax.jit(step_fn, donate_argnums=donate_argnums)
-    from stare_jax.models.sharding import DEFAULT_RULES, activation_rules
-
     if train_state is None:
         raise ValueError("make_train_step(mesh=...) needs the initialised train_state to read its shardings")
     rules = DEFAULT_RULES if rules is None else rules
@@ -387,27 +388,38 @@ def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: T
     jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(mesh, batch_axes), rep),
                      out_shardings=(state_sh, rep, rep), donate_argnums=donate_argnums)
 
-    shards = 1
-    for a in batch_axes:
-        shards *= mesh.shape[a]
+    shards = math.prod(mesh.shape[a] for a in batch_axes)
+
+    def context():
+        """The mesh and activation rules the step is traced under (also for ahead-of-time lowering)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(mesh))
+        stack.enter_context(activation_rules(rules))
+        return stack
 
     def run(train_state, batch, stare_state):
         batch = {k: batch[k] for k in BATCH_KEYS}
         if jnp.shape(batch["input_ids_BxT"])[0] % shards:
             raise ValueError(f"batch size {jnp.shape(batch['input_ids_BxT'])[0]} must be divisible by the "
                              f"{shards} devices of mesh axes {batch_axes}")
-        with jax.set_mesh(mesh), activation_rules(rules):
+        with context():
             return jitted(train_state, batch, stare_state)
 
+    def trace(*args):
+        with context():
+            return jitted.trace(*args)
+
     run.jitted = jitted
-    run.lower = lambda *a: _lower(jitted, mesh, rules, *a)
+    run.context = context
+    run.trace = trace  # jax.stages.Traced (its .jaxpr and .lower()) for abstract or real arguments
+    run.lower = lambda *a: _under(context, lambda: trace(*a).lower())
+    run.batch_shardings = batch_shardings(mesh, batch_axes)
     return run
 
 
-def _lower(jitted, mesh, rules, *args):
-    from stare_jax.models.sharding import activation_rules
-    with jax.set_mesh(mesh), activation_rules(rules):
-        return jitted.lower(*args)
+def _under(context, fn):
+    with context():
+        return fn()
 
 
 def batch_entropy(graphdef, params, rest, batch, *, chunk_size=DEFAULT_CHUNK_SIZE):

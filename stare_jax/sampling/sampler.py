@@ -280,7 +280,7 @@ class Sampler:
     attention run per shard under shard_map). Call `update_params` once per RL step with the trainer's current
     parameters to reshard them on device, and `release` before the train step so the copy is not alive during it.
     A model whose parameters are jax.ShapeDtypeStructs (models.abstract_model) gives an abstract sampler whose
-    programs can only be lowered (`lower`), e.g. for a TPU topology on a CPU host.
+    programs can only be traced and lowered (`trace`), e.g. for a TPU topology on a CPU host.
     cache_dtype: KV-cache dtype (float32 or bfloat16). min_*_bucket: smallest prompt / new-token / prompt-count
     buckets. decode_phases: split the decode into up to this many while loops over a growing cache (each
     phase at least min_phase_tokens long), so early steps attend over fewer slots; worth it for long
@@ -324,7 +324,7 @@ class Sampler:
         """True when the sampler holds jax.ShapeDtypeStructs (can lower programs, not run them)."""
         return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.state))
 
-    def _program_context(self):
+    def program_context(self):
         """The mesh and its activation rules around the jitted program (nothing without a mesh)."""
         if self.mesh is None:
             return contextlib.nullcontext()
@@ -333,11 +333,12 @@ class Sampler:
         stack.enter_context(model_sharding.activation_rules(model_sharding.DEFAULT_RULES))
         return stack
 
-    def lower(self, num_prompts: int, prompt_len: int, *, max_new_tokens: int, num_samples: int = 1):
-        """The jax `Lowered` sampling program for `num_prompts` prompts of (bucketed) length `prompt_len`: the
+    def trace(self, num_prompts: int, prompt_len: int, *, max_new_tokens: int, num_samples: int = 1):
+        """The jax `Traced` sampling program (its .jaxpr; .lower() it under program_context()) for `num_prompts`
+        prompts of (bucketed) length `prompt_len`: the
         same code path as generate_arrays (buckets, padding, shardings), for an ahead-of-time compile."""
         if not self.abstract:
-            raise ValueError("Sampler.lower needs an abstract sampler (built from models.abstract_model)")
+            raise ValueError("Sampler.trace needs an abstract sampler (built from models.abstract_model)")
         ids = np.zeros((num_prompts, prompt_len), np.int32)
         return self.generate_arrays(ids, np.ones_like(ids), max_new_tokens=max_new_tokens, num_samples=num_samples)
 
@@ -415,9 +416,9 @@ class Sampler:
         if self.abstract:
             rep = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
             args = args[:6] + tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in args[6:])
-            with self._program_context():
-                return _generate_jit.lower(*args, spec=spec)
-        with self._program_context():
+            with self.program_context():
+                return _generate_jit.trace(*args, spec=spec)
+        with self.program_context():
             out = _generate_jit(*args, spec=spec)
         B = P * num_samples
         if new_bucket != max_new_tokens or P_pad != P:

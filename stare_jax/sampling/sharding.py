@@ -57,11 +57,14 @@ def sampler_param_sharding(x: jax.Array, mesh: Mesh, keep_axes: Sequence[str] = 
     return NamedSharding(mesh, PartitionSpec(*(_keep(e, keep_axes, mesh) for e in spec)))
 
 
+def _cast_dtype(x_dtype, dtype):
+    """The sampler's dtype of a leaf: floating leaves take `dtype` (None: unchanged), integer / key leaves keep
+    theirs."""
+    return x_dtype if dtype is None or not jnp.issubdtype(x_dtype, jnp.floating) else dtype
+
+
 def _cast(x, dtype):
-    """Floating arrays to `dtype` (None: unchanged); integer / key leaves are never cast."""
-    if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
-    return x.astype(dtype)
+    return x if _cast_dtype(x.dtype, dtype) == x.dtype else x.astype(dtype)
 
 
 def reshard_for_sampling(state, mesh: Mesh | None, keep_axes: Sequence[str] = PARAM_KEEP_AXES, *, dtype=None):
@@ -73,14 +76,14 @@ def reshard_for_sampling(state, mesh: Mesh | None, keep_axes: Sequence[str] = PA
     the abstract result, so the same function serves ahead-of-time compiles."""
     leaves, treedef = jax.tree.flatten(state)
     dtype = None if dtype is None else jnp.dtype(dtype)
-    if mesh is None and all(_cast(x, dtype).dtype == x.dtype for x in leaves):
+    if mesh is None and all(_cast_dtype(x.dtype, dtype) == x.dtype for x in leaves):
         return state
     if mesh is None:
         targets = [getattr(x, "sharding", None) for x in leaves]
     else:
         targets = [sampler_param_sharding(x, mesh, keep_axes) for x in leaves]
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-        out = [jax.ShapeDtypeStruct(x.shape, _cast(x, dtype).dtype, sharding=t) for x, t in zip(leaves, targets)]
+        out = [jax.ShapeDtypeStruct(x.shape, _cast_dtype(x.dtype, dtype), sharding=t) for x, t in zip(leaves, targets)]
         return jax.tree.unflatten(treedef, out)
     return jax.tree.unflatten(treedef, reshard_program(tuple(targets), dtype)(leaves))
 

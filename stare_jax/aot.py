@@ -1,0 +1,380 @@
+"""`stare-jax plan CONFIG --compile`: compile every program a run executes for a real TPU slice, on this host.
+
+With libtpu installed (`pip install "jax[tpu]==<the jax version>"`), `jax.experimental.topologies` describes a
+Cloud TPU slice by name (e.g. "v5p:2x4x4") with abstract devices, and `jax.jit(...).lower(...).compile()`
+builds the real TPU executable for them on a CPU host. The figures below are the compiler's own:
+`memory_analysis()` (argument / output / alias / temp / generated-code bytes per device) and `cost_analysis()`.
+
+Nothing here is a copy of a program: the run's own code paths are given abstract inputs.
+- The model is `models.abstract_model` (jax.ShapeDtypeStruct parameters with their NamedShardings on the
+  topology's mesh); the train state comes from `init_train_state` (its abstract path), the step from
+  `make_train_step`, the sampler program from `Sampler.lower`, the trainer -> sampler weight program from
+  `reshard_for_sampling`'s jitted program. No weights are read and no device is queried.
+- Per-step FLOPs: XLA's cost analysis counts a loop body once (the micro-batch scan, the update scan, the decode
+  while loop), so the FLOPs are counted from the traced jaxpr instead, with every scan's length and the decode
+  loop's worst-case trip count (max_new_tokens) applied. XLA's `optimal_seconds` is scaled by the same ratio
+  (our per-device FLOPs / XLA's body-once FLOPs): an approximation, labelled as such.
+- Collectives are read from the optimized HLO text (count and output bytes by kind, as they appear in the
+  program: a collective inside a loop body is listed once).
+- Phases: sampling = the sampler program + the train state (params + AdamW moments) that stays resident; the
+  weight reshard = its program + the optimizer moments; training = the train step (its arguments are the train
+  state and batch; the sampler's copy is released before it, see Sampler.release).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from stare_jax import models
+from stare_jax.models.sharding import mesh_for_config
+from stare_jax.plan import GiB, estimate, parse_accelerator, run_model_config
+from stare_jax.rl.stare import init_stare_state
+from stare_jax.rl.train_step import BATCH_KEYS, init_train_state, make_train_step
+from stare_jax.sampling import Sampler, next_bucket
+from stare_jax.sampling.sharding import reshard_for_sampling, reshard_program, sampler_param_sharding
+
+HEADROOM = 0.10  # a config fits when every phase's compiled peak is <= 90% of HBM
+
+
+class CompileError(ValueError):
+    """The config cannot be compiled for the topology (the message says why and what to change)."""
+
+
+# ------------------------------------------------------------------------------------------------ topologies
+
+def topology_for(accelerator: str) -> str:
+    """The libtpu topology name of a Cloud TPU type: v5p-64 (32 chips) -> 'v5p:2x4x4', v6e-16 -> 'v6e:4x4'.
+
+    v4 / v5p types count TensorCores (2 per chip) and are 3-D tori; v5e (v5litepod) / v6e types count chips
+    and are 2-D."""
+    acc = parse_accelerator(accelerator)
+    if acc.kind != "tpu":
+        raise CompileError(f"accelerator {accelerator!r} is a GPU type: --compile targets TPU topologies only "
+                           f"(see BUILD.md for what the compiler can say about CUDA without a GPU)")
+    family = accelerator.split("-")[0].replace("v5litepod", "v5e")
+    chips = acc.num_devices
+    k = int(math.log2(chips)) if chips > 0 else -1
+    if chips <= 0 or 2 ** k != chips:
+        raise CompileError(f"accelerator {accelerator!r}: {chips} chips is not a Cloud TPU slice shape "
+                           f"(a power of two)")
+    if family in ("v4", "v5p"):  # 3-D: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, 4x4x8, ...
+        if chips < 8:
+            dims = {1: [1, 1, 1], 2: [1, 2, 1], 4: [2, 2, 1]}[chips]
+        else:
+            e = [k // 3] * 3
+            for i in range(k % 3):
+                e[2 - i] += 1
+            dims = [2 ** x for x in e]
+    else:  # 2-D: 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, ...
+        dims = [2 ** (k // 2), chips // 2 ** (k // 2)]
+    return f"{family}:{'x'.join(map(str, dims))}"
+
+
+def get_topology(name: str):
+    """The slice's TopologyDescription (abstract devices); one-line errors for a missing libtpu or a bad name."""
+    try:
+        import libtpu  # noqa: F401  (only to say what to install when it is missing)
+    except ImportError:
+        raise CompileError(f"--compile needs libtpu: pip install \"jax[tpu]=={jax.__version__}\" "
+                           f"(in this checkout: .venv/bin/pip install -r requirements-test.txt -c constraints.txt)"
+                           ) from None
+    from jax.experimental import topologies
+
+    if not re.fullmatch(r"v(4|5p|5e|6e):\d+(x\d+){1,2}", name):
+        raise CompileError(f"unknown TPU topology {name!r}; expected e.g. v5p:2x2x1, v5p:2x4x4, v6e:2x2, v4:2x2x1")
+    try:
+        return topologies.get_topology_desc(topology_name=name, platform="tpu")
+    except Exception as e:  # libtpu's own message names what it did not accept
+        raise CompileError(f"TPU topology {name!r}: {str(e).splitlines()[0]}") from None
+
+
+_HBM_CACHE: dict[str, int | None] = {}
+
+
+def hbm_bytes_per_device(topology_name: str, devices) -> int | None:
+    """HBM per device as libtpu sees it: compiled from a probe program that cannot fit, whose error names the
+    available HBM ("exceeds available HBM (95.74G)", binary units). None when libtpu does not say."""
+    if topology_name in _HBM_CACHE:
+        return _HBM_CACHE[topology_name]
+    mesh = jax.sharding.Mesh(np.asarray(devices[:1]), ("x",))
+    rep = NamedSharding(mesh, PartitionSpec())
+    huge = jax.ShapeDtypeStruct((1 << 40,), jnp.float32, sharding=rep)  # 4 TiB
+    found = None
+    try:
+        jax.jit(lambda x: x * 2, in_shardings=rep, out_shardings=rep).lower(huge).compile()
+    except Exception as e:
+        m = re.search(r"available HBM \(([\d.]+)([KMGT])\)", str(e))
+        if m:
+            found = int(float(m.group(1)) * 1024 ** "KMGT".index(m.group(2)) * 1024)
+    _HBM_CACHE[topology_name] = found
+    return found
+
+
+# ------------------------------------------------------------------------------------------------ analysis
+
+_DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+             "s64": 8, "u64": 8, "f64": 8}
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{kind: {"count", "bytes"}} of the collectives in an optimized HLO module (output bytes per device; async
+    pairs counted once at their -start)."""
+    out = {k: {"count": 0, "bytes": 0} for k in _COLLECTIVES}
+    pattern = re.compile(r"=\s*(.+?)\s+(" + "|".join(_COLLECTIVES) + r")(-start)?\(")
+    for line in hlo_text.splitlines():
+        m = pattern.search(line)
+        if not m:
+            continue
+        shapes = re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", m.group(1))
+        if m.group(3) and len(shapes) > 1:  # async start: (operands..., outputs...) -> the output half
+            shapes = shapes[len(shapes) // 2:]
+        nbytes = sum(_DT_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in shapes)
+        out[m.group(2)]["count"] += 1
+        out[m.group(2)]["bytes"] += nbytes
+    return {k: v for k, v in out.items() if v["count"]}
+
+
+def _sub_jaxprs(params: dict):
+    for v in params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(x, jax.extend.core.ClosedJaxpr):
+                yield x.jaxpr
+            elif isinstance(x, jax.extend.core.Jaxpr):
+                yield x
+
+
+def jaxpr_flops(jaxpr, *, while_trips: int = 1) -> float:
+    """Matmul FLOPs (2 x MACs of every dot_general) of a jaxpr, with loop trip counts applied: a scan's body
+    times its length, a while loop's body times `while_trips` (the caller's worst case), the costlier branch of
+    a cond, a shard_map body times its shard count, a Pallas kernel by its own cost estimate. Elementwise work
+    is not counted (it is a rounding error next to the matmuls of a transformer)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name, p = eqn.primitive.name, eqn.params
+        if name == "dot_general":
+            (contract, _), _ = p["dimension_numbers"], None
+            lhs = eqn.invars[0].aval.shape
+            k = math.prod(lhs[d] for d in contract[0])
+            total += 2.0 * k * math.prod(eqn.outvars[0].aval.shape)
+        elif name == "scan":
+            total += p["length"] * jaxpr_flops(p["jaxpr"].jaxpr, while_trips=while_trips)
+        elif name == "while":
+            total += while_trips * jaxpr_flops(p["body_jaxpr"].jaxpr, while_trips=while_trips)
+        elif name == "cond":
+            total += max(jaxpr_flops(b.jaxpr, while_trips=while_trips) for b in p["branches"])
+        elif name == "shard_map":
+            mesh = p["mesh"]
+            shards = math.prod(mesh.shape[a] for a in p.get("manual_axes", mesh.axis_names))
+            total += shards * sum(jaxpr_flops(j, while_trips=while_trips) for j in _sub_jaxprs(p))
+        elif name == "pallas_call":
+            est = p.get("cost_estimate")
+            total += float(getattr(est, "flops", 0) or 0)
+        else:
+            total += sum(jaxpr_flops(j, while_trips=while_trips) for j in _sub_jaxprs(p))
+    return total
+
+
+def _shard_bytes(x) -> int:
+    """Bytes of one device's shard of an abstract array."""
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    return math.prod(shape) * jnp.dtype(x.dtype).itemsize
+
+
+def tree_bytes_per_device(tree) -> int:
+    return int(sum(_shard_bytes(x) for x in jax.tree.leaves(tree)))
+
+
+@dataclasses.dataclass
+class Program:
+    """One compiled program's figures (bytes per device; FLOPs per call, all devices)."""
+
+    name: str
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+    peak_bytes: int
+    flops_per_step: float
+    xla_flops_body_once: float
+    optimal_seconds: float
+    collectives: dict
+    compile_s: float
+
+    @classmethod
+    def compile(cls, name: str, traced, mesh_ctx, num_devices: int, *, while_trips: int = 1) -> "Program":
+        t0 = time.time()
+        with mesh_ctx():
+            compiled = traced.lower().compile()
+        compile_s = time.time() - t0
+        ma = compiled.memory_analysis()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        flops = jaxpr_flops(traced.jaxpr.jaxpr, while_trips=while_trips)
+        xla_flops = float(cost.get("flops", 0.0))
+        scale = (flops / num_devices) / xla_flops if xla_flops else 1.0
+        peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+                + ma.temp_size_in_bytes + ma.generated_code_size_in_bytes)
+        return cls(name=name, argument_bytes=ma.argument_size_in_bytes, output_bytes=ma.output_size_in_bytes,
+                   alias_bytes=ma.alias_size_in_bytes, temp_bytes=ma.temp_size_in_bytes,
+                   generated_code_bytes=ma.generated_code_size_in_bytes, peak_bytes=int(peak),
+                   flops_per_step=flops, xla_flops_body_once=xla_flops,
+                   optimal_seconds=float(cost.get("optimal_seconds", 0.0)) * scale,
+                   collectives=collectives(compiled.as_text()), compile_s=compile_s)
+
+
+# ------------------------------------------------------------------------------------------------ the run's programs
+
+def _abstract(x, sharding):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def train_batch_shape(cfg) -> tuple[int, int]:
+    """[B, L] of the train step's batch as the loop builds it: train_batch_size x G responses of the prompt
+    bucket (power of two of data.max_prompt_len, the worst case) + max_new_tokens."""
+    return cfg.rl.train_batch_size * cfg.rl.group_size, next_bucket(cfg.data.max_prompt_len, 16) + \
+        cfg.sampling.max_new_tokens
+
+
+def sampler_call_prompts(cfg) -> int:
+    """Prompts in one sampler call: sampling.max_prompts_per_call (0: the whole generation batch)."""
+    return min(cfg.rl.gen_batch_size, cfg.sampling.max_prompts_per_call or cfg.rl.gen_batch_size)
+
+
+def compile_run(cfg, *, topology: str | None = None, log=print) -> dict:
+    """Compile the train step, the sampler program and the weight reshard of run config `cfg` for a TPU slice
+    (`topology`, default: the one of cfg.launch.accelerator) and report the compiler's figures."""
+    from stare_jax.train import train_step_config
+
+    accelerator = getattr(getattr(cfg, "launch", None), "accelerator", None)
+    if topology is None:
+        if not accelerator:
+            raise CompileError("no accelerator: set launch.accelerator in the config or pass --topology")
+        topology = topology_for(accelerator)
+    topo = get_topology(topology)
+    devices = list(topo.devices)
+    n = len(devices)
+    try:
+        mesh = mesh_for_config(cfg.mesh, devices)
+    except ValueError as e:
+        raise CompileError(f"topology {topology} ({n} devices): {e}") from None
+    if mesh is None:
+        mesh = models.sharding.make_mesh({"fsdp": 1}, devices=devices)
+    model_cfg = run_model_config(cfg)
+    model = models.abstract_model(model_cfg, mesh)
+    tcfg = train_step_config(cfg, mesh)
+    graphdef, train_state = init_train_state(model, tcfg)
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def mesh_ctx():
+        return jax.set_mesh(mesh)
+
+    # 1. the train step, with the run's shardings and donation
+    step = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
+    B, L = train_batch_shape(cfg)
+    batch_sh = step.batch_shardings
+    batch = {k: jax.ShapeDtypeStruct((B,) if k == "advantages_B" else (B, L),
+                                     jnp.float32 if k == "advantages_B" else jnp.int32, sharding=batch_sh[k])
+             for k in BATCH_KEYS}
+    stare_state = jax.tree.map(lambda x: _abstract(x, rep), jax.eval_shape(lambda: init_stare_state(tcfg.stare)))
+    log(f"compiling the train step for {topology} ({n} devices, mesh {dict(mesh.shape)}): batch [{B}, {L}]")
+    programs = {"train_step": Program.compile("train_step", step.trace(train_state, batch, stare_state),
+                                              step.context, n)}
+
+    # 2. the trainer -> sampler weight program (cast to the compute dtype + reshard)
+    state = jax.tree.leaves(models.transformer.nnx.split(model)[1])
+    targets = tuple(sampler_param_sharding(x, mesh) for x in state)
+    reshard = reshard_program(targets, jnp.dtype(model_cfg.dtype))
+    log("compiling the trainer -> sampler weight reshard")
+    programs["weight_reshard"] = Program.compile("weight_reshard", reshard.trace(state), mesh_ctx, n)
+
+    # 3. the sampler program at the run's buckets
+    sampler = Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype)
+    call_prompts = sampler_call_prompts(cfg)
+    prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)
+    log(f"compiling the sampler: {call_prompts} prompts x {cfg.rl.group_size} samples, prompt bucket "
+        f"{prompt_bucket}, {cfg.sampling.max_new_tokens} new tokens")
+    traced = sampler.trace(call_prompts, prompt_bucket, max_new_tokens=cfg.sampling.max_new_tokens,
+                           num_samples=cfg.rl.group_size)
+    programs["sampler"] = Program.compile("sampler", traced, sampler.program_context, n,
+                                          while_trips=cfg.sampling.max_new_tokens - 1)
+    gen_calls = math.ceil(cfg.rl.gen_batch_size / call_prompts)
+    programs["sampler"].flops_per_step *= gen_calls  # calls per generation batch (one batch: no top-up)
+
+    params_b = tree_bytes_per_device(train_state.params)
+    opt_b = tree_bytes_per_device(train_state.opt_state)
+    resident_train = params_b + opt_b
+    t, r, s = programs["train_step"], programs["weight_reshard"], programs["sampler"]
+    phases = {
+        "sampling": {"peak_bytes": max(s.peak_bytes + resident_train, r.peak_bytes + opt_b),
+                     "program_peak_bytes": s.peak_bytes, "resident_bytes": resident_train,
+                     "reshard_peak_bytes": r.peak_bytes + opt_b},
+        "training": {"peak_bytes": t.peak_bytes, "program_peak_bytes": t.peak_bytes, "resident_bytes": 0},
+    }
+    hbm = hbm_bytes_per_device(topology, devices)
+    peak = max(p["peak_bytes"] for p in phases.values())
+    try:
+        est = estimate(cfg, accelerator) if accelerator else None
+    except ValueError as e:
+        est = {"error": str(e)}
+    return {
+        "topology": topology, "accelerator": accelerator, "devices": n, "mesh": dict(mesh.shape),
+        "hbm_bytes_per_device": hbm,
+        "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
+        "state_bytes_per_device": {"params": params_b, "optimizer": opt_b,
+                                   "sampler_weights": tree_bytes_per_device(sampler.state)},
+        "phases": phases, "peak_bytes": peak,
+        "fits": None if hbm is None else bool(peak <= (1 - HEADROOM) * hbm),
+        "estimate": est,
+    }
+
+
+def format_compiled(report: dict) -> str:
+    """Human-readable table: each program and phase, compiled beside the analytic estimate."""
+    hbm = report["hbm_bytes_per_device"]
+    est = report.get("estimate") or {}
+    lines = [f"COMPILED for {report['topology']} ({report['devices']} devices, mesh {report['mesh']}); "
+             f"HBM per device {hbm / GiB:.2f} GiB" if hbm else "HBM per device unknown"]
+    lines.append(f"  {'program':<16}{'args':>9}{'out':>9}{'alias':>9}{'temp':>9}{'code':>8}{'peak':>9}"
+                 f"{'TFLOP/step':>12}{'compile s':>11}   (GiB per device)")
+    for name, p in report["compiled"].items():
+        lines.append(f"  {name:<16}{p['argument_bytes'] / GiB:9.2f}{p['output_bytes'] / GiB:9.2f}"
+                     f"{p['alias_bytes'] / GiB:9.2f}{p['temp_bytes'] / GiB:9.2f}{p['generated_code_bytes'] / GiB:8.2f}"
+                     f"{p['peak_bytes'] / GiB:9.2f}{p['flops_per_step'] / 1e12:12.1f}{p['compile_s']:11.1f}")
+    est_peak = est.get("peak_bytes_per_device")
+    for name, ph in report["phases"].items():
+        key = "sample" if name == "sampling" else "train"
+        e = sum(v for k, v in (est.get("memory_bytes") or {}).items() if k.startswith(f"{key}/")) or None
+        if e is not None and name == "sampling":
+            e += (est["memory_bytes"]["train/params"] + est["memory_bytes"]["train/optimizer"])
+        lines.append(f"  phase {name:<10} peak {ph['peak_bytes'] / GiB:8.2f} GiB"
+                     + (f"   (estimate {e / GiB:.2f} GiB)" if e else ""))
+    for name, p in report["compiled"].items():
+        if p["collectives"]:
+            lines.append(f"  {name} collectives: " + ", ".join(
+                f"{k} x{v['count']} ({v['bytes'] / GiB:.2f} GiB)" for k, v in p["collectives"].items()))
+    if report["fits"] is not None:
+        verdict = "fits" if report["fits"] else "DOES NOT FIT"
+        lines.append(f"  peak {report['peak_bytes'] / GiB:.2f} GiB of {hbm / GiB:.2f} GiB -> {verdict} "
+                     f"(needs <= {1 - HEADROOM:.0%})" + (f"; the estimate said {est_peak / GiB:.2f} GiB"
+                                                         if est_peak else ""))
+    return "\n".join(lines)
+
+
+def summary_row(report: dict) -> dict[str, Any]:
+    """The figures of one config for the BUILD.md table."""
+    est = report.get("estimate") or {}
+    return {"topology": report["topology"], "sampling_gib": report["phases"]["sampling"]["peak_bytes"] / GiB,
+            "training_gib": report["phases"]["training"]["peak_bytes"] / GiB,
+            "hbm_gib": (report["hbm_bytes_per_device"] or 0) / GiB, "fits": report["fits"],
+            "estimate_gib": (est.get("peak_bytes_per_device") or 0) / GiB,
+            "compile_s": sum(p["compile_s"] for p in report["compiled"].values())}
