@@ -67,19 +67,25 @@ def _cudnn_usable(q) -> bool:
 
 
 @functools.lru_cache(maxsize=32)
-def _splash_kernel(t: int, num_heads: int, interpret: bool, trace_mesh: str):
-    """The kernel for one shape. `trace_mesh` (the ambient abstract mesh, including shard_map's manual axes) is
-    part of the cache key: a kernel built inside shard_map holds mask arrays typed for that context and must not
-    be reused outside it."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+def _splash_mask(t: int, num_heads: int):
+    """The causal multi-head mask object for one shape (host-side numpy; cached so splash's own mask-processing
+    cache, keyed by this object, is hit by every layer and every trace)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(num_heads)])
+    return sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(num_heads)])
+
+
+def _splash_kernel(t: int, num_heads: int, interpret: bool):
+    """The kernel for one shape, built inside the current trace: its mask-info arrays are staged as constants of
+    the program being traced (so nothing concrete is created on the host's devices, or on a TPU topology's
+    compile-only ones, and no kernel is shared between traces or shard_map contexts)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
     bq = next((b for b in (512, 256, 128) if t % b == 0), t)
     sizes = sk.BlockSizes(block_q=bq, block_kv_compute=bq, block_kv=bq, block_q_dkv=bq, block_kv_dkv=bq,
                           block_kv_dkv_compute=bq, block_q_dq=bq, block_kv_dq=bq)
-    with jax.ensure_compile_time_eval():  # concrete mask-info arrays, so the cached kernel outlives this trace
-        return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    return sk.make_splash_mha(_splash_mask(t, num_heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                              interpret=interpret)
 
 
 def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interpret: bool | None = None):
@@ -100,7 +106,7 @@ def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interp
     kh = k_BxSxKxD.shape[2]
     if interpret is None:
         interpret = target_platform() != "tpu"
-    kernel = _splash_kernel(t, h, bool(interpret), str(jax.sharding.get_abstract_mesh()))
+    kernel = _splash_kernel(t, h, bool(interpret))
     g = h // kh
     # splash takes [H, T, D] per example; repeat kv heads for GQA.
     q = jnp.swapaxes(q_BxTxHxD, 1, 2) * (d ** -0.5)
