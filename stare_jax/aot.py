@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import time
 from typing import Any
@@ -88,6 +89,8 @@ def get_topology(name: str):
                            ) from None
     from jax.experimental import topologies
 
+    # compile-only use: never take libtpu's one-process-per-host lock (a run, a test or another plan may hold it)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if not re.fullmatch(r"v(4|5p|5e|6e):\d+(x\d+){1,2}", name):
         raise CompileError(f"unknown TPU topology {name!r}; expected e.g. v5p:2x2x1, v5p:2x4x4, v6e:2x2, v4:2x2x1")
     try:
@@ -208,6 +211,7 @@ class Program:
     xla_flops_body_once: float
     optimal_seconds: float
     collectives: dict
+    mosaic_kernels: int  # Pallas/Mosaic custom calls in the compiled program (e.g. splash attention)
     compile_s: float
 
     @classmethod
@@ -219,6 +223,7 @@ class Program:
         ma = compiled.memory_analysis()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        hlo = compiled.as_text()
         flops = jaxpr_flops(traced.jaxpr.jaxpr, while_trips=while_trips)
         xla_flops = float(cost.get("flops", 0.0))
         scale = (flops / num_devices) / xla_flops if xla_flops else 1.0
@@ -229,7 +234,8 @@ class Program:
                    generated_code_bytes=ma.generated_code_size_in_bytes, peak_bytes=int(peak),
                    flops_per_step=flops, xla_flops_body_once=xla_flops,
                    optimal_seconds=float(cost.get("optimal_seconds", 0.0)) * scale,
-                   collectives=collectives(compiled.as_text()), compile_s=compile_s)
+                   collectives=collectives(hlo), mosaic_kernels=hlo.count('custom_call_target="tpu_custom_call"'),
+                   compile_s=compile_s)
 
 
 # ------------------------------------------------------------------------------------------------ the run's programs

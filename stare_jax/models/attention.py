@@ -58,8 +58,8 @@ def target_platform() -> str:
     """The platform the program being traced is for: the ambient mesh's (jax.set_mesh), which may be a TPU
     topology's abstract devices in an ahead-of-time compile on a CPU host, else the default backend."""
     mesh = jax.sharding.get_abstract_mesh()
-    platform = None if mesh is None or mesh.empty else getattr(mesh, "platform", None)
-    return platform or jax.default_backend()
+    device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
 
 
 def _cudnn_usable(q) -> bool:

@@ -1,0 +1,102 @@
+"""Ahead-of-time compiles for real TPU slices on this CPU host (libtpu + jax.experimental.topologies): the run's
+own train step, weight reshard and sampler, compiled from abstract inputs; the compiler's figures; bad input."""
+import math
+import sys
+
+import jax
+import pytest
+
+from stare_jax import aot, cli
+from stare_jax.config import load_config
+from stare_jax.plan import GiB
+
+pytest.importorskip("libtpu", reason="libtpu (jax[tpu]) is a test dependency: pip install -r requirements-test.txt")
+
+TINY = ["rl.micro_batch_size=16", "model.dtype=bfloat16", "model.attention_impl=splash", "sampling.max_new_tokens=24",
+        "data.max_prompt_len=100"]
+
+
+@pytest.mark.parametrize("accelerator, topology", [
+    ("v5p-8", "v5p:2x2x1"), ("v5p-16", "v5p:2x2x2"), ("v5p-64", "v5p:2x4x4"), ("v5p-128", "v5p:4x4x4"),
+    ("v5p-256", "v5p:4x4x8"), ("v4-16", "v4:2x2x2"), ("v6e-8", "v6e:2x4"), ("v6e-16", "v6e:4x4"),
+    ("v6e-256", "v6e:16x16"), ("v5litepod-4", "v5e:2x2")])
+def test_topology_for_accelerator(accelerator, topology):
+    assert aot.topology_for(accelerator) == topology
+    chips = math.prod(int(d) for d in topology.split(":")[1].split("x"))
+    # libtpu knows the slice; its compile-only v4 topologies list each chip's two TensorCores as devices
+    cores_per_device = 2 if topology.startswith("v4") else 1
+    assert len(aot.get_topology(topology).devices) == chips * cores_per_device
+
+
+@pytest.fixture(scope="module", params=["v5p:2x2x1", "v6e:2x2"])
+def tiny_report(request):
+    cfg = load_config("configs/tiny_cpu_stare.yaml", TINY)
+    return aot.compile_run(cfg, topology=request.param, log=lambda _: None)
+
+
+def test_tiny_config_compiles_with_splash_through_mosaic(tiny_report):
+    r = tiny_report
+    assert r["devices"] == 4 and r["hbm_bytes_per_device"] > 8 * GiB  # libtpu's own HBM figure
+    for name in ("train_step", "weight_reshard", "sampler"):
+        p = r["compiled"][name]
+        assert p["peak_bytes"] > 0 and p["compile_s"] > 0
+    # splash ran as a Mosaic kernel (not the Pallas interpreter) in the step and in the sampler's prefill
+    assert r["compiled"]["train_step"]["mosaic_kernels"] > 0
+    assert r["compiled"]["sampler"]["mosaic_kernels"] > 0
+    assert r["fits"] is True
+
+
+def test_tiny_config_state_is_sharded(tiny_report):
+    s = tiny_report["state_bytes_per_device"]
+    assert s["optimizer"] == 2 * s["params"]  # AdamW moments sharded exactly like the fp32 params
+    assert s["sampler_weights"] * 2 >= s["params"]  # bf16 copy, replicated over the 4 data shards
+    assert tiny_report["phases"]["sampling"]["resident_bytes"] == s["params"] + s["optimizer"]
+
+
+def test_flops_count_loop_trips(tiny_report):
+    """Per-step FLOPs include every micro-batch and decode step: more than XLA's body-once count."""
+    t = tiny_report["compiled"]["train_step"]
+    assert t["flops_per_step"] / tiny_report["devices"] > t["xla_flops_body_once"]
+    s = tiny_report["compiled"]["sampler"]
+    assert s["flops_per_step"] / tiny_report["devices"] > 5 * s["xla_flops_body_once"]
+
+
+def test_jaxpr_flops_matches_a_hand_count():
+    def f(x, w):
+        def body(c, _):
+            return c @ w, None
+        y, _ = jax.lax.scan(body, x, None, length=3)
+        return jax.lax.while_loop(lambda c: c[1] < 5, lambda c: (c[0] @ w, c[1] + 1), (y, 0))[0]
+
+    x = jax.ShapeDtypeStruct((4, 8), "float32")
+    w = jax.ShapeDtypeStruct((8, 8), "float32")
+    jaxpr = jax.make_jaxpr(f)(x, w).jaxpr
+    assert aot.jaxpr_flops(jaxpr, while_trips=5) == (3 + 5) * 2 * 4 * 8 * 8
+
+
+def test_collectives_parsed_from_hlo():
+    hlo = ("  %ag = bf16[64,128]{1,0} all-gather(bf16[16,128]{1,0} %p), dimensions={0}\n"
+           "  %ars = (f32[8]{0}, f32[8]{0}) all-reduce-start(f32[8]{0} %x), to_apply=%add\n"
+           "  %ard = f32[8]{0} all-reduce-done((f32[8]{0}, f32[8]{0}) %ars)\n")
+    assert aot.collectives(hlo) == {"all-gather": {"count": 1, "bytes": 64 * 128 * 2},
+                                    "all-reduce": {"count": 1, "bytes": 32}}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--topology", "v9:2x2"], "unknown TPU topology 'v9:2x2'"),
+    (["--compile", "--accelerator", "v7-8"], "unknown accelerator type 'v7-8'"),
+    (["--compile", "--accelerator", "8xH100"], "GPU type"),
+    (["--topology", "v5p:2x2x1", "mesh.fsdp=3"], "does not divide the 4 devices"),
+    (["--compile"], "no accelerator"),
+])
+def test_bad_input_is_one_line_exit_2(argv, message, capsys):
+    code = cli.main(["plan", "configs/tiny_cpu_stare.yaml", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert message in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_missing_libtpu_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu -> ImportError
+    with pytest.raises(aot.CompileError, match=r'pip install "jax\[tpu\]=='):
+        aot.get_topology("v5p:2x2x1")
