@@ -1,4 +1,4 @@
-"""Checkpoints of the whole run state with orbax-checkpoint, plus a SIGTERM (preemption) flag.
+"""Checkpoints of the whole run state with orbax-checkpoint, plus a SIGTERM / Ctrl-C (preemption) flag.
 
 One checkpoint step `DIR/<step>/` holds two items:
 - "state": one pytree (params, optimizer state, STARE controller state, RNG key, step, ...) saved with
@@ -377,33 +377,61 @@ def _short(e: BaseException, n: int = 300) -> str:
 # ---------------------------------------------------------------------------------------------- preemption
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _stderr_line(text: str) -> None:
+    """One line on stderr from a signal handler: os.write, not print (print could re-enter a buffered write the
+    main thread was in the middle of, e.g. the progress bar's)."""
+    try:
+        os.write(2, ("\n" + text + "\n").encode())
+    except OSError:
+        pass
+
+
 class PreemptionHandler:
-    """Set by SIGTERM (TPU/GCE preemption notice); the training loop polls `should_stop(step)` each step,
-    and when True saves a checkpoint and exits cleanly. The signal handler only sets a flag.
+    """Set by SIGTERM (TPU/GCE preemption notice) or SIGINT (Ctrl-C); the training loop polls
+    `should_stop(step)` each step, and when True saves a checkpoint and exits cleanly. The handler only sets a
+    flag and says so in one line on stderr.
+
+    Ctrl-C: the first one stops the run at the end of the current step (checkpoint saved, exit status 0); it
+    also puts SIGINT back to the system default, so a second Ctrl-C ends the process at once (the current step
+    is lost; the previous checkpoint stays). A SIGINT that was ignored when the handler was installed (e.g. a
+    background job of a non-interactive shell) stays ignored.
 
     Multi-host: `should_stop` is this process's flag; the training loop combines the flags of all processes
     each step (stare_jax.distributed.any_process), so every host stops and saves at the same step even when
     only some of them were signalled.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, *, announce=_stderr_line):
         self._event = threading.Event()
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
         self._signals = signals
+        self._announce = announce
 
     @property
     def requested(self) -> bool:
         return self._event.is_set()
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        first = not self._event.is_set()
         self.signum = signum
         self._event.set()
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+        if first and self._announce is not None:
+            name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+            again = "; press Ctrl-C again to stop at once without saving it" if signum == signal.SIGINT else ""
+            self._announce(f"{name}: stopping after the current step, which is saved as a checkpoint{again}")
 
     def install(self) -> "PreemptionHandler":
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("install_preemption_handler() must be called from the main thread")
         for sig in self._signals:
+            if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # ignored on purpose by whoever started us
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -425,6 +453,7 @@ class PreemptionHandler:
         self.uninstall()
 
 
-def install_preemption_handler(signals: tuple[int, ...] = (signal.SIGTERM,)) -> PreemptionHandler:
-    """Install a flag-setting handler for SIGTERM (default) and return it; see PreemptionHandler."""
-    return PreemptionHandler(signals).install()
+def install_preemption_handler(signals: tuple[int, ...] = STOP_SIGNALS, *, announce=_stderr_line) -> PreemptionHandler:
+    """Install the flag-setting handler for SIGTERM and SIGINT (default) and return it; see PreemptionHandler.
+    announce: called with one line when the first signal arrives (default: written to stderr; None = silent)."""
+    return PreemptionHandler(signals, announce=announce).install()

@@ -226,6 +226,42 @@ def test_sigterm_sets_the_flag_and_handler_is_restored():
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_ctrl_c_sets_the_flag_says_so_once_and_a_second_one_would_end_the_process():
+    """SIGINT is handled like SIGTERM (flag + one announced line); after it SIGINT is back to the system default,
+    so a second Ctrl-C ends the process at once (that part is run for real in test_train.py)."""
+    before = signal.getsignal(signal.SIGINT)
+    said = []
+    handler = C.install_preemption_handler(announce=said.append)
+    try:
+        assert signal.getsignal(signal.SIGINT) == handler._handle
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            if handler.requested:
+                break
+        assert handler.requested and handler.signum == signal.SIGINT and handler.should_stop(3)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+        assert len(said) == 1 and "Ctrl-C" in said[0] and "checkpoint" in said[0] and "again" in said[0]
+        os.kill(os.getpid(), signal.SIGTERM)  # a later SIGTERM: still stopping, nothing more said
+        for _ in range(1000):
+            if handler.signum == signal.SIGTERM:
+                break
+        assert len(said) == 1
+    finally:
+        handler.uninstall()
+    assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_an_ignored_sigint_stays_ignored():
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        handler = C.install_preemption_handler(announce=None)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        handler.uninstall()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 # ------------------------------------------------------------------------------------------------------
 # Resume continues exactly: a toy training loop wired like the real one (Checkpointer + MetricsWriter +
 # preemption flag), preempted by SIGTERM, then crashed after a checkpoint, then finished; the final state
