@@ -32,10 +32,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stare_jax import models
-from stare_jax.models.sharding import mesh_for_config
+from stare_jax.models.sharding import make_mesh, mesh_for_config
 from stare_jax.plan import GiB, estimate, parse_accelerator, run_model_config
 from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.train_step import BATCH_KEYS, init_train_state, make_train_step
@@ -256,9 +257,26 @@ def sampler_call_prompts(cfg) -> int:
     return min(cfg.rl.gen_batch_size, cfg.sampling.max_prompts_per_call or cfg.rl.gen_batch_size)
 
 
-def compile_run(cfg, *, topology: str | None = None, log=print) -> dict:
+def compile_train_step(cfg, tcfg, model, mesh) -> tuple[Any, Program]:
+    """(abstract TrainState, compiled train step) of run config `cfg` (static step config `tcfg`) for the abstract
+    `model` on `mesh`: the run's shardings, donation and batch shape."""
+    graphdef, train_state = init_train_state(model, tcfg)
+    rep = NamedSharding(mesh, PartitionSpec())
+    step = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
+    B, L = train_batch_shape(cfg)
+    batch = {k: jax.ShapeDtypeStruct((B,) if k == "advantages_B" else (B, L),
+                                     jnp.float32 if k == "advantages_B" else jnp.int32,
+                                     sharding=step.batch_shardings[k])
+             for k in BATCH_KEYS}
+    stare_state = jax.tree.map(lambda x: _abstract(x, rep), jax.eval_shape(lambda: init_stare_state(tcfg.stare)))
+    traced = step.trace(train_state, batch, stare_state)
+    return train_state, Program.compile("train_step", traced, step.context, mesh.size)
+
+
+def compile_run(cfg, *, topology: str | None = None, model_cfg=None, log=print) -> dict:
     """Compile the train step, the sampler program and the weight reshard of run config `cfg` for a TPU slice
-    (`topology`, default: the one of cfg.launch.accelerator) and report the compiler's figures."""
+    (`topology`, default: the one of cfg.launch.accelerator) and report the compiler's figures.
+    `model_cfg` replaces the run's model (e.g. a few-layer variant for a quick study)."""
     from stare_jax.train import train_step_config
 
     accelerator = getattr(getattr(cfg, "launch", None), "accelerator", None)
@@ -274,36 +292,24 @@ def compile_run(cfg, *, topology: str | None = None, log=print) -> dict:
     except ValueError as e:
         raise CompileError(f"topology {topology} ({n} devices): {e}") from None
     if mesh is None:
-        mesh = models.sharding.make_mesh({"fsdp": 1}, devices=devices)
-    model_cfg = run_model_config(cfg)
+        mesh = make_mesh({"fsdp": 1}, devices=devices)
+    model_cfg = model_cfg or run_model_config(cfg)
     model = models.abstract_model(model_cfg, mesh)
     tcfg = train_step_config(cfg, mesh)
-    graphdef, train_state = init_train_state(model, tcfg)
-    rep = NamedSharding(mesh, PartitionSpec())
+    log(f"compiling the train step for {topology} ({n} devices, mesh {dict(mesh.shape)}): batch "
+        f"{list(train_batch_shape(cfg))}")
+    train_state, train_program = compile_train_step(cfg, tcfg, model, mesh)
+    programs = {"train_step": train_program}
 
-    def mesh_ctx():
-        return jax.set_mesh(mesh)
-
-    # 1. the train step, with the run's shardings and donation
-    step = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
-    B, L = train_batch_shape(cfg)
-    batch_sh = step.batch_shardings
-    batch = {k: jax.ShapeDtypeStruct((B,) if k == "advantages_B" else (B, L),
-                                     jnp.float32 if k == "advantages_B" else jnp.int32, sharding=batch_sh[k])
-             for k in BATCH_KEYS}
-    stare_state = jax.tree.map(lambda x: _abstract(x, rep), jax.eval_shape(lambda: init_stare_state(tcfg.stare)))
-    log(f"compiling the train step for {topology} ({n} devices, mesh {dict(mesh.shape)}): batch [{B}, {L}]")
-    programs = {"train_step": Program.compile("train_step", step.trace(train_state, batch, stare_state),
-                                              step.context, n)}
-
-    # 2. the trainer -> sampler weight program (cast to the compute dtype + reshard)
-    state = jax.tree.leaves(models.transformer.nnx.split(model)[1])
+    # the trainer -> sampler weight program (cast to the compute dtype + reshard)
+    state = jax.tree.leaves(nnx.split(model)[1])
     targets = tuple(sampler_param_sharding(x, mesh) for x in state)
     reshard = reshard_program(targets, jnp.dtype(model_cfg.dtype))
     log("compiling the trainer -> sampler weight reshard")
-    programs["weight_reshard"] = Program.compile("weight_reshard", reshard.trace(state), mesh_ctx, n)
+    programs["weight_reshard"] = Program.compile("weight_reshard", reshard.trace(state), lambda: jax.set_mesh(mesh),
+                                                 n)
 
-    # 3. the sampler program at the run's buckets
+    # the sampler program at the run's buckets
     sampler = Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype)
     call_prompts = sampler_call_prompts(cfg)
     prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)

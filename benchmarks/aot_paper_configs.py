@@ -1,0 +1,112 @@
+"""Compile every paper config (configs/paper/*.yaml) for its TPU slice on this CPU host and tabulate the compiler's
+per-chip peaks beside the analytic estimate (the BUILD.md table, and the calibration error of `stare-jax plan`).
+
+    python benchmarks/aot_paper_configs.py [--only SUBSTRING ...] [--out-dir DIR] [--markdown]
+
+Each config is compiled by `stare-jax plan CONFIG --compile --json` in its own process, one at a time (a 7B-32B
+compile needs several GB of host memory), and its JSON report kept in --out-dir (default .cache/aot/, reused
+when newer than the config and the code unless --fresh). Needs libtpu (requirements-test.txt).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+GiB = 1024**3
+
+
+def paper_configs(only: list[str]) -> list[pathlib.Path]:
+    files = sorted(p for p in (REPO / "configs" / "paper").glob("*.yaml") if not p.name.startswith("_"))
+    return [p for p in files if not only or any(s in p.name for s in only)]
+
+
+def compile_one(config: pathlib.Path, out: pathlib.Path, fresh: bool) -> dict:
+    """The report of one config (compiled now, or the cached one)."""
+    code_mtime = max(p.stat().st_mtime for p in (REPO / "stare_jax").rglob("*.py"))
+    if out.is_file() and not fresh and out.stat().st_mtime > max(code_mtime, config.stat().st_mtime):
+        return json.loads(out.read_text())
+    t0 = time.time()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "stare_jax.cli", "plan", str(config), "--compile", "--json"],
+                          capture_output=True, text=True, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        err = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or ["(no message)"]
+        report = {"error": err[0], "wall_s": time.time() - t0}
+    else:
+        report = json.loads(proc.stdout)
+        report["wall_s"] = time.time() - t0
+    out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def estimate_phases(report: dict) -> dict:
+    """The analytic model's per-phase peaks (same phase definitions as the compiled ones)."""
+    mem = report["estimate"]["memory_bytes"]
+    resident = mem["train/params"] + mem["train/optimizer"]
+    return {"sampling": resident + sum(v for k, v in mem.items() if k.startswith("sample/")),
+            "training": sum(v for k, v in mem.items() if k.startswith("train/"))}
+
+
+def table(rows: list[tuple[str, dict]]) -> str:
+    lines = ["| config | slice (topology) | sampling peak GiB: compiled / estimate | training peak GiB: compiled / "
+             "estimate | HBM GiB | headroom | fits (>= 10%) | compile s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | :---: | ---: |"]
+    for name, r in rows:
+        if "error" in r:
+            lines.append(f"| {name} | | {r['error']} | | | | no | |")
+            continue
+        est = estimate_phases(r)
+        hbm = r["hbm_bytes_per_device"]
+        s, t = r["phases"]["sampling"]["peak_bytes"], r["phases"]["training"]["peak_bytes"]
+        compile_s = sum(p["compile_s"] for p in r["compiled"].values())
+        lines.append(f"| {name} | {r['accelerator']} ({r['topology']}) | {s / GiB:.1f} / {est['sampling'] / GiB:.1f} | "
+                     f"{t / GiB:.1f} / {est['training'] / GiB:.1f} | {hbm / GiB:.1f} | {1 - max(s, t) / hbm:.0%} | "
+                     f"{'yes' if r['fits'] else 'NO'} | {compile_s:.0f} |")
+    return "\n".join(lines)
+
+
+def calibration(rows: list[tuple[str, dict]]) -> dict:
+    """Relative error of the estimate vs the compiled figure per phase: (estimate - compiled) / compiled."""
+    errs = {}
+    for name, r in rows:
+        if "error" in r:
+            continue
+        est = estimate_phases(r)
+        errs[name] = {ph: (est[ph] - r["phases"][ph]["peak_bytes"]) / r["phases"][ph]["peak_bytes"]
+                      for ph in ("sampling", "training")}
+    return errs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=[], help="config-name substrings to compile (default: all)")
+    ap.add_argument("--out-dir", default=str(REPO / ".cache" / "aot"))
+    ap.add_argument("--fresh", action="store_true", help="recompile even when a newer report exists")
+    ap.add_argument("--json", action="store_true", help="print the rows and calibration as JSON")
+    args = ap.parse_args(argv)
+    out_dir = pathlib.Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for config in paper_configs(args.only):
+        print(f"compiling {config.name} ...", file=sys.stderr, flush=True)
+        rows.append((config.stem, compile_one(config, out_dir / f"{config.stem}.json", args.fresh)))
+    cal = calibration(rows)
+    if args.json:
+        print(json.dumps({"rows": dict(rows), "calibration": cal}, indent=1))
+        return 0
+    print(table(rows))
+    worst = max((abs(e) for c in cal.values() for e in c.values()), default=float("nan"))
+    print(f"\nestimate vs compiled, worst relative error over {len(cal)} configs and both phases: {worst:.0%}")
+    for name, c in cal.items():
+        print(f"  {name:<40} sampling {c['sampling']:+.0%}  training {c['training']:+.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
