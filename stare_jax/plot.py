@@ -1,9 +1,13 @@
 """Curves and a summary table from one or more runs' RUN_DIR/metrics.jsonl (several runs overlaid).
 
-`plot_runs(run_dirs, out_path)` writes one PNG with six panels: entropy with the target band (target line
-and target +-30% shaded), reward_mean, accuracy (+ eval/accuracy points), response_len_mean, gate activity
-(rolling fraction of gate_on) and the STARE weights W (solid) and M (dashed). `summary_table(run_dirs)`
-returns a markdown table of the entropy-control numbers. Used by `stare-jax plot RUN_DIR [RUN_DIR ...]`.
+`plot_runs(run_dirs, out_path)` writes one PNG with six panels, each titled with what it shows: entropy with the
+target band (target line and target +-30% shaded), reward_mean, accuracy of the training rollouts with the
+held-out evaluations (step 0: eval_start/, before any RL update), response_len_mean, gate activity (share of the
+last few steps with reweighting on) and the STARE weights W (solid) and M (dashed). Overlaid runs are drawn
+widest first, each with its own marker shape at staggered steps, so runs that coincide stay visible.
+`summary_table(run_dirs)` returns a markdown table of the entropy-control numbers. `expand_run_dirs` turns a
+folder of runs (e.g. `stare-jax demo`'s, whose arms are sub-folders) into its runs. Used by
+`stare-jax plot RUN_DIR [RUN_DIR ...]`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Sequence
 from stare_jax.metrics import read_metrics
 
 BAND = 0.30  # the target band: target_entropy * (1 -+ BAND)
+MARKERS = ("o", "s", "^", "D", "v", "P")  # one marker shape per overlaid run
 DEFAULT_PLOT_NAME = "curves.png"
 
 
@@ -35,6 +40,22 @@ def series(records: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
             steps.append(int(r["step"]))
             values.append(float(v))
     return steps, values
+
+
+def is_run_dir(path: str | os.PathLike) -> bool:
+    return (pathlib.Path(path) / "metrics.jsonl").is_file()
+
+
+def expand_run_dirs(run_dirs: Sequence[str | os.PathLike]) -> list[pathlib.Path]:
+    """Each RUN_DIR as given, except a folder without metrics.jsonl whose sub-folders hold runs (the demo's
+    runs/demo/{grpo_ds,stare_o1}): it stands for those runs, in name order. Anything else is left for load_run
+    to report."""
+    out = []
+    for d in run_dirs:
+        d = pathlib.Path(d)
+        subs = sorted(p for p in d.iterdir() if p.is_dir() and is_run_dir(p)) if d.is_dir() and not is_run_dir(d) else []
+        out.extend(subs or [d])
+    return out
 
 
 def load_run(run_dir: str | os.PathLike) -> list[dict]:
@@ -134,44 +155,75 @@ def build_figure(
         target_entropy if target_entropy is not None else run_target_entropy(d, r) for d, r in zip(run_dirs, runs)
     ]
 
-    fig = Figure(figsize=(12, 11), layout="constrained")
+    fig = Figure(figsize=(12, 11.5), layout="constrained")
     ax_h, ax_r, ax_acc, ax_len, ax_gate, ax_w = fig.subplots(3, 2).ravel()
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    n_runs = len(runs)
+    n_steps = max((len(r) for r in runs), default=1)
+    window = max(1, round(n_steps / 8))  # the gate panel's rolling window, in steps
+    # Runs often coincide (same warm start, same seed until the gate first fires; the same M in two STARE arms):
+    # earlier runs are drawn wider underneath later ones, and each run has its own marker shape at staggered
+    # steps, so every run stays visible where the lines overlap.
+    every = max(1, n_steps // 10)
+
+    def style(i: int) -> dict:
+        return {"color": colors[i % len(colors)], "lw": 1.3 + 1.6 * (n_runs - 1 - i),
+                "alpha": 0.55 if i < n_runs - 1 else 1.0, "marker": MARKERS[i % len(MARKERS)], "ms": 5,
+                "markevery": (min(i * max(1, every // n_runs), every - 1) if every > 1 else 0, every)}
 
     drawn_targets: set[float] = set()
+    starts_drawn: list[float] = []
+    all_starts = [r["eval_start/accuracy"] for recs in runs for r in recs if _finite(r.get("eval_start/accuracy"))]
     for i, (records, label, target) in enumerate(zip(runs, labels, targets)):
-        c = colors[i % len(colors)]
+        st = style(i)
+        c = st["color"]
+        stare_on = any(r.get("stare_enabled") for r in records) or any(
+            _finite(r.get("stare_w")) and r.get("stare_w") != 1.0 for r in records)
         steps, h = series(records, "entropy")
-        _line(ax_h, steps, h, color=c, label=label, lw=1.3)
+        _line(ax_h, steps, h, label=label, **st)
         if target is not None and round(target, 9) not in drawn_targets:
             drawn_targets.add(round(target, 9))
-            band_label = f"target {target:g} ±{int(BAND * 100)}%"
+            band_label = f"STARE target {target:g} ±{int(BAND * 100)}%"
             ax_h.axhspan(target * (1 - BAND), target * (1 + BAND), color="grey" if len(set(targets)) == 1 else c,
                          alpha=0.15, label=band_label)
             ax_h.axhline(target, color="k" if len(set(targets)) == 1 else c, ls="--", lw=1)
-        _line(ax_r, *series(records, "reward_mean"), color=c, label=label, lw=1.3)
-        _line(ax_acc, *series(records, "accuracy"), color=c, label=f"{label} (train)", lw=1.3)
-        _line(ax_acc, *series(records, "eval/accuracy"), color=c, marker="o", ls="--", ms=5, lw=0.8,
-              label=f"{label} (eval)")
-        _line(ax_len, *series(records, "response_len_mean"), color=c, label=label, lw=1.3)
+        _line(ax_r, *series(records, "reward_mean"), label=label, **st)
+        _line(ax_acc, *series(records, "accuracy"), label=f"{label}: training rollouts", **st)
+        # held-out accuracy: the evaluation before any RL update (eval_start/, drawn at step 0) and the periodic ones
+        es, ev = series(records, "eval/accuracy")
+        start = [r["eval_start/accuracy"] for r in records if _finite(r.get("eval_start/accuracy"))]
+        if start:
+            es, ev = [0] + es, start[:1] + ev
+        _line(ax_acc, es, ev, color=c, marker="o", ls="--", ms=6 - i, lw=0.9, label=f"{label}: held-out eval")
+        if start and all(abs(start[0] - v) > 0.005 for v in starts_drawn):
+            starts_drawn.append(start[0])
+            ax_acc.annotate(f"before RL: {start[0]:.2f}", (0, start[0]), textcoords="offset points",
+                            xytext=(6, -4 - 10 * len(starts_drawn)), fontsize=7,
+                            color=c if len(runs) > 1 and len({round(r, 2) for r in all_starts}) > 1 else "k")
+        _line(ax_len, *series(records, "response_len_mean"), label=label, **st)
         gs, gv = series(records, "gate_on")
         if gs:
-            window = max(1, len(gv) // 20)
-            ax_gate.plot(gs, _rolling_mean(gv, window), color=c, drawstyle="steps-post", lw=1.3,
-                         label=f"{label} (mean over {window})" if window > 1 else label)
-        _line(ax_w, *series(records, "stare_w"), color=c, lw=1.3, label=f"{label} W")
-        _line(ax_w, *series(records, "stare_m"), color=c, lw=1.3, ls="--", label=f"{label} M")
+            ax_gate.plot(gs, _rolling_mean(gv, window), drawstyle="steps-post",
+                         label=label if stare_on else f"{label} (no STARE: never on)",
+                         **{k: v for k, v in st.items() if k != "marker"})
+        ws, wv = series(records, "stare_w")
+        ms_, mv = series(records, "stare_m")
+        wlabel = "" if stare_on else " (no STARE: 1)"
+        _line(ax_w, ws, wv, label=f"{label} W{wlabel}", **st)
+        _line(ax_w, ms_, mv, label=f"{label} M{wlabel}", **{**st, "ls": "--"})
 
+    gate_title = ("STARE gate: share of the last " + (f"{window} steps" if window > 1 else "step")
+                  + " with reweighting on")
     panels = [
-        (ax_h, "policy entropy (token mean)", "entropy"),
-        (ax_r, "reward (mean over rollouts)", "reward_mean"),
-        (ax_acc, "accuracy", "accuracy"),
-        (ax_len, "response length (tokens, mean)", "tokens"),
-        (ax_gate, "STARE gate activity (fraction on)", "gate_on"),
-        (ax_w, "STARE weights: W (solid), M (dashed)", "weight"),
+        (ax_h, "policy entropy (nats/token, mean over response tokens)", "entropy"),
+        (ax_r, "reward (mean over the rollouts trained on)", "reward_mean"),
+        (ax_acc, "accuracy: training rollouts (lines), held-out eval (dots; step 0 = before RL)", "accuracy"),
+        (ax_len, "response length (tokens, mean over all rollouts)", "tokens"),
+        (ax_gate, gate_title, "fraction of steps"),
+        (ax_w, "STARE token weights: W amplifies (solid), M attenuates (dashed)", "weight (1 = unweighted)"),
     ]
     for ax, name, ylabel in panels:
-        ax.set_title(name)
+        ax.set_title(name, fontsize=10)
         ax.set_xlabel("RL step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

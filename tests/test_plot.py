@@ -1,6 +1,7 @@
 """plot_runs / summary_table on synthetic runs written by MetricsWriter: the drawn data equal the logged
 series, the target band sits at target +-30%, the PNG decodes, the table matches a NumPy re-derivation,
 and bad runs give errors naming the run and line."""
+import json
 import math
 
 import numpy as np
@@ -58,12 +59,44 @@ def test_figure_draws_the_logged_series_and_the_band(runs):
     (band,) = ax_h.patches  # one band: both runs share the target
     assert band.get_y() == pytest.approx(0.3 * 0.7) and band.get_y() + band.get_height() == pytest.approx(0.3 * 1.3)
     assert [ln.get_ydata()[0] for ln in ax_h.get_lines() if ln.get_linestyle() == "--"] == [0.3]
-    eval_line = [ln for ln in ax_acc.get_lines() if ln.get_label() == "stare (eval)"][0]
+    eval_line = [ln for ln in ax_acc.get_lines() if ln.get_label() == "stare: held-out eval"][0]
     np.testing.assert_array_equal(eval_line.get_xdata(), [8, 16, 24])
     assert [ln.get_label() for ln in ax_w.get_lines()] == ["stare W", "stare M"]  # grpo has no W: not drawn
     gate = ax_gate.get_lines()[0]
     assert gate.get_drawstyle() == "steps-post" and 0.0 <= min(gate.get_ydata()) <= max(gate.get_ydata()) <= 1.0
     np.testing.assert_allclose(ax_len.get_lines()[1].get_ydata(), [100 + 3 * i for i in range(N_STEPS)])
+
+
+def test_panels_explain_themselves_and_coinciding_runs_stay_visible(runs, tmp_path):
+    """Titles say what each panel shows (the gate's window in steps); the held-out accuracy before RL
+    (eval_start/) is drawn at step 0; two runs with identical series (here M = 0.9 in both) are drawn with
+    different widths and marker shapes at different steps, so the one underneath shows."""
+    twin = _write_run(tmp_path / "twin", entropy=runs["h"]["stare"])
+    recs = [json.loads(x) for x in (twin / "metrics.jsonl").read_text().splitlines()]
+    recs[0]["eval_start/accuracy"] = 0.25
+    (twin / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    fig = PL.build_figure([runs["stare"], twin])
+    ax_h, ax_r, ax_acc, ax_len, ax_gate, ax_w = fig.axes
+    window = round(N_STEPS / 8)
+    assert ax_gate.get_title() == f"STARE gate: share of the last {window} steps with reweighting on"
+    assert "held-out" in ax_acc.get_title() and "step 0" in ax_acc.get_title()
+    assert "W amplifies" in ax_w.get_title() and "M attenuates" in ax_w.get_title()
+    ev = [ln for ln in ax_acc.get_lines() if ln.get_label() == "twin: held-out eval"][0]
+    assert list(ev.get_xdata()) == [0, 8, 16, 24] and ev.get_ydata()[0] == 0.25
+    assert "before RL: 0.25" in [t.get_text() for t in ax_acc.texts]
+    m1, m2 = [ln for ln in ax_w.get_lines() if ln.get_label().endswith(" M")]
+    np.testing.assert_array_equal(m1.get_ydata(), m2.get_ydata())  # the same values ...
+    assert m1.get_linewidth() > m2.get_linewidth() and m1.get_marker() != m2.get_marker()  # ... both visible
+    assert m1.get_markevery() != m2.get_markevery()
+
+
+def test_a_folder_of_runs_stands_for_its_runs(runs, tmp_path):
+    """`stare-jax plot runs/demo`: the demo folder has no metrics.jsonl of its own; its arms are sub-runs."""
+    parent = runs["grpo"].parent
+    assert PL.expand_run_dirs([parent]) == sorted(p for p in parent.iterdir() if (p / "metrics.jsonl").is_file())
+    assert PL.expand_run_dirs([runs["stare"], tmp_path / "nope"]) == [runs["stare"], tmp_path / "nope"]
+    (tmp_path / "empty").mkdir()
+    assert PL.expand_run_dirs([tmp_path / "empty"]) == [tmp_path / "empty"]
 
 
 def test_plot_runs_writes_a_png(runs, tmp_path):
