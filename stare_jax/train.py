@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stare_jax import distributed as dist
+from stare_jax import run_config
 from stare_jax.config import Config, save_config
 from stare_jax.data.prompts import PromptRow, PromptStream, format_prompt, read_rows
 from stare_jax.eval.runner import EvalSet, evaluate
@@ -216,11 +217,14 @@ def init_distributed(coordinator_address: str | None, num_processes: int | None,
 
 
 def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = False, require_checkpoint: bool = False,
-                 distributed: tuple = (None, None, None), log: Callable[[str], None] = print) -> dict:
+                 allow_config_change: bool = False, distributed: tuple = (None, None, None),
+                 log: Callable[[str], None] = print) -> dict:
     """Train per `cfg`, writing everything under run_dir; returns a summary dict.
 
     resume: continue from RUN_DIR's newest checkpoint if it has one, else start a new run there (what the launch
-    scripts pass); with require_checkpoint a missing checkpoint is an error instead."""
+    scripts pass); with require_checkpoint a missing checkpoint is an error instead. A resumed run keeps its
+    config: a change beyond the operational keys (stare_jax.run_config) is refused unless allow_config_change;
+    every change on resume is recorded in RUN_DIR/config_changes.jsonl."""
     from flax import nnx
 
     from stare_jax import models
@@ -245,6 +249,8 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
                                 f"use a new --run-dir")
         log(f"--resume: no checkpoint in {run_dir}, starting a new run there")
         resume = False
+    config_changes = (run_config.check_resume_config(rd.root, cfg, allow=allow_config_change, run_dir=str(run_dir))
+                      if resume else {})
     if rd.exists("metrics.jsonl") and not resume:
         raise TrainingError(f"{run_dir} already holds a run (metrics.jsonl); use --resume or a new --run-dir")
     dist.barrier("stare_jax_run_dir_checked")  # every process decided before process 0 writes into the run dir
@@ -309,6 +315,10 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
         stream.restore(restored.extra["data"])
         start_step = int(restored.extra["step"])
         log(f"resumed from {rd.checkpoints} at step {start_step}")
+        if config_changes and jax.process_index() == 0:
+            run_config.record_changes(rd.root, start_step, config_changes, allowed=allow_config_change)
+            log(f"config changed on resume at step {start_step}: {', '.join(config_changes)} "
+                f"(recorded in {run_dir}/{run_config.CHANGES_FILE})")
         if jax.process_index() == 0:
             rd.pull()  # a remote run's earlier metrics, so the writer appends to (and trims) the full history
     writer = MetricsWriter(rd.local, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,

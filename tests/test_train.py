@@ -132,6 +132,84 @@ def test_sigterm_saves_a_loadable_checkpoint_and_exits_cleanly(toy_cache, tmp_pa
     assert read_metrics(run)[-1]["step"] == max(steps) + 1
 
 
+def test_ctrl_c_saves_the_current_step_says_so_and_exits_0(toy_cache, tmp_path):
+    """SIGINT (Ctrl-C) is handled like SIGTERM: the step under way finishes, is saved, one line says so, exit 0, no
+    KeyboardInterrupt traceback; the run then resumes from that step."""
+    run = tmp_path / "ctrl_c"
+    proc = subprocess.Popen(_train_cmd(run, toy_cache, "total_steps=50", "checkpoint.every_steps=0"), cwd=REPO,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+        assert proc.poll() is None and time.time() - t0 < 300, "run died before its first step"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    said = [ln for ln in err.splitlines() if "Ctrl-C" in ln]
+    assert len(said) == 1 and "checkpoint" in said[0], err[-2000:]
+    last = read_metrics(run)[-1]["step"]
+    steps = [int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()]
+    assert steps and max(steps) == last < 50
+    assert f"stopped by a signal after step {last}" in out and "--resume" in out
+    p = _run(_train_cmd(run, toy_cache, f"total_steps={last + 1}", "checkpoint.every_steps=0", "--resume"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert read_metrics(run)[-1]["step"] == last + 1
+
+
+_DOUBLE_CTRL_C = """
+import os, signal, sys, time
+from stare_jax.checkpoint import install_preemption_handler
+h = install_preemption_handler()
+os.kill(os.getpid(), signal.SIGINT)
+while not h.requested:
+    time.sleep(0.01)
+print("first Ctrl-C noted", flush=True)
+os.kill(os.getpid(), signal.SIGINT)  # the second one ends the process at once, whatever it is doing
+time.sleep(30)
+print("still running", flush=True)
+"""
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once():
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "-c", _DOUBLE_CTRL_C], cwd=REPO, env=_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == -signal.SIGINT and time.time() - t0 < 25, (p.returncode, p.stderr[-2000:])
+    assert "first Ctrl-C noted" in p.stdout and "still running" not in p.stdout
+    assert "Traceback" not in p.stderr and len([ln for ln in p.stderr.splitlines() if "Ctrl-C" in ln]) == 1
+
+
+def test_resume_with_another_config_is_refused_unless_allowed(full_run, toy_cache, tmp_path):
+    """A STARE run resumed with the GRPO-ds config would silently continue as GRPO-ds: it is refused, naming the
+    changed keys; --allow-config-change continues and records the change in config_changes.jsonl. Operational keys
+    (total_steps, checkpointing) may change without the flag and are recorded too."""
+    import shutil
+
+    run = tmp_path / "changed"
+    shutil.copytree(full_run, run)
+    before = (run / "config.yaml").read_text()
+    grpo = "configs/tiny_cpu_grpo_ds.yaml"
+    p = _run(_train_cmd(run, toy_cache, "total_steps=5", "--resume", config=grpo))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "rl.stare.enabled true -> false" in p.stderr and "--allow-config-change" in p.stderr
+    assert (run / "config.yaml").read_text() == before and not (run / "config_changes.jsonl").exists()
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    p = _run(_train_cmd(run, toy_cache, "total_steps=5", "--resume", "--allow-config-change", config=grpo))
+    assert p.returncode == 0, p.stderr[-3000:]
+    (line,) = [json.loads(x) for x in (run / "config_changes.jsonl").read_text().splitlines()]
+    assert line["step"] == 4 and line["allowed_by"] == "--allow-config-change"
+    assert line["changes"]["rl.stare.enabled"] == [True, False] and line["changes"]["total_steps"] == [4, 5]
+    assert "enabled: false" in (run / "config.yaml").read_text()
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4, 5]
+    p = _run(_train_cmd(run, toy_cache, "total_steps=6", "--resume", config=grpo))  # operational change only
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = [json.loads(x) for x in (run / "config_changes.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and lines[1]["changes"] == {"total_steps": [5, 6]}
+    assert lines[1]["allowed_by"] == "operational keys only"
+
+
 def test_bad_input_errors(tmp_path, toy_cache):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "2+2?", "answer": "4"}\n{"question": "x"}\n')
@@ -144,7 +222,7 @@ def test_bad_input_errors(tmp_path, toy_cache):
     (hf / "config.json").write_text("{}")
     p = _run([sys.executable, "-m", "stare_jax.cli", "train", "--run-dir", str(tmp_path / "r4"),
               f"model.path={hf}", f"data.train_path={bad}"])
-    assert p.returncode == 1 and f"{bad}:2: row has no 'problem' field" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 2 and f"{bad}:2: row has no 'problem' field" in p.stderr and "Traceback" not in p.stderr
     p = _run(_train_cmd(tmp_path / "r2", toy_cache, "--resume", "--require-checkpoint", "total_steps=2"))
     assert p.returncode != 0 and "no checkpoint in" in p.stderr and "r2" in p.stderr
     p = _run(_train_cmd(tmp_path / "r3", toy_cache, "rl.stare.w=0.5"))
@@ -197,4 +275,4 @@ def test_export_and_eval_of_a_training_run(full_run, tmp_path, shared_data_dir):
     assert res["gsm8k"]["n_problems"] == 2 and res["gsm8k"]["n_samples"] == 2 and 0 <= res["gsm8k"]["avg@2"] <= 1
     assert "| gsm8k |" in p.stdout
     p = _run([sys.executable, "-m", "stare_jax.cli", "export", str(full_run), str(out)])
-    assert p.returncode == 1 and "exists and is not empty" in p.stderr
+    assert p.returncode == 2 and "exists and is not empty" in p.stderr and "Traceback" not in p.stderr
