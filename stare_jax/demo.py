@@ -61,19 +61,51 @@ def format_checks(checks) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _checkpoint_steps(arm_dir: pathlib.Path) -> list[int]:
+    d = arm_dir / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
+
+
 def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *,
              log: Callable[[str], None] = print) -> dict:
-    """Train both arms into run_dir/<arm>, then write run_dir/curves.png and run_dir/summary.md."""
-    from stare_jax.train import run_training
+    """Train both arms into run_dir/<arm>, then write run_dir/curves.png and run_dir/summary.md.
+
+    Run again on the same run_dir, it continues an interrupted arm from its checkpoint and reuses a finished one
+    (the same overrides are required: a changed setting stops it with the changed keys). A stop signal (Ctrl-C,
+    SIGTERM) ends the demo after the current step's checkpoint; result["stopped"] then says where."""
+    from stare_jax.run_config import ConfigChangeError, check_resume_config
+    from stare_jax.train import TrainingError, run_training
 
     run_dir = pathlib.Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainingError(f"demo: --run-dir {run_dir} is a file; give a folder (default runs/demo)")
     t0 = time.time()
     dirs = []
     for arm, cfg_file in ARMS:
         cfg = load_config(CONFIGS / cfg_file, overrides)
         arm_dir = run_dir / arm
-        log(f"demo: training arm {arm} ({cfg_file}) -> {arm_dir}")
-        run_training(cfg, arm_dir, resume=True, log=log)  # a finished or interrupted arm is continued, not redone
+        done = _checkpoint_steps(arm_dir)
+        if done:
+            try:
+                check_resume_config(arm_dir, cfg, allow=False, run_dir=str(arm_dir))
+            except ConfigChangeError as e:
+                raise TrainingError(f"demo: {arm_dir} was trained with other settings ({e.summary()}); run the demo "
+                                    f"with the overrides it was started with, or pass a new --run-dir") from None
+        elif (arm_dir / "metrics.jsonl").exists():
+            raise TrainingError(f"demo: {arm_dir} holds an arm that stopped before its first checkpoint; delete "
+                                f"{arm_dir} or pass a new --run-dir")
+        if done and done[-1] >= cfg.total_steps:
+            log(f"demo: arm {arm} already finished in {arm_dir} ({done[-1]} steps), reusing it")
+        else:
+            log(f"demo: training arm {arm} ({cfg_file}) -> {arm_dir}" if not done else
+                f"demo: continuing arm {arm} in {arm_dir} from its checkpoint at step {done[-1]}")
+            summary = run_training(cfg, arm_dir, resume=bool(done), log=log)
+            if summary["stopped"]:
+                step = (summary.get("last") or {}).get("step", "?")
+                log(f"demo: stopped by a signal during arm {arm} after step {step} (saved); run the same command "
+                    f"again to continue from there")
+                return {"run_dirs": [str(d) for d in dirs + [arm_dir]], "stopped": f"{arm} after step {step}",
+                        "wall_s": time.time() - t0}
         dirs.append(arm_dir)
     plot = plot_runs(dirs, run_dir / "curves.png", title="embedded CPU default: GRPO-ds vs STARE-O1")
     checks = demo_checks(*dirs)
@@ -83,4 +115,5 @@ def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *,
             + f"\ncurves: {plot}\n")
     (run_dir / "summary.md").write_text(text)
     log(text)
-    return {"run_dirs": [str(d) for d in dirs], "plot": str(plot), "checks": checks, "wall_s": wall}
+    return {"run_dirs": [str(d) for d in dirs], "plot": str(plot), "checks": checks, "wall_s": wall,
+            "stopped": None}

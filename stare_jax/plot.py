@@ -53,7 +53,9 @@ def expand_run_dirs(run_dirs: Sequence[str | os.PathLike]) -> list[pathlib.Path]
     out = []
     for d in run_dirs:
         d = pathlib.Path(d)
-        subs = sorted(p for p in d.iterdir() if p.is_dir() and is_run_dir(p)) if d.is_dir() and not is_run_dir(d) else []
+        subs = []
+        if d.is_dir() and not is_run_dir(d):
+            subs = sorted(p for p in d.iterdir() if p.is_dir() and is_run_dir(p))
         out.extend(subs or [d])
     return out
 
