@@ -126,7 +126,9 @@ def _lp_ent_bwd(c, vc, theory, res, cts):
         p = jnp.where(col[None, :] < V, jnp.exp(logp), 0.0)
         onehot = (t_N[:, None] == col[None, :]).astype(jnp.float32)
         dz = dlp_N[:, None] * (onehot - p) - dent_N[:, None] * p * (logp + ent_N[:, None])
-        dw_c = jnp.einsum("nv,nd->vd", dz, h32)
+        # each chunk of d(unembed) leaves the loop sharded like the parameter (a reduce-scatter over the batch
+        # shards), never as a full fp32 [V, D] copy per device
+        dw_c = _constrain(jnp.einsum("nv,nd->vd", dz, h32), ("vocab", "embed"))
         dh_NxD = dh_NxD + jnp.einsum("nv,vd->nd", dz, w_c.astype(jnp.float32))
         return dh_NxD, dw_c.astype(w_VxD.dtype)
 
