@@ -80,7 +80,7 @@ def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *,
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainingError(f"demo: --run-dir {run_dir} is a file; give a folder (default runs/demo)")
     t0 = time.time()
-    dirs = []
+    dirs, reused = [], []
     for arm, cfg_file in ARMS:
         cfg = load_config(CONFIGS / cfg_file, overrides)
         arm_dir = run_dir / arm
@@ -96,6 +96,7 @@ def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *,
                                 f"{arm_dir} or pass a new --run-dir")
         if done and done[-1] >= cfg.total_steps:
             log(f"demo: arm {arm} already finished in {arm_dir} ({done[-1]} steps), reusing it")
+            reused.append(arm)
         else:
             log(f"demo: training arm {arm} ({cfg_file}) -> {arm_dir}" if not done else
                 f"demo: continuing arm {arm} in {arm_dir} from its checkpoint at step {done[-1]}")
@@ -111,7 +112,8 @@ def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *,
     checks = demo_checks(*dirs)
     wall = time.time() - t0
     text = ("# stare-jax demo\n\n" + summary_table(dirs) + "\n" + format_checks(checks)
-            + f"\nwall time {wall:.0f} s (both arms, including tokenizer training and the warm start if not cached)"
+            + (f"\nwall time {wall:.0f} s (both arms, including tokenizer training and the warm start if not cached)"
+               if not reused else f"\nwall time {wall:.0f} s (finished arms reused: {', '.join(reused)})")
             + f"\ncurves: {plot}\n")
     (run_dir / "summary.md").write_text(text)
     log(text)
