@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
+from stare_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+
 
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
@@ -46,9 +48,17 @@ class ModelConfig:
     preset: str | None = _f(None, doc="named architecture (e.g. qwen2.5-7b) or 'tiny'; used when path is None")
     dtype: DType = _f("float32", doc="compute dtype")
     param_dtype: DType = _f("float32", doc="parameter (master) dtype")
-    attention_impl: Literal["xla", "cudnn", "splash"] = _f("xla", doc="attention kernel")
-    remat_policy: Literal["none", "full", "dots_saveable"] = _f("none", doc="per-layer rematerialisation")
+    attention_impl: Literal[ATTENTION_IMPLS] = _f("xla", doc="attention kernel")
+    remat_policy: Literal[REMAT_POLICIES] = _f("none", doc="per-layer rematerialisation")
+    scan_layers: bool = _f(False, doc="stacked layers run as one lax.scan (one compiled layer, sequential "
+                                      "remat); checkpoints are then stored stacked")
     tokenizer_path: str | None = _f(None, doc="tokenizer folder or SentencePiece .model; defaults to path")
+
+    def architecture_overrides(self) -> dict:
+        """The stare_jax.models.ModelConfig fields this section sets on top of the checkpoint's config.json (one
+        list for training, evaluation and the planner)."""
+        return {"dtype": self.dtype, "param_dtype": self.param_dtype, "attention_impl": self.attention_impl,
+                "remat_policy": self.remat_policy, "scan_layers": self.scan_layers}
 
 
 @dataclass

@@ -128,8 +128,7 @@ def run_model_config(cfg):
         raise ValueError(f"{hf_config} does not exist and the config names no model.preset")
     else:
         raise ValueError("the config names no model (model.path or model.preset)")
-    return model_cfg.replace(dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-                             attention_impl=cfg.model.attention_impl, remat_policy=cfg.model.remat_policy)
+    return model_cfg.replace(**cfg.model.architecture_overrides())
 
 
 def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = None) -> dict:

@@ -53,8 +53,8 @@ def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str
 
     cfg = config_from_dict(yaml.safe_load((path / "config.yaml").read_text()), source=str(path / "config.yaml"))
     cfg, inputs = resolve_inputs(cfg, log)
-    model = models.from_pretrained(inputs.model_path, dtype=dtype, param_dtype=cfg.model.param_dtype, mesh=mesh,
-                                   attention_impl=cfg.model.attention_impl, remat_policy=cfg.model.remat_policy)
+    model = models.from_pretrained(inputs.model_path, mesh=mesh,
+                                   **{**cfg.model.architecture_overrides(), "dtype": dtype})
     tcfg = train_step_config(cfg)  # only the state's tree and shapes matter here, not the run's batch layout
     graphdef, train_state = init_train_state(model, tcfg)
     if mesh is not None:

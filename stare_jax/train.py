@@ -265,9 +265,7 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
         rd.push()
     mesh = build_mesh(cfg)
     tokenizer = load_tokenizer(inputs.tokenizer_path)
-    model = models.from_pretrained(inputs.model_path, dtype=cfg.model.dtype, param_dtype=cfg.model.param_dtype,
-                                   mesh=mesh, attention_impl=cfg.model.attention_impl,
-                                   remat_policy=cfg.model.remat_policy)
+    model = models.from_pretrained(inputs.model_path, mesh=mesh, **cfg.model.architecture_overrides())
 
     prompt_ids, keep = encode_rows(rows, tokenizer, cfg)
     if len(keep) < len(rows):
