@@ -333,3 +333,148 @@ def test_hedged_or_multiple_answers_do_not_score(response, reference):
 )
 def test_tiny_magnitudes_and_bases(response, reference, expected):
     assert score(response, reference) == expected
+
+
+# ------------------------------------------------------------------------------------------- bounded time
+_TOWER = "10^{10^{100}}"
+_BIG_DIGITS = "7" * 100_000
+
+
+@pytest.fixture(scope="module")
+def warm_scorer():
+    """Loads math-verify / SymPy / the LaTeX grammar once (seconds on a busy machine), outside the timings."""
+    score("\\boxed{\\sqrt{2}}", "2^{1/2}")
+
+
+@pytest.mark.parametrize(
+    "response, reference, expected",
+    [
+        # power towers and huge exponents: SymPy would build the exact integer in one uninterruptible C call
+        ("\\boxed{9^{9^{9^{9}}}}", "1", 0.0),
+        ("\\boxed{10^{10^{10^{10}}}}", "5", 0.0),
+        ("\\boxed{2^{2^{2^{2^{2^{2}}}}}}", "1", 0.0),
+        ("\\boxed{2^{1000000000}}", "1", 0.0),
+        ("\\boxed{e^{e^{e^{100}}}}", "1", 0.0),
+        ("\\boxed{\\sin(10^{10^{5}})}", "0", 0.0),
+        ("\\boxed{1e100000}", "1", 0.0),
+        # factorials, binomials, products of big numbers
+        ("\\boxed{99999!}", "1", 0.0),
+        ("\\boxed{(10^{6})!}", "(10^{6})!+1", 0.0),
+        ("\\boxed{\\binom{10^{9}}{10^{5}}}", "1", 0.0),
+        ("\\boxed{\\prod_{k=1}^{10^{6}} k}", "1", 0.0),
+        # long digit strings, deep nesting (the parser is super-linear in nesting depth), huge expansions
+        ("\\boxed{" + _BIG_DIGITS + "}", "1", 0.0),
+        ("\\boxed{" + "7" * 999 + "}", "7" * 998 + "8", 0.0),
+        ("\\boxed{" + "(" * 30 + "1" + ")" * 30 + "}", "1", 0.0),
+        ("\\boxed{" + "{" * 30 + "1" + "}" * 30 + "}", "2", 0.0),
+        ("\\boxed{" + "[" * 400 + "1" + "]" * 400 + "}", "1", 0.0),
+        ("\\boxed{(a+b+c+d+e)^{12}}", "1", 0.0),
+        ("\\boxed{(a+b)(c+d)(e+f)(g+h)(i+j)(k+l)(m+n)(o+p)(q+r)(s+t)}", "1", 0.0),
+        # beyond the size bounds, equality is structural: the same written value, never an evaluated one
+        (f"\\boxed{{{_TOWER}}}", _TOWER, 1.0),
+        ("\\boxed{{10}^{10^{100}}}", _TOWER, 1.0),
+        ("\\boxed{10^{ 10^{100} }}", _TOWER, 1.0),
+        ("\\boxed{(10^{10})^{10^{99}}}", _TOWER, 0.0),  # equal in value, but deciding it means evaluating
+        (f"\\boxed{{{_TOWER} + 1}}", _TOWER, 0.0),
+        ("\\boxed{9^{9^{9}}}", "9^{387420489}", 0.0),
+        ("\\boxed{9^{9^{9^{9}}}}", "9^{9^{9^{9}}}", 1.0),
+        # inside the bounds, big numbers are still evaluated exactly
+        ("\\boxed{2^{10}\\cdot 2^{990}}", "2^{1000}", 1.0),
+        ("\\boxed{\\frac{100!}{99!}}", "100", 1.0),
+        ("\\boxed{7000!}", "7000!+1", 0.0),
+    ],
+)
+def test_adversarial_answers_are_decided_quickly(warm_scorer, response, reference, expected):
+    """Direct calls (no RewardPool) on hostile answers return within seconds, decided without evaluating huge
+    numbers (each took from 12 s to far beyond 120 s before the size bounds)."""
+    t0 = time.perf_counter()
+    assert score(response, reference) == expected
+    assert time.perf_counter() - t0 < 10.0
+
+
+def test_magnitude_bounds():
+    from stare_jax.rewards import _sympy_budget as budget
+    from stare_jax.rewards.math import _mv_parse
+
+    def bits(latex):
+        return budget.magnitude_bits(_mv_parse(latex)[0])
+
+    assert 200 <= bits("2^{100}") <= 202
+    assert bits("100!") < 1000 and bits("\\frac{2^{100}}{3^{50}}") < 320
+    assert bits("9^{9^{9}}") == float("inf") and bits("99999!") == float("inf")
+    assert bits("\\sum_{k=1}^{10} k^2") < 100 and bits("\\prod_{k=1}^{10^{9}} k") == float("inf")
+    assert budget.expanded_terms(_mv_parse("(x+1)^{100}")[0]) == 101
+    assert budget.expanded_terms(_mv_parse("(a+b+c)^{2}(x+y)")[0]) == 12
+    assert budget.nesting_depth("\\frac{(1+[2])}{3}") == 3 and budget.nesting_depth("1)(") == 1
+
+
+def test_benchmark_answers_are_within_the_size_bounds(shared_data_dir):
+    """The bounds refuse nothing a benchmark asks for (every 7th answer of each eval benchmark)."""
+    from stare_jax.rewards import _sympy_budget as budget
+    from stare_jax.rewards.math import _mv_parse
+
+    outside = []
+    for name in ["aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench"]:
+        for row in load_benchmark(shared_data_dir / "math" / f"{name}.jsonl")[::7]:
+            for alt in row["answers"]:
+                norm = normalize_answer(alt)
+                if budget.nesting_depth(norm) > budget.MAX_NESTING:
+                    outside.append((name, alt))
+                    continue
+                if not all(budget.within_budget(x) for x in _mv_parse(norm)):
+                    outside.append((name, alt))
+    assert not outside, outside[:10]
+
+
+_SLOW_INTEGRAL = "\\boxed{\\int e^{x^2}\\sin(x^3) dx}"  # passes the size bounds; SymPy's integrator runs on
+
+
+def test_symbolic_check_stops_at_the_deadline_in_any_thread(warm_scorer, caplog):
+    """What the size bounds cannot see (symbolic integration) is pure-Python work, cut off by the deadline, in
+    the main thread and in worker threads alike; scoring works normally afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    with caplog.at_level("WARNING", logger="stare_jax.rewards.math"):
+        assert score(_SLOW_INTEGRAL, "1", timeout_s=0.5) == 0.0
+    assert time.perf_counter() - t0 < 10.0
+    assert "stopped after 0.5 s" in caplog.text
+    assert not is_equivalent("\\int e^{x^2}\\sin(x^3) dx", "1", timeout_s=0.5)
+    with ThreadPoolExecutor(2) as ex:
+        t0 = time.perf_counter()
+        got = list(ex.map(lambda r: score(r, "1", timeout_s=0.5), [_SLOW_INTEGRAL, _SLOW_INTEGRAL]))
+        assert got == [0.0, 0.0] and time.perf_counter() - t0 < 10.0
+        assert list(ex.map(score, ["\\boxed{\\sqrt{18}}", "\\boxed{(1,2)}"], ["3\\sqrt{2}", "(2,1)"])) == [1.0, 0.0]
+    assert score("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{1}{2}\\sqrt{3}") == 1.0
+
+
+def test_call_with_timeout_returns_on_time_and_stops_the_overrunning_helper():
+    import threading
+
+    from stare_jax.rewards._deadline import DeadlineExceeded, call_with_timeout
+
+    stopped = threading.Event()
+
+    def spin():  # code of this package (stoppable) that swallows ordinary exceptions, like library code does
+        try:
+            while True:
+                try:
+                    sum(range(1000))
+                except Exception:  # noqa: BLE001
+                    pass
+        except BaseException:
+            stopped.set()
+            raise
+
+    t0 = time.perf_counter()
+    with pytest.raises(DeadlineExceeded):
+        call_with_timeout(spin, 0.2, stoppable=(__file__,))
+    assert time.perf_counter() - t0 < 5.0
+    assert stopped.wait(5.0)  # and the helper was stopped, although it swallows ordinary exceptions
+    assert call_with_timeout(lambda: 3, 1.0) == 3 and call_with_timeout(lambda: 4, None) == 4
+    with pytest.raises(ZeroDivisionError):
+        call_with_timeout(lambda: 1 / 0, 1.0)
+    for _ in range(100):  # finished in time: nothing is ever raised afterwards in any thread
+        assert call_with_timeout(lambda: sum(range(100)), 5.0) == 4950
+    with pytest.raises(ValueError, match="timeout_s"):
+        call_with_timeout(lambda: 0, 0.0)

@@ -14,11 +14,25 @@ Safety notes (read before changing anything here):
   objects (sympy.N), never strings.
 - Extraction and normalisation are linear-time scans (str.rfind, brace counting, anchored regexes without
   nested quantifiers), so a 1 MB response or 10,000 nested braces cannot cause regex backtracking blow-ups.
-- SymPy itself can still hang or explode in memory on hostile input (e.g. 9^{9^{9^{9}}}).  `score` has no
-  timeout of its own; production scoring goes through `stare_jax.rewards.pool.RewardPool`, which runs `score`
-  in worker processes with a per-item timeout and an address-space limit.
+- Bounded time on any input, in any thread, without a subprocess (`score(..., timeout_s=5.0)`):
+  1. before parsing, answers nesting brackets deeper than `_sympy_budget.MAX_NESTING` are refused (the LaTeX
+     parser's prediction is super-linear in nesting depth);
+  2. after parsing (latex2sympy builds *unevaluated* trees, in milliseconds) and before anything is evaluated,
+     `_sympy_budget` bounds the size of every exact number evaluation could build (`MAX_BITS` per node,
+     `MAX_TOTAL_BITS` summed) and the monomials of the symbolic parts multiplied out (`MAX_TERMS`); a tree
+     past them is never evaluated.  This is what stops 9^{9^{9^{9}}},
+     99999! and 2^{10^{9}}: their cost is one uninterruptible big-integer C call, which no timer can stop.
+     Equality of such over-budget answers is structural: equal iff the unevaluated trees are identical (so
+     `10^{10^{100}}` equals `10^{10^{100}}` and `{10}^{10^{100}}`, but not `(10^{10})^{10^{99}}` or
+     `10^{10^{100}}+1`); the value is never computed.
+  3. what remains (simplify / solve / integrate on in-budget trees) runs in a helper thread the caller waits
+     for at most `timeout_s` (`_deadline.call_with_timeout`); past it the answer scores 0, a warning is logged
+     and the helper is stopped in the background.  The limit is wall-clock, so only pathological answers can
+     depend on machine load; steps 1-2 are deterministic.
+  `RewardPool` (stare_jax/rewards/pool.py) adds process isolation, an address-space limit and a kill for
+  training at scale; its workers call `score(..., timeout_s=None)` and own the timeout themselves.
 - math-verify's own timeouts use signal.alarm and only work in a process's main thread; we switch them off
-  (parsing_timeout=None, timeout_seconds=None) and let the pool own timeouts.
+  (parsing_timeout=None, timeout_seconds=None).
 """
 
 from __future__ import annotations
@@ -29,7 +43,11 @@ import re
 from collections.abc import Sequence
 from fractions import Fraction
 
+from stare_jax.rewards import _sympy_budget
+from stare_jax.rewards._deadline import DeadlineExceeded, call_with_timeout
+
 __all__ = [
+    "DEFAULT_TIMEOUT_S",
     "MAX_ANSWER_CHARS",
     "extract_answer",
     "normalize_answer",
@@ -43,9 +61,12 @@ __all__ = [
 # Extracted answers longer than this are not handed to the SymPy-based checker (only string-compared):
 # no benchmark answer is longer than ~210 characters, and SymPy's parser cost grows quickly with size.
 MAX_ANSWER_CHARS = 1000
+# Default wall-clock limit (s) of score / is_equivalent's symbolic check (the slowest labelled case takes 0.3 s).
+DEFAULT_TIMEOUT_S = 5.0
 # How many earlier \boxed candidates to try when the last one is malformed (each try is a linear scan).
 _MAX_BOX_TRIES = 3
 
+_log = logging.getLogger(__name__)
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 logging.getLogger("latex2sympy2_extended").setLevel(logging.ERROR)
 
@@ -360,8 +381,41 @@ def _parse_reference(norm_ref: str):
     return tuple(_mv_parse(norm_ref))
 
 
-def is_equivalent(pred: str, reference: str) -> bool:
-    """Whether an extracted answer `pred` equals `reference`: normalised string match, else math-verify."""
+_WARMED_UP = False
+
+
+def _warm_up() -> None:
+    """Import math-verify / SymPy and load the LaTeX grammar once, outside any time limit (an import stopped
+    half-way would leave half-initialised modules behind; loading takes ~1 s, more on a busy machine)."""
+    global _WARMED_UP
+    if not _WARMED_UP:
+        from math_verify import verify
+
+        verify(list(_parse_reference("\\sqrt{2}")), _mv_parse("2^{1/2}"), timeout_seconds=None)
+        _WARMED_UP = True
+
+
+def _same_tree(gold, target) -> bool:
+    """Structural equality of two unevaluated parse results (SymPy's == compares trees, evaluates nothing)."""
+    try:
+        return type(gold) is type(target) and bool(gold == target)
+    except Exception:  # noqa: BLE001 - not comparable: not equal
+        return False
+
+
+def is_equivalent(pred: str, reference: str, *, timeout_s: float | None = DEFAULT_TIMEOUT_S) -> bool:
+    """Whether an extracted answer `pred` equals `reference`: normalised string match, else math-verify.
+
+    Bounded time (see the module doc): over-deep or over-large answers are decided without evaluation, and the
+    symbolic check gives up after `timeout_s` seconds (None: no limit) with False and a logged warning."""
+    verdict = _quick_verdict(pred, reference)
+    if isinstance(verdict, bool):
+        return verdict
+    return _symbolic_verdict(pred, [verdict], timeout_s)
+
+
+def _quick_verdict(pred: str, reference: str) -> bool | tuple[str, str]:
+    """The verdict where string rules decide it, else the normalised (pred, reference) for the symbolic check."""
     if len(pred) > MAX_ANSWER_CHARS:
         return pred.strip() == reference.strip()  # no reference is this long; skip all heavier work
     p = normalize_answer(pred)
@@ -383,6 +437,24 @@ def is_equivalent(pred: str, reference: str) -> bool:
     pb, rb = _BASE_RE.match(p), _BASE_RE.match(r)
     if pb is not None and rb is not None:  # numbers in an explicit base, e.g. 52_8 (math-verify drops the base)
         return pb.group(2) == rb.group(2) and pb.group(1).lower() == rb.group(1).lower()
+    if max(_sympy_budget.nesting_depth(p), _sympy_budget.nesting_depth(r)) > _sympy_budget.MAX_NESTING:
+        return False  # the parser would take seconds to minutes; no real answer nests this deep
+    return p, r
+
+
+def _symbolic_verdict(pred: str, pairs: list[tuple[str, str]], timeout_s: float | None) -> bool:
+    """Whether any normalised (pred, reference) pair is equal by math-verify, within timeout_s seconds."""
+    _warm_up()
+    try:
+        return call_with_timeout(lambda: any(_symbolic_equal(p, r) for p, r in pairs), timeout_s)
+    except DeadlineExceeded:
+        _log.warning("math reward: symbolic check of answer %r stopped after %s s; scored as not equivalent",
+                     pred[:80] + ("..." if len(pred) > 80 else ""), timeout_s)
+        return False
+
+
+def _symbolic_equal(p: str, r: str) -> bool:
+    """math-verify on normalised strings, never evaluating trees past the size bounds (module doc)."""
     from math_verify import verify
 
     gold = _parse_reference(r)
@@ -391,6 +463,9 @@ def is_equivalent(pred: str, reference: str) -> bool:
     target = _mv_parse(p)
     if not target:
         return False
+    if not all(_sympy_budget.within_budget(x) for x in (*gold, *target)):
+        # evaluating would build astronomically large numbers: the written forms must agree (module doc)
+        return _same_tree(gold[0], target[0])
     if not verify(list(gold), target, timeout_seconds=None):
         # math-verify misses some equal numbers (e.g. an unevaluated `1/2 + 3*4` against 12.5)
         return _exactly_equal_numbers(gold[0], target[0])
@@ -436,9 +511,15 @@ def _relative_difference(gold, target) -> float | None:
     return 0.0 if scale == 0.0 else abs(d) / scale
 
 
-def score(response_text: str, reference_answer: str | Sequence[str]) -> float:
+def score(response_text: str, reference_answer: str | Sequence[str], *,
+          timeout_s: float | None = DEFAULT_TIMEOUT_S) -> float:
     """1.0 if the final answer of `response_text` is equivalent to the reference (or any of a list of
-    acceptable references), else 0.0.  No timeout here: use RewardPool for untrusted output at scale."""
+    acceptable references), else 0.0.
+
+    Safe and bounded on untrusted text, in any thread: nothing is evaluated as Python, huge or deeply nested
+    answers are decided without evaluation, and the symbolic check (all references together) stops after
+    `timeout_s` seconds with 0.0 and a logged warning (None: no limit, for callers that own the timeout, such as
+    RewardPool's workers).  The first call in a process also loads math-verify (~1 s, outside the limit)."""
     if not isinstance(response_text, str):
         raise ValueError(f"score: response_text must be str, got {type(response_text).__name__}")
     refs = [reference_answer] if isinstance(reference_answer, str) else list(reference_answer)
@@ -447,7 +528,14 @@ def score(response_text: str, reference_answer: str | Sequence[str]) -> float:
     pred = extract_answer(response_text)
     if pred is None:
         return 0.0
-    return 1.0 if any(is_equivalent(pred, r) for r in refs) else 0.0
+    pairs = []
+    for r in refs:
+        verdict = _quick_verdict(pred, r)
+        if verdict is True:
+            return 1.0
+        if verdict is not False:
+            pairs.append(verdict)
+    return 1.0 if pairs and _symbolic_verdict(pred, pairs, timeout_s) else 0.0
 
 
 def reward_from_correct(correct, mode: str = "binary"):

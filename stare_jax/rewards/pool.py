@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 from stare_jax.rewards.math import score as _math_score
 
-__all__ = ["RewardPool"]
+__all__ = ["RewardPool", "score_without_deadline"]
 
 # Bytes of not-yet-scored items a worker may have queued in its pipe (Linux pipes buffer 64 KiB): below this,
 # Connection.send never blocks on a busy worker, so the parent keeps watching deadlines.
@@ -50,6 +50,12 @@ class _ItemTimeout(BaseException):
 
 def _on_alarm(signum, frame):
     raise _ItemTimeout()
+
+
+def score_without_deadline(response: str, reference) -> float:
+    """The pool's default score_fn: `rewards.math.score` without its in-thread deadline, since the pool owns the
+    time limit (alarm, then kill) and counts timeouts itself."""
+    return _math_score(response, reference, timeout_s=None)
 
 
 def _address_space_bytes() -> int:
@@ -141,7 +147,7 @@ class RewardPool:
         (RLIMIT_AS = footprint + memory_mb; relative, so a worker that inherited a big main module still
         works); None for no limit.  A blow-up past it raises MemoryError in the worker: score 0, n_error.
       score_fn: module-level (picklable) function (response, reference) -> float; default
-        `stare_jax.rewards.math.score` (1.0/0.0).
+        `score_without_deadline`: `stare_jax.rewards.math.score` (1.0/0.0) with the pool's timeout only.
       start_method: 'forkserver' (default) or 'spawn'.
       kill_grace_s: extra seconds after timeout_s before a worker that ignores its in-process alarm is killed.
       startup_timeout_s: how long a new worker may take to import and warm up.
@@ -156,7 +162,7 @@ class RewardPool:
         num_workers: int = 2,
         timeout_s: float = 5.0,
         memory_mb: int | None = 2048,
-        score_fn: Callable[[str, object], float] = _math_score,
+        score_fn: Callable[[str, object], float] = score_without_deadline,
         start_method: str = "forkserver",
         kill_grace_s: float = 1.0,
         startup_timeout_s: float = 120.0,
