@@ -310,3 +310,40 @@ def test_bad_input(model, prompts, kwargs, match):
     kwargs = {"max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
         generate(model, prompts, **kwargs)
+
+
+# ------------------------------------------------------------------------------------- memory layout
+def test_sampler_weights_in_compute_dtype_same_tokens(model):
+    """A bf16-compute model's sampler copy is bf16 (half the fp32 master weights; the forward casts every weight to
+    bf16 anyway), and it samples exactly what sampling from the fp32 weights does."""
+    bf16 = init_model(model.config.replace(dtype="bfloat16"), seed=0)
+    sampler = Sampler(bf16)
+    assert {x.dtype for x in jax.tree.leaves(sampler.state)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(jax.tree.leaves(bf16))} <= {jnp.dtype(jnp.float32)}
+    kw = dict(max_new_tokens=12, num_samples=2, temperature=1.0, eos_ids=[], seed=5)
+    from flax import nnx
+    graphdef, state = nnx.split(bf16)
+    fp32_copy = Sampler.__new__(Sampler)
+    fp32_copy.__dict__.update(sampler.__dict__)
+    fp32_copy.state = state  # the uncast master weights through the same program
+    a, b = sampler.generate([CONTEXT, [1, 2]], **kw), fp32_copy.generate([CONTEXT, [1, 2]], **kw)
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(np.concatenate(a.logprobs), np.concatenate(b.logprobs), atol=1e-6)
+
+
+def test_release_drops_the_weight_copy(model):
+    sampler = Sampler(model)
+    sampler.release()
+    assert sampler.state is None
+    with pytest.raises(RuntimeError, match="released: call update_params"):
+        sampler.generate([CONTEXT], max_new_tokens=4)
+    sampler.update_params(model)
+    assert len(sampler.generate([CONTEXT], max_new_tokens=4, eos_ids=[]).tokens[0]) == 4
+
+
+def test_cache_holds_the_context_it_needs():
+    """prompt 1024 + 3072 new tokens -> a 4096-slot cache (a power-of-two new-token bucket made it 5120)."""
+    from stare_jax.sampling.sampler import new_token_bucket
+    assert next_bucket(1024, 16) + new_token_bucket(3072, 16) == 4096
+    assert [new_token_bucket(n, 16) for n in (1, 16, 17, 100, 3072, 3073, 8192, 16384)] == \
+        [16, 16, 20, 112, 3072, 3584, 8192, 16384]
