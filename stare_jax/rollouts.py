@@ -1,7 +1,8 @@
 """Rollouts: sample G responses per prompt with the sampler's array API, decode them and score them.
 
-Shared by the RL loop (train.py) and evaluation (eval/runner.py). Verification of model output: toy tasks are pure
-string checks in-process; math answers go through the sandboxed RewardPool (model output is untrusted)."""
+Shared by the RL loop (train.py) and evaluation (eval/runner.py). Verification of model output is the RewardFn of
+stare_jax.rewards (re-exported here): toy tasks are pure string checks in-process; math answers go through the
+sandboxed RewardPool (model output is untrusted)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,9 @@ from typing import Sequence
 import numpy as np
 
 from stare_jax import distributed
+from stare_jax.rewards.reward_fn import RewardFn
+
+__all__ = ["REWARD_COUNTERS", "RewardFn", "Rollouts", "add_counts", "generate_rollouts", "left_pad"]
 
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -19,39 +23,6 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tupl
         ids[r, length - len(p):] = p
         mask[r, length - len(p):] = 1
     return ids, mask
-
-
-@dataclasses.dataclass
-class RewardFn:
-    """Scores decoded responses against reference answers: toy tasks in-process (a pure string check); math in
-    a sandboxed worker pool (model output is untrusted). Returns correctness in {0, 1} and pool stats."""
-
-    task: str
-    num_workers: int = 2
-    timeout_s: float = 10.0
-    _pool: object = None
-
-    def __call__(self, texts: Sequence[str], answers: Sequence[str]) -> tuple[np.ndarray, dict]:
-        if self.task != "math":
-            from stare_jax.toy import TASKS
-
-            score = TASKS[self.task].score
-            return np.asarray([score(t, a) for t, a in zip(texts, answers)], np.float32), {}
-        if self._pool is None:
-            from stare_jax.rewards.pool import RewardPool
-
-            self._pool = RewardPool(num_workers=self.num_workers, timeout_s=self.timeout_s)
-        from stare_jax.rewards.math import reference_alternatives
-
-        # a reference listing several acceptable forms (e.g. Minerva's joined lists) is scored against each
-        refs = [reference_alternatives(a) for a in answers]
-        scores, stats = self._pool.score_batch(list(texts), refs)
-        return np.asarray(scores, np.float32), dict(stats)
-
-    def close(self):
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
 
 
 @dataclasses.dataclass

@@ -23,9 +23,7 @@ import time
 
 import numpy as np
 
-from stare_jax.tasks import digit_set, digit_sum
-
-TASKS = {"digit_set": digit_set, "digit_sum": digit_sum}
+from stare_jax.tasks import TASKS, digit_set, digit_sum
 
 
 @dataclasses.dataclass(frozen=True)

@@ -191,6 +191,26 @@ def test_reward_modes():
         reward_from_correct(np.nan)
 
 
+def _train_rewards_reference(correct, lengths, mode, max_len, buf, factor):
+    """The formula train.py used before rewards.rollout_rewards held the one implementation."""
+    r = correct if mode == "binary" else 2.0 * correct - 1.0
+    if buf > 0:
+        r = r + np.asarray(overlong_penalty(lengths, max_len, buf, factor), np.float32)
+    return r.astype(np.float32)
+
+
+@pytest.mark.parametrize("mode, buf", [("binary", 0), ("signed", 0), ("binary", 8), ("signed", 8)])
+def test_rollout_rewards_is_the_training_formula_bit_for_bit(mode, buf):
+    from stare_jax.rewards import rollout_rewards
+
+    rng = np.random.default_rng(0)
+    correct = (rng.random((5, 4)) < 0.5).astype(np.float32)
+    lengths = rng.integers(0, 40, size=(5, 4))
+    got = rollout_rewards(correct, lengths, mode=mode, max_length=32, overlong_buffer=buf, overlong_penalty_factor=0.7)
+    assert got.dtype == np.float32 and got.shape == (5, 4)
+    np.testing.assert_array_equal(got, _train_rewards_reference(correct, lengths, mode, 32, buf, 0.7))
+
+
 def _overlong_reference(L, max_len, buf, factor):
     expected = max_len - buf
     if L <= expected:

@@ -11,6 +11,24 @@ import pytest
 from stare_jax.rollouts import RewardFn, generate_rollouts, left_pad
 
 
+def test_reward_fn_scores_toy_tasks_in_process_and_math_in_the_pool():
+    from stare_jax.rewards import RewardFn as FromRewards
+
+    assert RewardFn is FromRewards  # the one RewardFn lives with the rewards; rollouts re-exports it
+    scores, stats = RewardFn("digit_sum")(["18", " 99 ", "123"], ["2:9", "2:18", "2:3"])
+    np.testing.assert_array_equal(scores, [1.0, 1.0, 0.0])
+    assert scores.dtype == np.float32 and stats == {}
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        RewardFn("nope")(["1"], ["1"])
+    fn = RewardFn("math", num_workers=1)
+    try:  # a joined Minerva-style reference is scored against each of its forms
+        scores, stats = fn(["\\boxed{0.02}", "\\boxed{3}", "\\boxed{9^{9^{9^{9}}}}"], ["0.01\n, 0.02\n", "4", "1"])
+    finally:
+        fn.close()
+    np.testing.assert_array_equal(scores, [1.0, 0.0, 0.0])
+    assert stats["n_items"] == 3 and stats["n_ok"] == 3
+
+
 def test_left_pad():
     ids, mask = left_pad([[5, 6, 7], [9]], 4, pad_id=0)
     np.testing.assert_array_equal(ids, [[0, 5, 6, 7], [0, 0, 0, 9]])
@@ -44,7 +62,7 @@ def _roll(toy_setup, **kw):
 
 
 def test_rollouts_shapes_and_scores(toy_setup):
-    from stare_jax.toy import TASKS
+    from stare_jax.tasks import TASKS
 
     _, _, prompts, answers = toy_setup
     r, texts, stats = _roll(toy_setup)

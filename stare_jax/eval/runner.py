@@ -14,7 +14,8 @@ from typing import Sequence
 import numpy as np
 
 from stare_jax.eval.benchmarks import benchmark_metrics
-from stare_jax.rollouts import RewardFn, generate_rollouts
+from stare_jax.rewards.reward_fn import RewardFn
+from stare_jax.rollouts import generate_rollouts
 
 
 @dataclasses.dataclass

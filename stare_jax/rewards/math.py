@@ -45,6 +45,7 @@ from fractions import Fraction
 
 from stare_jax.rewards import _sympy_budget
 from stare_jax.rewards._deadline import DeadlineExceeded, call_with_timeout
+from stare_jax.rewards.shaping import overlong_penalty, reward_from_correct  # re-exported: their old home
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -536,43 +537,6 @@ def score(response_text: str, reference_answer: str | Sequence[str], *,
         if verdict is not False:
             pairs.append(verdict)
     return 1.0 if pairs and _symbolic_verdict(pred, pairs, timeout_s) else 0.0
-
-
-def reward_from_correct(correct, mode: str = "binary"):
-    """Map 1/0 correctness (scalar or array) to rewards: 'binary' -> 1/0 (the STARE paper),
-    'signed' -> +1/-1 (DAPO).  Returns a float for a scalar, a float64 array otherwise."""
-    import numpy as np
-
-    if mode not in ("binary", "signed"):
-        raise ValueError(f"reward_from_correct: mode must be 'binary' or 'signed', got {mode!r}")
-    c = np.asarray(correct, dtype=np.float64)
-    if not np.all(np.isfinite(c)):
-        raise ValueError("reward_from_correct: correctness must be finite")
-    r = np.where(c > 0.5, 1.0, 0.0 if mode == "binary" else -1.0)
-    return float(r) if r.ndim == 0 else r
-
-
-def overlong_penalty(length_tokens, max_length: int, buffer_length: int, penalty_factor: float = 1.0):
-    """DAPO soft overlong punishment, added to the reward; lengths in tokens (scalar or array).
-
-    0 for L <= max_length - buffer_length; linear from 0 down to -penalty_factor across the buffer;
-    -penalty_factor beyond max_length.  Pure NumPy, so it works on a whole batch of lengths at once.
-    """
-    import numpy as np
-
-    if max_length <= 0 or buffer_length <= 0 or buffer_length > max_length:
-        raise ValueError(
-            f"overlong_penalty: need 0 < buffer_length <= max_length, got max_length={max_length}, "
-            f"buffer_length={buffer_length}"
-        )
-    if penalty_factor < 0:
-        raise ValueError(f"overlong_penalty: penalty_factor must be >= 0, got {penalty_factor}")
-    L = np.asarray(length_tokens, dtype=np.float64)
-    if np.any(L < 0):
-        raise ValueError("overlong_penalty: negative length_tokens")
-    expected = max_length - buffer_length
-    pen = np.clip((expected - L) / buffer_length, -1.0, 0.0) * penalty_factor
-    return float(pen) if pen.ndim == 0 else pen
 
 
 def reference_alternatives(answer: str) -> list[str]:
