@@ -1,0 +1,135 @@
+"""Imports point down (../shared/design/DESIGN.md: "no module reaching back up the chain"), checked on the source
+with `ast`, so function-local imports count as much as module-level ones.
+
+The lower layers (rewards, sampling, tasks, data, rl, models, and rollouts, which train and eval use) import nothing from the top of the package: the
+training loop and its entry points (train, toy, plan, cli, policy, demo, sft).  The pieces a reward or a sampler
+needs are lower still: rewards, sampling and tasks also stay off the checkpoint import/export (models.hf_io).
+Checked directly (every import statement of every module) and through the package's own import graph (a lower
+module importing, say, stare_jax.distributed, must not reach train through it)."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PKG_DIR = pathlib.Path(__file__).resolve().parent.parent / "stare_jax"
+
+LOWER = ("rewards", "sampling", "tasks", "data", "rl", "models", "rollouts")
+TOP = ("train", "toy", "plan", "cli", "policy", "demo", "sft")
+# extra modules a layer must not import, on top of TOP
+EXTRA = {"rewards": ("models.hf_io",), "sampling": ("models.hf_io",), "tasks": ("models.hf_io",)}
+# (importer, imported) pairs that are allowed anyway, each with its reason.  Keep this empty unless truly needed.
+ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PKG_DIR.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PKG_DIR.rglob("*.py"))}
+
+
+def _imports(name: str) -> list[tuple[str, int]]:
+    path = MODULES[name]
+    return _imports_in_source(path.read_text(), name, is_package=path.name == "__init__.py")
+
+
+def _imports_in_source(source: str, name: str, is_package: bool) -> list[tuple[str, int]]:
+    """(stare_jax module, line) for every import in a module's source, at any depth (functions, classes, ifs,
+    try blocks); `from pkg import sub` counts as importing pkg.sub when sub is a module; importlib.import_module /
+    __import__ calls with a literal name count too."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                found.append((sub if sub in MODULES else mod, node.lineno))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            fn = node.func
+            fname = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            if fname in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append((node.args[0].value, node.lineno))
+    return [(m, line) for m, line in found if m == "stare_jax" or m.startswith("stare_jax.")]
+
+
+def _loaded_with(module: str) -> set[str]:
+    """Importing a.b.c runs the __init__ of a and a.b first."""
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & set(MODULES)
+
+
+def _forbidden_for(importer: str) -> tuple[str, ...]:
+    layer = importer.split(".")[1]
+    return tuple(f"stare_jax.{m}" for m in TOP + EXTRA.get(layer, ()))
+
+
+def _is_under(module: str, targets: tuple[str, ...]) -> bool:
+    return any(module == t or module.startswith(t + ".") for t in targets)
+
+
+def _lower_modules() -> list[str]:
+    return [m for m in MODULES if m.count(".") >= 1 and m.split(".")[1] in LOWER]
+
+
+def test_the_layers_exist():
+    names = set(MODULES)
+    for layer in LOWER:
+        assert f"stare_jax.{layer}" in names, layer
+    for top in TOP + ("models.hf_io",):
+        assert f"stare_jax.{top}" in names, top
+
+
+@pytest.mark.parametrize("importer", _lower_modules())
+def test_no_direct_import_reaches_up(importer):
+    bad = [f"{MODULES[importer].relative_to(PKG_DIR.parent)}:{line} imports {mod}"
+           for mod, line in _imports(importer)
+           if _is_under(mod, _forbidden_for(importer)) and (importer, mod) not in ALLOWED]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_chain_reaches_up():
+    """Through other stare_jax modules too (package __init__s included, since importing a.b runs a/__init__).
+    Only the TOP modules here: models/__init__ re-exports from_pretrained, so any models submodule loads
+    models.hf_io; that the reward, sampling and task code does not use it is the direct check's business."""
+    graph = {m: set().union(set(), *[_loaded_with(i) for i, _ in _imports(m)]) for m in MODULES}
+    top = tuple(f"stare_jax.{m}" for m in TOP)
+    bad = []
+    for importer in _lower_modules():
+        seen, stack, parent = {importer}, [importer], {}
+        while stack:
+            cur = stack.pop()
+            for nxt in sorted(graph[cur] - seen):
+                if (cur, nxt) in ALLOWED:
+                    continue
+                seen.add(nxt)
+                parent[nxt] = cur
+                if _is_under(nxt, top):
+                    chain = [nxt]
+                    while chain[-1] != importer:
+                        chain.append(parent[chain[-1]])
+                    bad.append(" -> ".join(reversed(chain)))
+                else:
+                    stack.append(nxt)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_check_sees_function_local_relative_and_dynamic_imports():
+    source = ("import os\n"
+              "def f():\n    from stare_jax import train\n    from .. import toy\n    import stare_jax.plan\n"
+              "    if True:\n        import importlib; importlib.import_module('stare_jax.cli')\n"
+              "class C:\n    def g(self):\n        from ..models import hf_io\n")
+    found = {m for m, _ in _imports_in_source(source, "stare_jax.rewards.probe", is_package=False)}
+    assert found == {"stare_jax.train", "stare_jax.toy", "stare_jax.plan", "stare_jax.cli", "stare_jax.models.hf_io"}
+    assert _is_under("stare_jax.models.hf_io", _forbidden_for("stare_jax.rewards.probe"))
+    assert not _is_under("stare_jax.models.hf_io", _forbidden_for("stare_jax.rl.probe"))
