@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from stare_jax.models import ModelConfig, init_model  # noqa: E402
-from stare_jax.rl.stare import StareConfig, init_stare_state, token_weights  # noqa: E402
+from stare_jax.rl.stare import StareConfig, StareState, init_stare_state, stare_omega  # noqa: E402
 from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001 (progress visible when piped)
@@ -69,7 +69,7 @@ def bench_step(preset, iters):
     from flax import nnx
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     batch = _batch(np.random.default_rng(0), B, L, mcfg.vocab_size)
-    stare = StareConfig(variant="O1", target_entropy=1e3)  # gate always on
+    stare = StareConfig(enabled=True, variant="O1", target_entropy=1e3)  # gate always on
     configs = {"GRPO-ds": dataclasses.replace(stare, enabled=False), "STARE-O1 (gate on)": stare}
     print(f"[step] preset={preset} params={n_params / 1e6:.1f}M batch={B}x{L} micro_batches={n_micro} "
           f"backend={jax.default_backend()}")
@@ -116,7 +116,10 @@ def bench_selection(tokens_list, iters, seq=4096):
                        out_shardings=(sh2, sh1, sh2))
         lp, adv, mask = make()
         for rule in ("quantile", "exact_top_k"):
-            f = jax.jit(lambda a, b, c: token_weights(a, b, c, variant="O1", gate_on=True, rule=rule),
+            cfg = StareConfig(enabled=True, variant="O1", rule=rule)
+            state = StareState(gate_on=jnp.asarray(True), w=jnp.float32(cfg.w), m=jnp.float32(cfg.m),
+                               last_entropy=jnp.float32(0.0))
+            f = jax.jit(lambda a, b, c, cfg=cfg, state=state: stare_omega(a, b, c, state, cfg)[0],
                         out_shardings=sh2)
             med, all_t = _time(lambda: f(lp, adv, mask), iters)
             out[(n_tok, rule)] = med

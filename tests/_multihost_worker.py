@@ -81,7 +81,7 @@ def main(argv=None):
                             max_position_embeddings=64)
     B, L = 16, 20
     # ln(96) ~ 4.56 < 10: the batch gate is on from step 1; W = 1.5 reweights the selected tokens
-    stare_cfg = StareConfig(variant="O1", w=1.5, target_entropy=10.0)
+    stare_cfg = StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=10.0)
     cfg = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), stare=stare_cfg, logprob_chunk_size=8,
                           debug_outputs=True)
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from stare_jax.rl.stare import (StareConfig, init_stare_state, selection_sets, token_weights, update_controller,
-                                validate_stare_options)
+from stare_jax.rl.stare import (StareConfig, StareState, init_stare_state, selection_sets, stare_omega,
+                                token_weights, update_controller, validate_stare_options)
 
 SETS = ("pos_high", "pos_low", "neg_high", "neg_low")
 # The variant table of STARE-semantics.md, written out independently: variant -> {set: "W" | "M"}
@@ -66,7 +66,7 @@ def _assert_sets_equal(got, ref, thresholds, s, name):
 @pytest.mark.parametrize("rule", ["quantile", "exact_top_k"])
 def test_selection_sets_match_numpy(P_, rule):
     lp, adv, mask, _ = _batch(1, ties=(rule == "exact_top_k"))
-    got = selection_sets(lp, adv, mask, top_p=P_, rule=rule)
+    got = selection_sets(lp, adv, mask, StareConfig(top_p=P_, rule=rule))
     ref, thr, s = _np_sets(lp, adv, mask, P_, rule)
     for name in SETS:
         _assert_sets_equal(got[name], ref[name], thr, s, name)
@@ -79,10 +79,10 @@ def test_selection_sets_match_numpy(P_, rule):
 
 def test_quantile_ties_can_select_more_than_p():
     lp = np.full((2, 10), -1.0, np.float32)
-    got = selection_sets(lp, np.array([1.0, 1.0], np.float32), np.ones((2, 10), np.float32), top_p=0.1)
+    got = selection_sets(lp, np.array([1.0, 1.0], np.float32), np.ones((2, 10), np.float32), StareConfig(top_p=0.1))
     assert float(got["frac_pos_high"]) == 1.0  # all tied at the threshold
-    got = selection_sets(lp, np.array([1.0, 1.0], np.float32), np.ones((2, 10), np.float32), top_p=0.1,
-                         rule="exact_top_k")
+    got = selection_sets(lp, np.array([1.0, 1.0], np.float32), np.ones((2, 10), np.float32),
+                         StareConfig(top_p=0.1, rule="exact_top_k"))
     np.testing.assert_array_equal(np.asarray(got["pos_high"]).ravel(), np.arange(20) < 2)  # ties by position
 
 
@@ -159,7 +159,7 @@ def test_degenerate_inputs_are_defined():
         for rule in ("quantile", "exact_top_k"):
             om = np.asarray(token_weights(lp, a, mk, variant="C2", gate="none", rule=rule))
             np.testing.assert_array_equal(om, 1.0)
-            sets = selection_sets(lp, a, mk, rule=rule)
+            sets = selection_sets(lp, a, mk, StareConfig(rule=rule))
             assert all(float(sets["frac_" + n]) == 0.0 for n in SETS)
     # NaN / -inf log-probs: never candidates, omega finite, the rest selected as if they were masked
     bad = lp.copy()
@@ -182,7 +182,9 @@ def test_degenerate_inputs_are_defined():
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(w=0.9), "w=0.9"), (dict(m=0.0), "m=0.0"),
     (dict(m=1.2), "m=1.2"), (dict(variant="O5"), "variant.*O1"), (dict(gate="global"), "gate.*batch"),
     (dict(rule="topk"), "rule.*exact_top_k"), (dict(scope="device"), "scope.*micro_batch"),
-    (dict(adaptive_timing="later"), "adaptive_timing"),
+    (dict(adaptive_timing="later"), "adaptive_timing"), (dict(target_entropy=-0.1), "target_entropy"),
+    (dict(select_impl="sort"), "select_impl.*jnp_quantile"), (dict(micro_batch_size=0), "micro_batch_size"),
+    (dict(enabled=1), "enabled.*wrong type"), (dict(alpha=float("nan")), "alpha.*finite"),
 ])
 def test_validation_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -240,17 +242,142 @@ def test_selection_on_sharded_mesh_matches_single_device():
                                   np.asarray(token_weights(lp, adv, mask, variant="C2", gate="none")))
 
 
+def test_config_defaults_and_accepted_edges():
+    cfg = StareConfig()
+    assert not cfg.enabled and cfg.select_impl == "bisect" and cfg.micro_batch_size is None
+    assert StareConfig(target_entropy=0.0).target_entropy == 0.0  # H_tgt = 0: the batch gate never opens
+    assert hash(StareConfig(w=2)) == hash(StareConfig(w=2.0))  # static config of the jitted step
+
+
 @pytest.mark.parametrize("rule", ["quantile", "exact_top_k"])
 def test_bisection_selection_equals_sort_reference(rule):
-    from stare_jax.rl import stare as st
+    from _stare_reference import select_flat_sort
+    from stare_jax.rl.stare_select import _select_flat, candidates
     lp, adv, mask, _ = _batch(8, B=8, T=50, ties=True)
     lp[2, :5] = 0.0  # surprisal -0.0 / +0.0 ties
     lp[3, :4] = -0.0
     lp[4, :3] = np.float32(-1e-30)  # subnormal-ish tiny values
-    s, cp, cn = st._candidates(lp, adv, mask)
+    s, cp, cn = candidates(lp, adv, mask)
     args = (s.reshape(-1), cp.reshape(-1), cn.reshape(-1))
     for P_ in (0.1, 0.37, 1.0):
-        a = st._select_flat_bisect(*args, top_p=P_, rule=rule, need=SETS)
-        b = st._select_flat_sort(*args, top_p=P_, rule=rule, need=SETS)
-        for name in SETS:
-            np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=f"{name} P={P_}")
+        b = select_flat_sort(*args, top_p=P_, rule=rule, need=SETS)
+        for impl in ("bisect", "jnp_quantile"):
+            a = _select_flat(*args, top_p=P_, rule=rule, need=SETS, impl=impl)
+            for name in SETS:
+                np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]),
+                                              err_msg=f"{impl} {name} P={P_}")
+
+
+def _impl_cases():
+    """(name, lp, adv, mask): random, heavy ties (bf16-like log-probs), all tied, padding + NaN log-probs, empty
+    T- / empty T+, no valid token, a single candidate."""
+    lp, adv, mask, _ = _batch(11, B=8, T=48)
+    yield "random", lp, adv, mask
+    tied = np.round(lp * 4) / 4
+    yield "ties", tied.astype(np.float32), adv, mask
+    yield "all_tied", np.full_like(lp, -0.5), adv, mask
+    bad = lp.copy()
+    bad[0, :4], bad[1, 2] = np.nan, -np.inf
+    pad = mask.copy()
+    pad[:, -9:] = 0
+    yield "padding_nan", bad, adv, pad
+    yield "no_neg", lp, np.abs(adv) + 0.5, mask
+    yield "no_pos", lp, -np.abs(adv) - 0.5, mask
+    yield "no_valid", lp, adv, np.zeros_like(mask)
+    one = np.zeros_like(mask)
+    one[0, 3] = 1
+    yield "one", lp, adv, one
+
+
+@pytest.mark.parametrize("scope", ["batch", "micro_batch"])
+def test_jnp_quantile_equals_bisect(scope):
+    """select_impl jnp_quantile (jnp.nanquantile, linear) selects exactly the sets of the bisection, and both are
+    numpy's linear quantile rule. (exact_top_k bisects whatever select_impl: checked on the mesh below.)"""
+    for P_ in (0.1, 0.25, 0.37, 1.0):
+        kw = dict(top_p=P_, scope=scope, micro_batch_size=2 if scope == "micro_batch" else None)
+        fs = [jax.jit(lambda a, b, c, cfg=StareConfig(select_impl=impl, **kw): selection_sets(a, b, c, cfg))
+              for impl in ("bisect", "jnp_quantile")]
+        for name, lp, adv, mask in _impl_cases():
+            a, b = (f(lp, adv, mask) for f in fs)
+            for k in SETS:
+                np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=f"{name} {k} P={P_}")
+            if scope == "batch":
+                ref, thr, s = _np_sets(lp, adv, mask, P_, "quantile")
+                for k in SETS:
+                    _assert_sets_equal(b[k], ref[k], thr, s, k)
+
+
+def test_jnp_quantile_exact_on_ties():
+    """jnp.nanquantile's linear interpolation lo (1 - w) + hi w of a tie lo == hi can round below it (here to
+    6.7389994 for six surprisals tied at 6.739 and q = 0.01), which would empty the low set; numpy's lerp and the
+    bisection return the tie itself, and so does select_impl jnp_quantile (clipped to the bracketing values)."""
+    lp, adv, mask = np.full((2, 3), -6.739, np.float32), np.ones(2, np.float32), np.ones((2, 3), np.float32)
+    for impl in ("bisect", "jnp_quantile"):
+        got = selection_sets(lp, adv, mask, StareConfig(top_p=0.01, select_impl=impl), which=("pos_low", "pos_high"))
+        assert np.asarray(got["pos_low"]).all() and np.asarray(got["pos_high"]).all(), impl
+
+
+def test_jnp_quantile_equals_bisect_on_8_device_mesh():
+    """The [B, T] arrays sharded over a (2 x 4) mesh inside jit: both implementations give the single-device sets
+    (exact_top_k with select_impl jnp_quantile is the bisection too)."""
+    assert jax.device_count() >= 8  # tests/conftest.py: 8 fake CPU devices
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sh2, sh1 = NamedSharding(mesh, P(("data", "fsdp"), None)), NamedSharding(mesh, P(("data", "fsdp")))
+    cases = list(_impl_cases())
+
+    def sets_fn(cfg, **jit_kw):
+        return jax.jit(lambda a, b, c: {k: v for k, v in selection_sets(a, b, c, cfg).items() if k in SETS}, **jit_kw)
+
+    for rule, scope in (("quantile", "batch"), ("quantile", "micro_batch"), ("exact_top_k", "batch")):
+        kw = dict(variant="C1", rule=rule, scope=scope, top_p=0.2,
+                  micro_batch_size=2 if scope == "micro_batch" else None)
+        single = sets_fn(StareConfig(**kw))
+        refs = [single(lp, adv, mask) for _, lp, adv, mask in cases]
+        for impl in ("bisect", "jnp_quantile"):
+            f = sets_fn(StareConfig(select_impl=impl, **kw), out_shardings=sh2)
+            for (name, lp, adv, mask), ref in zip(cases, refs):
+                got = f(jax.device_put(lp, sh2), jax.device_put(adv, sh1), jax.device_put(mask, sh2))
+                for k in SETS:
+                    assert got[k].sharding.is_equivalent_to(sh2, 2)
+                    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(ref[k]),
+                                                  err_msg=f"{name} {rule} {scope} {impl} {k}")
+
+
+def test_stare_omega_follows_config_and_state():
+    lp, adv, mask, _ = _batch(12)
+    cfg = StareConfig(enabled=True, variant="C2", gate="batch")
+    st = StareState(gate_on=np.bool_(True), w=np.float32(1.3), m=np.float32(0.6), last_entropy=np.float32(0.1))
+    om, info = stare_omega(lp, adv, mask, st, cfg)
+    np.testing.assert_array_equal(np.asarray(om), np.asarray(token_weights(lp, adv, mask, variant="C2", w=1.3,
+                                                                           m=0.6, gate_on=True)))
+    assert set(info["sets"]) == {"pos_high", "neg_high"} and float(info["metrics"]["frac_reweighted"]) > 0
+    off, info = stare_omega(lp, adv, mask, st, StareConfig(variant="C2"), extra_sets=("pos_high",))
+    np.testing.assert_array_equal(np.asarray(off), 1.0)  # disabled: GRPO(-ds), the sets still reported
+    assert "pos_high" in info["sets"]
+
+
+def test_first_step_nan_entropy_leaves_gate_off():
+    """Decision: no measured entropy => gate off (that step is exactly GRPO); the authors' controller would start on."""
+    cfg = StareConfig(enabled=True, target_entropy=0.3, adaptive=True)
+    st0 = init_stare_state(cfg)
+    st = update_controller(st0, np.float32(np.nan), cfg)
+    assert not bool(st.gate_on) and float(st.w) == np.float32(1.1) and float(st.m) == np.float32(0.9)
+    assert np.isnan(float(st.last_entropy))
+    lp, adv, mask, _ = _batch(13)
+    om, _ = stare_omega(lp, adv, mask, st, cfg)
+    np.testing.assert_array_equal(np.asarray(om), 1.0)
+    st = update_controller(st, np.float32(0.2), cfg)  # the first finite entropy sets the gate
+    assert bool(st.gate_on) and float(st.w) == pytest.approx(1.11)
+
+
+@pytest.mark.parametrize("timing", ["same_step", "next_step"])
+def test_adaptive_alpha_zero_keeps_initial_weights(timing):
+    """Decision: alpha = 0 recovers the fixed weights (paper, authors): W_0 above W_max is not clipped; alpha > 0
+    clips it into [1, W_max] at once."""
+    kw = dict(enabled=True, w=4.0, m=0.3, w_max=1.5, m_min=0.5, adaptive=True, adaptive_timing=timing)
+    fixed, moving = StareConfig(alpha=0.0, **kw), StareConfig(alpha=0.01, **kw)
+    st_f, st_m = init_stare_state(fixed), init_stare_state(moving)
+    for h in (0.1, 0.9, 0.1):
+        st_f, st_m = update_controller(st_f, np.float32(h), fixed), update_controller(st_m, np.float32(h), moving)
+        assert (float(st_f.w), float(st_f.m)) == (4.0, np.float32(0.3))
+        assert 1.0 <= float(st_m.w) <= 1.5 and 0.5 <= float(st_m.m) <= 1.0

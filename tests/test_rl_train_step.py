@@ -20,7 +20,7 @@ from _rl_fixtures import random_train_batch
 MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                     intermediate_size=64, tie_word_embeddings=True, initializer_range=0.3, max_position_embeddings=64)
 B, L = 16, 20
-STARE_ON = StareConfig(variant="O1", w=1.5, target_entropy=50.0)  # H_bar < 50: the batch gate is on
+STARE_ON = StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=50.0)  # H_bar < 50: the batch gate is on
 BASE = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), stare=STARE_ON, logprob_chunk_size=8,
                        debug_outputs=True)
 
