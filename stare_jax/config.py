@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from stare_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from stare_jax.rl.stare_config import StareConfig
 
 
 class ConfigError(ValueError):
@@ -102,25 +103,8 @@ class SamplingConfig:
     eval_num_samples: int = _f(0, lo=0, doc="samples per eval problem; 0 = the paper's protocol per benchmark")
 
 
-@dataclass
-class StareConfig:
-    """STARE token reweighting and its closed-loop entropy gate (see STARE-semantics.md)."""
-
-    enabled: bool = _f(False, doc="False = plain GRPO(-ds)")
-    variant: Literal["O1", "O2", "O3", "O4", "C1", "C2", "C3", "C4"] = _f("O1")
-    top_p: float = _f(0.1, lo=0.0, hi=1.0, lo_open=True, doc="P: fraction of candidate tokens selected")
-    w: float = _f(1.1, lo=1.0, doc="amplification weight W >= 1")
-    m: float = _f(0.9, lo=0.0, hi=1.0, lo_open=True, doc="attenuation weight M in (0, 1]")
-    gate: Literal["batch", "sample", "token", "none"] = _f("batch")
-    target_entropy: float = _f(0.3, lo=0.0, lo_open=True)
-    rule: Literal["quantile", "exact_top_k"] = _f("quantile")
-    scope: Literal["batch", "micro_batch"] = _f("batch")
-    adaptive: bool = _f(False)
-    alpha: float = _f(0.01, lo=0.0)
-    w_max: float = _f(1.5, lo=1.0)
-    m_min: float = _f(0.5, lo=0.0, hi=1.0, lo_open=True)
-    adaptive_timing: Literal["same_step", "next_step"] = _f("same_step")
-    theory_diagnostics: bool = _f(False, doc="Phi, s*, Lambda, Gamma, W* in the trainer pass (slower)")
+# rl.stare is StareConfig itself (stare_jax/rl/stare_config.py): one definition, with the same field metadata, for
+# the run config and the jitted step.
 
 
 @dataclass

@@ -61,7 +61,6 @@ def compile_count() -> int:
 
 def train_step_config(cfg: Config, mesh=None):
     """The static TrainStepConfig of the jitted step, derived from the run config."""
-    from stare_jax.rl.stare import StareConfig
     from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig
     from stare_jax.sampling.sharding import data_size as data_shards  # the batch (data x fsdp) shard count
 
@@ -75,11 +74,9 @@ def train_step_config(cfg: Config, mesh=None):
         raise TrainingError(
             f"a mini-batch of {mini} sequences does not split into micro-batches of rl.micro_batch_size="
             f"{rl.micro_batch_size} x {data_shards(mesh)} data shards")
-    stare = StareConfig(
-        enabled=s.enabled, variant=s.variant, top_p=s.top_p, w=s.w, m=s.m, gate=s.gate,
-        target_entropy=s.target_entropy, rule=s.rule, scope=s.scope,
-        micro_batch_size=rl.micro_batch_size if s.scope == "micro_batch" else None, adaptive=s.adaptive,
-        alpha=s.alpha, w_max=s.w_max, m_min=s.m_min, adaptive_timing=s.adaptive_timing)
+    # rl.stare is the step's StareConfig; scope micro_batch ranks groups of rl.micro_batch_size unless it says otherwise
+    stare = s if s.scope != "micro_batch" or s.micro_batch_size else dataclasses.replace(
+        s, micro_batch_size=rl.micro_batch_size)
     schedule = {"constant": "constant", "linear": "linear_warmup", "cosine": "cosine"}[o.schedule]
     opt = OptimizerConfig(lr=o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip,
                           schedule=schedule, warmup_steps=o.warmup_steps, total_steps=cfg.total_steps)

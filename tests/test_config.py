@@ -108,3 +108,30 @@ def test_every_shipped_config_loads():
     assert files, "configs/ has no YAML files"
     for f in files:
         load_config(f)
+
+
+def test_rl_stare_is_the_step_stare_config():
+    """One StareConfig: the run config's rl.stare section is the jitted step's static config (no field copy)."""
+    from stare_jax.rl.stare import StareConfig
+    from stare_jax.train import train_step_config
+
+    cfg = load_config(None, ["rl.stare.enabled=true", "rl.stare.target_entropy=0", "rl.stare.select_impl=jnp_quantile"])
+    assert type(cfg.rl.stare) is StareConfig and cfg.rl.stare.target_entropy == 0.0
+    assert train_step_config(cfg).stare is cfg.rl.stare
+    # scope micro_batch ranks groups of rl.micro_batch_size unless rl.stare.micro_batch_size says otherwise
+    mb = load_config(None, ["rl.stare.scope=micro_batch", "rl.micro_batch_size=4"])
+    assert mb.rl.stare.micro_batch_size is None and train_step_config(mb).stare.micro_batch_size == 4
+    own = load_config(None, ["rl.stare.scope=micro_batch", "rl.micro_batch_size=4", "rl.stare.micro_batch_size=2"])
+    assert train_step_config(own).stare.micro_batch_size == 2
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("rl.stare.target_entropy=-0.1", r"'rl.stare.target_entropy' = -0.1 is out of range; accepted: \[0.0, inf\]"),
+    ("rl.stare.select_impl=sort", r"accepted values: 'bisect', 'jnp_quantile'"),
+    ("rl.stare.micro_batch_size=0", r"'rl.stare.micro_batch_size' = 0 is out of range"),
+    ("rl.stare.selct_impl=bisect", r"did you mean 'rl.stare.select_impl'"),
+])
+def test_stare_options_errors_name_key_and_source(override, fragment):
+    with pytest.raises(ConfigError, match=fragment) as e:
+        load_config(None, [override])
+    assert f"command-line override '{override}'" in str(e.value)
