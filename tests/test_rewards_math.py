@@ -452,6 +452,7 @@ _SLOW_INTEGRAL = "\\boxed{\\int e^{x^2}\\sin(x^3) dx}"  # passes the size bounds
 def test_symbolic_check_stops_at_the_deadline_in_any_thread(warm_scorer, caplog):
     """What the size bounds cannot see (symbolic integration) is pure-Python work, cut off by the deadline, in
     the main thread and in worker threads alike; scoring works normally afterwards."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     t0 = time.perf_counter()
@@ -466,6 +467,10 @@ def test_symbolic_check_stops_at_the_deadline_in_any_thread(warm_scorer, caplog)
         assert got == [0.0, 0.0] and time.perf_counter() - t0 < 10.0
         assert list(ex.map(score, ["\\boxed{\\sqrt{18}}", "\\boxed{(1,2)}"], ["3\\sqrt{2}", "(2,1)"])) == [1.0, 0.0]
     assert score("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{1}{2}\\sqrt{3}") == 1.0
+    deadline = time.perf_counter() + 10.0  # the overrunning helpers were stopped, not left integrating
+    while any(t.name.startswith("stare_jax-timed-call") for t in threading.enumerate()):
+        assert time.perf_counter() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.05)
 
 
 def test_call_with_timeout_returns_on_time_and_stops_the_overrunning_helper():
