@@ -31,6 +31,7 @@ from stare_jax.config import Config, save_config
 from stare_jax.data.prompts import PromptRow, PromptStream, format_prompt, read_rows
 from stare_jax.eval.runner import EvalSet, evaluate
 from stare_jax.models.sharding import mesh_for_config
+from stare_jax.rewards import rollout_rewards
 from stare_jax.rollouts import RewardFn, Rollouts, add_counts, generate_rollouts
 from stare_jax.run_dir import RunDir, is_remote, local_copy
 
@@ -94,17 +95,6 @@ def build_mesh(cfg: Config, devices=None):
 
 # ----------------------------------------------------------------------------------------------------------------
 # From rollouts to a train batch
-
-
-def rewards_from_correct(correct_PxG: np.ndarray, lengths_PxG: np.ndarray, cfg: Config) -> np.ndarray:
-    """Reward 1/0 (paper) or +1/-1 (DAPO), plus DAPO's overlong penalty when configured."""
-    from stare_jax.rewards.math import overlong_penalty
-
-    r = correct_PxG if cfg.rl.reward == "binary" else 2.0 * correct_PxG - 1.0
-    if cfg.rl.overlong_buffer > 0:
-        r = r + np.asarray(overlong_penalty(lengths_PxG, cfg.sampling.max_new_tokens, cfg.rl.overlong_buffer,
-                                            cfg.rl.overlong_penalty), np.float32)
-    return r.astype(np.float32)
 
 
 def train_batch_from_rollouts(r: Rollouts, advantages_PxG: np.ndarray) -> dict:
@@ -371,7 +361,9 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
                 j += 1
             kept = Rollouts(**acc.result())
             t_gen = time.time() - t0
-            rewards = rewards_from_correct(kept.correct_PxG, kept.lengths_PxG, cfg)
+            rewards = rollout_rewards(kept.correct_PxG, kept.lengths_PxG, mode=cfg.rl.reward,
+                                      max_length=cfg.sampling.max_new_tokens, overlong_buffer=cfg.rl.overlong_buffer,
+                                      overlong_penalty_factor=cfg.rl.overlong_penalty)
             adv = np.asarray(grpo_advantages(jnp.asarray(rewards), norm_by_std=cfg.rl.norm_adv_by_std))
             batch = train_batch_from_rollouts(kept, adv)
             if dist.is_multiprocess():  # the same host batch on every process -> one global array
