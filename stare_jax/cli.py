@@ -246,12 +246,19 @@ def _cmd_eval(args) -> int:
     context = getattr(policy.model.config, "max_position_embeddings", None)
     if context is not None and longest + args.max_new_tokens > context:
         fits = context - longest
-        raise UsageError(
-            f"--max-new-tokens {args.max_new_tokens} + the longest prompt ({longest} tokens) exceeds the model's "
-            f"context of {context} tokens: pass --max-new-tokens {fits}" + (" or less" if fits > 1 else "")
-            if fits >= 1 else
-            f"the longest prompt ({longest} tokens) fills the model's context of {context} tokens: use a model "
-            f"with a longer context, or fewer/shorter problems (--limit, --prompt-template raw)")
+        if args.max_new_tokens >= context:  # the sampler cannot run this at all
+            raise UsageError(
+                f"--max-new-tokens {args.max_new_tokens} + the longest prompt ({longest} tokens) exceeds the model's "
+                f"context of {context} tokens: pass --max-new-tokens {fits}" + (" or less" if fits > 1 else "")
+                if fits >= 1 else
+                f"--max-new-tokens {args.max_new_tokens} does not fit the model's context of {context} tokens, which "
+                f"the longest prompt ({longest} tokens) already fills: use a model with a longer context, or "
+                f"shorter prompts (--limit, --prompt-template raw)")
+        if main:  # it runs, with positions past the context the model was trained on
+            print(f"stare-jax eval: warning: the longest prompt ({longest} tokens) + --max-new-tokens "
+                  f"{args.max_new_tokens} exceed the model's context of {context} tokens; "
+                  + (f"--max-new-tokens {fits} or less keeps within it" if fits >= 1 else
+                     "the longest prompt alone fills it"), file=sys.stderr)
     sampler = Sampler(policy.model, mesh=mesh, pad_id=tok.pad_id)
     reward = RewardFn("math", num_workers=args.workers, timeout_s=args.timeout)
     try:
