@@ -19,9 +19,11 @@ from stare_jax.config import Config, ConfigError, config_from_dict, to_dict
 
 CHANGES_FILE = "config_changes.jsonl"
 
-# Dotted keys (or section prefixes ending in ".") that may change when a run is resumed.
+# Dotted keys (or section prefixes ending in ".") that may change when a run is resumed: how the run executes
+# (placement, memory/kernel choices with the same results, outputs, length), not what it trains.
 OPERATIONAL = ("total_steps", "mesh.", "checkpoint.", "logging.", "launch.", "toy.cache_dir",
-               "sampling.max_prompts_per_call", "model.attention_impl", "model.remat_policy")
+               "sampling.max_prompts_per_call", "model.attention_impl", "model.remat_policy", "model.scan_layers",
+               "rl.logprob_chunk_size", "rl.stare.select_impl", "rl.stare.theory_diagnostics")
 
 
 def is_operational(key: str) -> bool:
