@@ -277,3 +277,27 @@ def test_export_and_eval_of_a_training_run(full_run, tmp_path, shared_data_dir):
     assert "| gsm8k |" in p.stdout
     p = _run([sys.executable, "-m", "stare_jax.cli", "export", str(full_run), str(out)])
     assert p.returncode == 2 and "exists and is not empty" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_run_config_sorts_changes_into_operational_and_refused(tmp_path):
+    """Unit level: execution-only keys pass (and are returned for the record); the rest are refused, all named."""
+    from stare_jax import run_config as R
+    from stare_jax.config import load_config, save_config
+
+    save_config(load_config(REPO / "configs/tiny_cpu_stare.yaml"), tmp_path)
+    ops = ["total_steps=80", "checkpoint.keep=5", "mesh.fsdp=2", "model.scan_layers=true",
+           "rl.stare.select_impl=jnp_quantile", "logging.eval_every_steps=3"]
+    changes = R.check_resume_config(tmp_path, load_config(REPO / "configs/tiny_cpu_stare.yaml", ops), allow=False,
+                                    run_dir="RUN")
+    assert set(changes) == {"total_steps", "checkpoint.keep", "mesh.fsdp", "model.scan_layers",
+                            "rl.stare.select_impl", "logging.eval_every_steps"}
+    new = load_config(REPO / "configs/tiny_cpu_stare.yaml", ["seed=3", "rl.stare.w=2.0", "optimizer.lr=0.5"])
+    with pytest.raises(R.ConfigChangeError) as e:
+        R.check_resume_config(tmp_path, new, allow=False, run_dir="RUN")
+    assert set(e.value.refused) == {"seed", "rl.stare.w", "optimizer.lr"} and "--allow-config-change" in str(e.value)
+    assert "rl.stare.w 4.0 -> 2.0" in str(e.value) and "\n" not in str(e.value)
+    changes = R.check_resume_config(tmp_path, new, allow=True, run_dir="RUN")
+    R.record_changes(tmp_path, 7, changes, allowed=True)
+    (rec,) = [json.loads(x) for x in (tmp_path / R.CHANGES_FILE).read_text().splitlines()]
+    assert rec["step"] == 7 and rec["changes"]["seed"] == [0, 3] and rec["allowed_by"] == "--allow-config-change"
+    assert R.check_resume_config(tmp_path / "no_run", new, allow=False, run_dir="RUN") == {}
