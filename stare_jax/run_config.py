@@ -21,8 +21,9 @@ CHANGES_FILE = "config_changes.jsonl"
 
 # Dotted keys (or section prefixes ending in ".") that may change when a run is resumed: how the run executes
 # (placement, memory/kernel choices with the same results, outputs, length), not what it trains.
+# (model.scan_layers is not among them: it changes the layout of the parameters in the checkpoint.)
 OPERATIONAL = ("total_steps", "mesh.", "checkpoint.", "logging.", "launch.", "toy.cache_dir",
-               "sampling.max_prompts_per_call", "model.attention_impl", "model.remat_policy", "model.scan_layers",
+               "sampling.max_prompts_per_call", "model.attention_impl", "model.remat_policy",
                "rl.logprob_chunk_size", "rl.stare.select_impl", "rl.stare.theory_diagnostics")
 
 

@@ -285,16 +285,19 @@ def test_run_config_sorts_changes_into_operational_and_refused(tmp_path):
     from stare_jax.config import load_config, save_config
 
     save_config(load_config(REPO / "configs/tiny_cpu_stare.yaml"), tmp_path)
-    ops = ["total_steps=80", "checkpoint.keep=5", "mesh.fsdp=2", "model.scan_layers=true",
+    ops = ["total_steps=80", "checkpoint.keep=5", "mesh.fsdp=2", "model.remat_policy=full",
            "rl.stare.select_impl=jnp_quantile", "logging.eval_every_steps=3"]
     changes = R.check_resume_config(tmp_path, load_config(REPO / "configs/tiny_cpu_stare.yaml", ops), allow=False,
                                     run_dir="RUN")
-    assert set(changes) == {"total_steps", "checkpoint.keep", "mesh.fsdp", "model.scan_layers",
+    assert set(changes) == {"total_steps", "checkpoint.keep", "mesh.fsdp", "model.remat_policy",
                             "rl.stare.select_impl", "logging.eval_every_steps"}
-    new = load_config(REPO / "configs/tiny_cpu_stare.yaml", ["seed=3", "rl.stare.w=2.0", "optimizer.lr=0.5"])
+    # scan_layers changes the checkpoint's parameter layout: refused like a training change
+    new = load_config(REPO / "configs/tiny_cpu_stare.yaml", ["seed=3", "rl.stare.w=2.0", "optimizer.lr=0.5",
+                                                             "model.scan_layers=true"])
     with pytest.raises(R.ConfigChangeError) as e:
         R.check_resume_config(tmp_path, new, allow=False, run_dir="RUN")
-    assert set(e.value.refused) == {"seed", "rl.stare.w", "optimizer.lr"} and "--allow-config-change" in str(e.value)
+    assert set(e.value.refused) == {"seed", "rl.stare.w", "optimizer.lr", "model.scan_layers"}
+    assert "--allow-config-change" in str(e.value)
     assert "rl.stare.w 4.0 -> 2.0" in str(e.value) and "\n" not in str(e.value)
     changes = R.check_resume_config(tmp_path, new, allow=True, run_dir="RUN")
     R.record_changes(tmp_path, 7, changes, allowed=True)
