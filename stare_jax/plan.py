@@ -30,13 +30,14 @@ class Accelerator:
     num_hosts: int
 
 
-# per-chip HBM (bytes), bf16 dense peak, TensorCores per chip in the type name, chips per host
+# per-chip HBM available to a program (bytes: libtpu's own figure, what the compiler enforces; stare_jax.aot reads
+# it from the topology), bf16 dense peak, TensorCores per chip in the type name, chips per host
 _TPU = {
-    "v4": (32 * GiB, 275e12, 2, 4),
-    "v5litepod": (16 * GiB, 197e12, 1, 4),
-    "v5e": (16 * GiB, 197e12, 1, 4),
-    "v5p": (95 * 10**9, 459e12, 2, 4),
-    "v6e": (32 * GiB, 918e12, 1, 4),
+    "v4": (int(30.5 * GiB), 275e12, 2, 4),
+    "v5litepod": (int(15.75 * GiB), 197e12, 1, 4),
+    "v5e": (int(15.75 * GiB), 197e12, 1, 4),
+    "v5p": (int(95.74 * GiB), 459e12, 2, 4),
+    "v6e": (int(31.25 * GiB), 918e12, 1, 4),
 }
 _GPU = {
     "A100": (80 * 10**9, 312e12),
@@ -101,8 +102,8 @@ def training_activation_bytes(model_cfg, seqs: float, seq_len: int, *, tensor: i
     # scores, exp and probabilities in fp32 for the reference attention
     scores = seqs * (h / tensor) * seq_len * seq_len * 4 * 3 if model_cfg.attention_impl == "xla" else 0.0
     policy = model_cfg.remat_policy
-    if policy == "full":
-        return L * tok * d * b + per_layer_all + scores
+    if policy == "full":  # saved layer inputs + one layer recomputed and differentiated (forward + backward sets)
+        return L * tok * d * b + 2 * per_layer_all + scores
     if policy.startswith("dots"):
         return L * per_layer_dots + per_layer_all + scores
     return L * (per_layer_all + scores)
@@ -162,13 +163,17 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     d, L, V = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.vocab_size
     layer_params = (P - V * d * (1 if model_cfg.tie_word_embeddings else 2)) / L
 
+    # Calibrated against the compiled train step (stare-jax plan --compile; BUILD.md): the micro-batch scan holds
+    # the gradient accumulator and one micro-batch's gradient; the log-prob pass gathers the unembedding in fp32
+    # and XLA keeps bf16 copies of the embedding/unembedding tables (three in the 7B step's buffer report).
     mem = {
         "params": P * pb / shard,
-        "grads": P * pb / shard,
+        "grads": 2 * P * pb / shard,
         "optimizer": 2 * P * 4 / shard,
         "gathered_layer_weights": 2 * layer_params * cb / tensor,
         "activations": training_activation_bytes(model_cfg, mb_seqs_dev, seq_len, tensor=tensor),
         "logits_chunks": mb_seqs_dev * min(cfg.rl.logprob_chunk_size, seq_len) * (V / tensor) * 4 * 3,
+        "vocab_tables": V * d * (4 + 3 * cb) / tensor,
     }
     # one sampler call holds sampling.max_prompts_per_call prompts (0: the whole generation batch), padded as the
     # sampler pads them (Sampler.batch_bucket)
@@ -212,7 +217,18 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "flops_per_step": flops,
         "total_flops_per_step": total_flops,
         "step_time_s_at_40pct_mfu": total_flops / (acc.num_devices * acc.peak_flops * 0.4),
+        "warnings": _warnings(model_cfg, acc),
     }
+
+
+def _warnings(model_cfg, acc: Accelerator) -> list[str]:
+    """What the estimate assumes that the config does not give (found by compiling the programs)."""
+    out = []
+    if acc.kind == "tpu" and model_cfg.remat_policy != "none" and not model_cfg.scan_layers:
+        out.append("remat through the unrolled layer loop saves little on TPU (XLA schedules the recomputation "
+                   "early; 25.5 GiB train-step temp for the 7B on v5p-64): the activation figure assumes "
+                   "model.scan_layers=true")
+    return out
 
 
 def format_plan(plan: dict) -> str:
@@ -236,4 +252,5 @@ def format_plan(plan: dict) -> str:
         lines.append(f"  {k:<32} {v:.3e}")
     lines.append(f"  {'total':<32} {plan['total_flops_per_step']:.3e}  "
                  f"(~{plan['step_time_s_at_40pct_mfu']:.0f} s/step at 40% MFU)")
+    lines += [f"WARNING: {w}" for w in plan.get("warnings", [])]
     return "\n".join(lines)

@@ -12,7 +12,7 @@ from stare_jax.plan import estimate, format_plan, param_count, parse_accelerator
 
 @pytest.mark.parametrize(
     "name, devices, hosts, hbm_gb",
-    [("v5p-64", 32, 8, 95), ("v4-8", 4, 1, 34.4), ("v5litepod-16", 16, 4, 17.2), ("v6e-256", 256, 64, 34.4),
+    [("v5p-64", 32, 8, 102.8), ("v4-8", 4, 1, 32.75), ("v5litepod-16", 16, 4, 16.9), ("v6e-256", 256, 64, 33.55),
      ("8xH100", 8, 1, 80), ("2x8xH100", 16, 2, 80), ("4xH200", 4, 1, 141)],
 )
 def test_parse_accelerator(name, devices, hosts, hbm_gb):
