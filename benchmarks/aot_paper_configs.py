@@ -45,23 +45,27 @@ def compile_one(config: pathlib.Path, out: pathlib.Path, fresh: bool) -> dict:
     return report
 
 
-def estimate_phases(report: dict) -> dict:
-    """The analytic model's per-phase peaks (same phase definitions as the compiled ones)."""
-    mem = report["estimate"]["memory_bytes"]
+def estimate_phases(config: pathlib.Path) -> dict:
+    """The analytic model's per-phase peaks now (same phase definitions as the compiled ones)."""
+    from stare_jax.config import load_config
+    from stare_jax.plan import estimate
+
+    mem = estimate(load_config(config))["memory_bytes"]
     resident = mem["train/params"] + mem["train/optimizer"]
     return {"sampling": resident + sum(v for k, v in mem.items() if k.startswith("sample/")),
             "training": sum(v for k, v in mem.items() if k.startswith("train/"))}
 
 
-def table(rows: list[tuple[str, dict]]) -> str:
+def table(rows: list[tuple[pathlib.Path, dict]]) -> str:
     lines = ["| config | slice (topology) | sampling peak GiB: compiled / estimate | training peak GiB: compiled / "
              "estimate | HBM GiB | headroom | fits (>= 10%) | compile s |",
              "| --- | --- | ---: | ---: | ---: | ---: | :---: | ---: |"]
-    for name, r in rows:
+    for config, r in rows:
+        name = config.stem
         if "error" in r:
             lines.append(f"| {name} | | {r['error']} | | | | no | |")
             continue
-        est = estimate_phases(r)
+        est = estimate_phases(config)
         hbm = r["hbm_bytes_per_device"]
         s, t = r["phases"]["sampling"]["peak_bytes"], r["phases"]["training"]["peak_bytes"]
         compile_s = sum(p["compile_s"] for p in r["compiled"].values())
@@ -71,14 +75,14 @@ def table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def calibration(rows: list[tuple[str, dict]]) -> dict:
+def calibration(rows: list[tuple[pathlib.Path, dict]]) -> dict:
     """Relative error of the estimate vs the compiled figure per phase: (estimate - compiled) / compiled."""
     errs = {}
-    for name, r in rows:
+    for config, r in rows:
         if "error" in r:
             continue
-        est = estimate_phases(r)
-        errs[name] = {ph: (est[ph] - r["phases"][ph]["peak_bytes"]) / r["phases"][ph]["peak_bytes"]
+        est = estimate_phases(config)
+        errs[config.stem] = {ph: (est[ph] - r["phases"][ph]["peak_bytes"]) / r["phases"][ph]["peak_bytes"]
                       for ph in ("sampling", "training")}
     return errs
 
@@ -88,17 +92,22 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=[], help="config-name substrings to compile (default: all)")
     ap.add_argument("--out-dir", default=str(REPO / ".cache" / "aot"))
     ap.add_argument("--fresh", action="store_true", help="recompile even when a newer report exists")
+    ap.add_argument("--cached-only", action="store_true", help="tabulate the reports already in --out-dir")
     ap.add_argument("--json", action="store_true", help="print the rows and calibration as JSON")
     args = ap.parse_args(argv)
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     for config in paper_configs(args.only):
+        if args.cached_only:
+            if (out_dir / f"{config.stem}.json").is_file():
+                rows.append((config, json.loads((out_dir / f"{config.stem}.json").read_text())))
+            continue
         print(f"compiling {config.name} ...", file=sys.stderr, flush=True)
-        rows.append((config.stem, compile_one(config, out_dir / f"{config.stem}.json", args.fresh)))
+        rows.append((config, compile_one(config, out_dir / f"{config.stem}.json", args.fresh)))
     cal = calibration(rows)
     if args.json:
-        print(json.dumps({"rows": dict(rows), "calibration": cal}, indent=1))
+        print(json.dumps({"rows": {c.stem: r for c, r in rows}, "calibration": cal}, indent=1))
         return 0
     print(table(rows))
     worst = max((abs(e) for c in cal.values() for e in c.values()), default=float("nan"))
