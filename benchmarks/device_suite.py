@@ -32,7 +32,8 @@ start with less than its minimum time left is skipped ("skipped: budget"), timin
 least one timed run), and a watchdog prints what is done and exits at budget + 30 s whatever is running.
 --tiny shrinks every size (2-layer d=64 model, 4 x 64-token batches, 4 prompts x 16 new tokens, 2 timed steps; the
 ratio reuses the train_step section's model and sizes, so with a persistent compilation cache its STARE-O1 program
-is a cache hit) for a CPU run well under a minute. The exit status is 1 if a section failed (its error is in the JSON), else 0.
+is a cache hit) for a CPU run well under a minute.
+The exit status is 1 if a section failed (its error is in the JSON), else 0.
 """
 from __future__ import annotations
 

@@ -110,9 +110,10 @@ def main(argv=None):
         "scan_layers": args.scan_layers, "loss_jax": loss_jax, "loss_torch": loss_torch,
     }
     print(f"params {n_params / 1e6:.1f}M, batch {args.batch} x {args.seq} tokens, fp32, fwd+bwd")
-    print(f"stare_jax (jit)      : {res['jax_tokens_per_s']:9.1f} tokens/s  ({t_jax * 1e3:.0f} ms/step, loss {loss_jax:.5f}, "
-          f"compile {bench_jax.compile_s:.1f} s)")
-    print(f"transformers (torch) : {res['torch_tokens_per_s']:9.1f} tokens/s  ({t_torch * 1e3:.0f} ms/step, loss {loss_torch:.5f})")
+    print(f"stare_jax (jit)      : {res['jax_tokens_per_s']:9.1f} tokens/s  ({t_jax * 1e3:.0f} ms/step, "
+          f"loss {loss_jax:.5f}, compile {bench_jax.compile_s:.1f} s)")
+    print(f"transformers (torch) : {res['torch_tokens_per_s']:9.1f} tokens/s  ({t_torch * 1e3:.0f} ms/step, "
+          f"loss {loss_torch:.5f})")
     print(f"ratio jax/torch      : {res['ratio_jax_over_torch']:.2f}")
     print(json.dumps(res))
     return res

@@ -144,7 +144,10 @@ def main(argv=None):
     ap.add_argument("--skip-run", action="store_true", help="only the --aot-topology compile")
     ap.add_argument("--json", action="store_true", help="print the results as JSON (the table goes to stderr)")
     args = ap.parse_args(argv)
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True))
+
+    def log(*a):
+        print(*a, file=sys.stderr, flush=True)
+
     tokens = [int(x) for x in args.tokens.split(",")]
     res = ({"meta": {}, "rows": []} if args.skip_run else run(tokens, args.iters, args.seq, log=log))
     if args.aot_topology:

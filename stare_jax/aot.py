@@ -41,7 +41,7 @@ from stare_jax.plan import GiB, estimate, parse_accelerator, run_model_config
 from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.train_step import BATCH_KEYS, init_train_state, make_train_step
 from stare_jax.sampling import Sampler, next_bucket
-from stare_jax.sampling.sharding import reshard_for_sampling, reshard_program, sampler_param_sharding
+from stare_jax.sampling.sharding import reshard_program, sampler_param_sharding
 
 HEADROOM = 0.10  # a config fits when every phase's compiled peak is <= 90% of HBM
 

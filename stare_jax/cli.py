@@ -95,8 +95,8 @@ def _cmd_smoke(args) -> int:
         model_dir = run_dir / "tiny-model"
         if not (model_dir / "config.json").is_file():
             tiny = models.ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                                      intermediate_size=128, max_position_embeddings=512, architecture="Qwen2ForCausalLM",
-                                      qkv_bias=True)
+                                      intermediate_size=128, max_position_embeddings=512,
+                                      architecture="Qwen2ForCausalLM", qkv_bias=True)
             models.save_pretrained(models.init_model(tiny, seed=cfg.seed), model_dir)
         if not (model_dir / "tokenizer.json").is_file():
             _byte_tokenizer(model_dir)
@@ -276,7 +276,8 @@ def _cmd_eval(args) -> int:
         (out / "eval.md").write_text(table)
         (out / "eval.json").write_text(format_results_json(results))
     print(table, end="")
-    print(f"eval of {args.checkpoint} done in {time.time() - t0:.0f}s" + (f"; wrote {out}/eval.md, eval.json" if out else ""))
+    print(f"eval of {args.checkpoint} done in {time.time() - t0:.0f}s"
+          + (f"; wrote {out}/eval.md, eval.json" if out else ""))
     return 0
 
 
@@ -302,7 +303,7 @@ def _cmd_demo(args) -> int:
         print("stare-jax demo: --config is not used (the demo runs configs/tiny_cpu_*.yaml); pass KEY=VALUE "
               "overrides instead", file=sys.stderr)
         return 2
-    result = run_demo(args.run_dir, args.overrides)
+    run_demo(args.run_dir, args.overrides)
     return 0
 
 

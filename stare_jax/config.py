@@ -45,7 +45,8 @@ DType = Literal["float32", "bfloat16", "float16"]
 class ModelConfig:
     """Which model to train and how to compute with it."""
 
-    path: str | None = _f(None, doc="HF checkpoint folder (config.json + *.safetensors); None with `preset` for random init")
+    path: str | None = _f(None, doc="HF checkpoint folder (config.json + *.safetensors); "
+                                    "None with `preset` for random init")
     preset: str | None = _f(None, doc="named architecture (e.g. qwen2.5-7b) or 'tiny'; used when path is None")
     dtype: DType = _f("float32", doc="compute dtype")
     param_dtype: DType = _f("float32", doc="parameter (master) dtype")
@@ -304,7 +305,8 @@ def _build(cls, data: dict, where: dict[str, str], prefix: str = ""):
     """Construct dataclass `cls` from `data`; `where` maps dotted keys to their source for error messages."""
     default_where = where.get("", "<defaults>")
     if not isinstance(data, dict):
-        raise ConfigError(f"{where.get(prefix.rstrip('.'), default_where)}: '{prefix.rstrip('.')}' must be a mapping, got {data!r}")
+        raise ConfigError(f"{where.get(prefix.rstrip('.'), default_where)}: '{prefix.rstrip('.')}' must be a mapping, "
+                          f"got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k in data:
@@ -380,7 +382,8 @@ def _read_yaml(path: pathlib.Path, where: dict[str, str], seen: tuple = ()) -> d
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Split 'rl.stare.w=1.2' into (['rl', 'stare', 'w'], 1.2); the value is parsed as YAML (so 1e-6, true, null work)."""
+    """Split 'rl.stare.w=1.2' into (['rl', 'stare', 'w'], 1.2); the value is parsed as YAML (so 1e-6, true, null
+    work)."""
     if "=" not in text:
         raise ConfigError(f"command-line override {text!r}: expected KEY=VALUE, e.g. rl.stare.w=1.2")
     key, raw = text.split("=", 1)

@@ -182,7 +182,7 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
     sft_log = (tmp / "sft_log.jsonl").open("w")
     losses = sft_train(model, sample_batch,
                        SFTConfig(steps=cfg.sft_steps, batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, seed=cfg.seed),
-                       log=lambda i, l: sft_log.write(json.dumps({"sft_step": i, "loss": l}) + "\n"))
+                       log=lambda i, loss: sft_log.write(json.dumps({"sft_step": i, "loss": loss}) + "\n"))
     sft_log.close()
     log(f"toy: warm start ({cfg.sft_steps} SFT steps) loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
         f"{time.time() - t0:.1f}s so far")

@@ -68,7 +68,8 @@ def train_step_config(cfg: Config, mesh=None):
     rl, s, o = cfg.rl, cfg.rl.stare, cfg.optimizer
     B = rl.train_batch_size * rl.group_size
     if B % rl.mini_batches:
-        raise TrainingError(f"rl.train_batch_size x rl.group_size = {B} is not divisible by rl.mini_batches={rl.mini_batches}")
+        raise TrainingError(f"rl.train_batch_size x rl.group_size = {B} is not divisible by "
+                            f"rl.mini_batches={rl.mini_batches}")
     mini = B // rl.mini_batches
     per_micro = rl.micro_batch_size * data_shards(mesh)
     if mini % per_micro:

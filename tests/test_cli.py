@@ -181,7 +181,8 @@ def test_benchmarks_help_lists_the_accepted_names_and_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for name in DEFAULT_PROTOCOL:
         assert name in text
-    assert "--n N, --samples N" in text and "--limit LIMIT first N problems of each benchmark (default: 0 = all)" in text
+    assert "--n N, --samples N" in text
+    assert "--limit LIMIT first N problems of each benchmark (default: 0 = all)" in text
     assert "aime24 32" in text and "math500 4" in text and "(default: 3072)" in text
 
 

@@ -1,4 +1,5 @@
-"""Config loading: YAML + base chains + dotted overrides, and errors that name the key, the source and what is accepted."""
+"""Config loading: YAML + base chains + dotted overrides, and errors that name the key, the source and what is
+accepted."""
 import pathlib
 
 import pytest

@@ -1,8 +1,9 @@
 """Imports point down (../shared/design/DESIGN.md: "no module reaching back up the chain"), checked on the source
 with `ast`, so function-local imports count as much as module-level ones.
 
-The lower layers (rewards, sampling, tasks, data, rl, models, and rollouts, which train and eval use) import nothing from the top of the package: the
-training loop and its entry points (train, toy, plan, cli, policy, demo, sft).  The pieces a reward or a sampler
+The lower layers (rewards, sampling, tasks, data, rl, models, and rollouts, which train and eval use) import
+nothing from the top of the package: the training loop and its entry points (train, toy, plan, cli, policy, demo,
+sft).  The pieces a reward or a sampler
 needs are lower still: rewards, sampling and tasks also stay off the checkpoint import/export (models.hf_io).
 Checked directly (every import statement of every module) and through the package's own import graph (a lower
 module importing, say, stare_jax.distributed, must not reach train through it)."""

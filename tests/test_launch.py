@@ -78,8 +78,8 @@ def read_stub_outputs(folder: pathlib.Path, n: int, timeout: float = 20) -> list
     runs = []
     for f in sorted(folder.glob("train-*.txt")):
         lines = f.read_text().splitlines()
-        runs.append({"args": [l[4:] for l in lines if l.startswith("ARG ")],
-                     "env": dict(l[4:].split("=", 1) for l in lines if l.startswith("ENV "))})
+        runs.append({"args": [ln[4:] for ln in lines if ln.startswith("ARG ")],
+                     "env": dict(ln[4:].split("=", 1) for ln in lines if ln.startswith("ENV "))})
     assert len(runs) == n, f"expected {n} stub runs in {folder}, got {len(runs)}"
     return runs
 
@@ -132,12 +132,14 @@ def test_tpu_sync_tarball_and_git():
     assert lines[1] == (f"{GC} tpu-vm scp /tmp/stare_jax-stare-v5p.tar.gz stare-v5p:stare_jax.tar.gz "
                         "--zone=us-east5-a --worker=all")
     assert "--worker=all" in lines[2]
-    assert remote(lines[2]) == "mkdir -p ~/stare_jax && tar -xzf ~/stare_jax.tar.gz -C ~/stare_jax && rm -f ~/stare_jax.tar.gz"
+    assert remote(lines[2]) == ("mkdir -p ~/stare_jax && tar -xzf ~/stare_jax.tar.gz -C ~/stare_jax && "
+                                "rm -f ~/stare_jax.tar.gz")
     assert len(lines) == 3
     (git,) = dry("tpu_vm.sh", "sync", *TPU, "--repo", "https://github.com/me/stare_jax.git", "--ref", "v0.1")
     assert "--worker=all" in git
-    assert remote(git) == ("if [ ! -d ~/stare_jax/.git ]; then git clone --no-checkout https://github.com/me/stare_jax.git "
-                           "~/stare_jax; fi && git -C ~/stare_jax fetch --depth 1 origin v0.1 && "
+    assert remote(git) == ("if [ ! -d ~/stare_jax/.git ]; then git clone --no-checkout "
+                           "https://github.com/me/stare_jax.git ~/stare_jax; fi && "
+                           "git -C ~/stare_jax fetch --depth 1 origin v0.1 && "
                            "git -C ~/stare_jax checkout --force FETCH_HEAD")
 
 
@@ -145,7 +147,8 @@ def test_tpu_run_logs_stop_delete():
     (line,) = dry("tpu_vm.sh", "run", *TPU, "--config", CFG, "--run-dir", RUN)
     assert line.startswith(f"{GC} tpu-vm ssh stare-v5p --zone=us-east5-a --worker=all --command ")
     cmd = remote(line)
-    assert f"nohup .venv/bin/stare-jax train --config {CFG} --run-dir {RUN} --resume > logs/train-$(hostname).log" in cmd
+    assert (f"nohup .venv/bin/stare-jax train --config {CFG} --run-dir {RUN} --resume "
+            "> logs/train-$(hostname).log") in cmd
     assert "echo $! > logs/train.pid" in cmd and "echo $? > logs/train.exit" in cmd
     (fresh,) = dry("tpu_vm.sh", "run", *TPU, "--config", CFG, "--run-dir", RUN, "--no-resume")
     assert "--resume" not in remote(fresh)
@@ -171,7 +174,7 @@ def test_tpu_watch_dry_run_prints_one_recovery_iteration():
     assert lines[3] == (f"{GC} queued-resources create stare-v5p-qr --node-id=stare-v5p --zone=us-east5-a "
                         "--accelerator-type=v5p-64 --runtime-version=v2-alpha-tpuv5 --spot")
     assert lines[4].startswith("tar -czf ") and " tpu-vm scp " in lines[5]
-    assert lines[5:9] == [l for l in lines[5:9] if "--worker=all" in l]
+    assert lines[5:9] == [ln for ln in lines[5:9] if "--worker=all" in ln]
     assert "tar -xzf" in remote(lines[6]) and "jax[tpu]" in remote(lines[7])
     assert "stare-jax train --config" in remote(lines[8]) and "--resume" in remote(lines[8])
     assert lines[9:] == ["sleep 120"]
@@ -267,7 +270,7 @@ SSH = ["--mode", "ssh", "--hosts", "gpu-a,gpu-b", "--nodes", "2", "--gpus-per-no
 
 
 def _heredoc(lines: list[str]) -> tuple[str, str]:
-    start = next(i for i, l in enumerate(lines) if l.startswith("cat > "))
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("cat > "))
     end = lines.index("EOF_STARE_JAX")
     return lines[start].split()[2], "\n".join(lines[start + 1:end]) + "\n"
 
@@ -286,15 +289,15 @@ def test_gpu_slurm_dry_run_script():
                  'export JAX_COORDINATOR_ADDRESS="$head_node:$JAX_COORDINATOR_PORT"',
                  'export JAX_NUM_PROCESSES="$SLURM_NNODES"', "export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7"]:
         assert want in body, want
-    srun = next(l for l in body if l.startswith("srun "))
+    srun = next(ln for ln in body if ln.startswith("srun "))
     assert "--nodes=2 --ntasks-per-node=1 --gpus-per-node=8" in srun
     inner = shlex.split(srun)[-1]
     assert inner == ('export JAX_PROCESS_ID="$SLURM_PROCID"; exec .venv/bin/stare-jax train --config '
                      f'{CFG} --run-dir /shared/runs/q7b --resume --coordinator-address "$JAX_COORDINATOR_ADDRESS" '
                      '--num-processes "$SLURM_NTASKS" --process-id "$SLURM_PROCID"')
     # every #SBATCH line comes before the first command
-    first_cmd = next(i for i, l in enumerate(body) if l and not l.startswith("#"))
-    assert all(i < first_cmd for i, l in enumerate(body) if l.startswith("#SBATCH"))
+    first_cmd = next(i for i, ln in enumerate(body) if ln and not ln.startswith("#"))
+    assert all(i < first_cmd for i, ln in enumerate(body) if ln.startswith("#SBATCH"))
     assert "sbatch" not in "\n".join(dry("gpu_multinode.sh", *SLURM, "--no-submit")).split("EOF_STARE_JAX")[-1]
 
 
@@ -308,15 +311,16 @@ def test_gpu_slurm_script_runs_two_processes_with_jax_slurm_coordinator(tmp_path
     script = script.replace(f"cd {ROOT}\n", f"cd {shlex.quote(str(work))}\n")
     (tmp_path / "job.sbatch").write_text(script)
     bin_ = tmp_path / "bin"
-    make_exe(bin_ / "scontrol", '#!/usr/bin/env bash\n[ "$1 $2" = "show hostnames" ] && printf "gpu-node07\\ngpu-node08\\n"\n')
+    make_exe(bin_ / "scontrol",
+             '#!/usr/bin/env bash\n[ "$1 $2" = "show hostnames" ] && printf "gpu-node07\\ngpu-node08\\n"\n')
     make_exe(bin_ / "srun", """#!/usr/bin/env bash
 n=1
 while [ $# -gt 0 ] && [ "$1" != bash ]; do case "$1" in --nodes=*) n="${1#--nodes=}";; esac; shift; done
 for ((i = 0; i < n; i++)); do SLURM_PROCID=$i SLURM_LOCALID=0 SLURM_NTASKS=$n "$@" & done
 wait
 """)
-    slurm_env = {"SLURM_JOB_ID": "1234", "SLURM_JOB_NODELIST": "gpu-node[07-08]", "SLURM_STEP_NODELIST": "gpu-node[07-08]",
-                 "SLURM_NNODES": "2"}
+    slurm_env = {"SLURM_JOB_ID": "1234", "SLURM_JOB_NODELIST": "gpu-node[07-08]",
+                 "SLURM_STEP_NODELIST": "gpu-node[07-08]", "SLURM_NNODES": "2"}
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", STUB_OUT=str(work), **slurm_env)
     r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -373,7 +377,8 @@ STUB_HOST="$host" bash -c "$1"
 """)
     hosts = tmp_path / "hosts"
     hosts.write_text("# the two nodes\ngpu-a\ngpu-b slots=8\n")
-    args = [a for a in SSH if a not in ("--hosts", "gpu-a,gpu-b")] + ["--hostfile", str(hosts), "--remote-dir", str(work)]
+    args = ([a for a in SSH if a not in ("--hosts", "gpu-a,gpu-b")]
+            + ["--hostfile", str(hosts), "--remote-dir", str(work)])
     out = sh("gpu_multinode.sh", *args, env={"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "STUB_OUT": str(work)})
     assert out.returncode == 0, out.stderr
     runs = read_stub_outputs(work, 2)
@@ -405,7 +410,8 @@ STUB_HOST="$host" bash -c "$1"
      "--preemptible is not accepted for queued resources"),
     ("tpu_vm.sh", ["run", *TPU, "--config", "configs/paper/nope.yaml", "--run-dir", RUN], "config file not found"),
     ("tpu_vm.sh", ["run", *TPU, "--config", CFG], "--run-dir is required"),
-    ("tpu_vm.sh", ["run", *TPU, "--config", CFG, "--run-dir", "gs://b/x'; rm -rf ~"], "characters that are not accepted"),
+    ("tpu_vm.sh", ["run", *TPU, "--config", CFG, "--run-dir", "gs://b/x'; rm -rf ~"],
+     "characters that are not accepted"),
     ("tpu_vm.sh", ["watch", *TPU, "--accelerator-type", "v5p-64", "--config", CFG, "--run-dir", RUN, "--interval", "0"],
      "--interval must be a positive integer"),
     ("tpu_vm.sh", ["logs", *TPU, "--accelerator-type", "v5p-64", "--worker", "8"], "workers 0..7"),
@@ -423,7 +429,8 @@ STUB_HOST="$host" bash -c "$1"
     ("gpu_multinode.sh", [a if a != "2" else "3" for a in SSH], "--nodes is 3 but the hosts list has 2 host(s)"),
     ("gpu_multinode.sh", [a if a != "2" else "0" for a in SLURM], "--nodes must be a positive integer, got '0'"),
     ("gpu_multinode.sh", [a if a != "8" else "0" for a in SLURM], "--gpus-per-node must be a positive integer"),
-    ("gpu_multinode.sh", [a if a != "8" else "-8" for a in SSH], "--gpus-per-node must be a positive integer, got '-8'"),
+    ("gpu_multinode.sh", [a if a != "8" else "-8" for a in SSH],
+     "--gpus-per-node must be a positive integer, got '-8'"),
     ("gpu_multinode.sh", SLURM[2:], "--mode is required"),
     ("gpu_multinode.sh", ["--mode", "mpi", *SLURM[2:]], "--mode must be slurm or ssh"),
     ("gpu_multinode.sh", [*SLURM, "--hosts", "a,b"], "are for --mode ssh"),

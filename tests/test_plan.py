@@ -7,7 +7,8 @@ from flax import nnx
 
 from stare_jax.config import MeshConfig, load_config
 from stare_jax.models import ModelConfig, Transformer, get_preset
-from stare_jax.plan import estimate, format_plan, param_count, parse_accelerator, resolve_mesh, training_activation_bytes
+from stare_jax.plan import (estimate, format_plan, param_count, parse_accelerator, resolve_mesh,
+                            training_activation_bytes)
 
 
 @pytest.mark.parametrize(

@@ -47,8 +47,12 @@ def test_gradients_match_naive(chunk, vchunk, wdtype):
         lp, ent = fn(hh, ww)
         return jnp.sum(lp * a) + jnp.sum(ent * b)
 
-    chunked = lambda hh, ww: token_logprobs_and_entropy(hh, ww, t, mask, chunk_size=chunk, vocab_chunk_size=vchunk)
-    naive = lambda hh, ww: naive_logprobs_and_entropy(hh, ww, t, mask)
+    def chunked(hh, ww):
+        return token_logprobs_and_entropy(hh, ww, t, mask, chunk_size=chunk, vocab_chunk_size=vchunk)
+
+    def naive(hh, ww):
+        return naive_logprobs_and_entropy(hh, ww, t, mask)
+
     gc = jax.jit(jax.grad(lambda hh, ww: loss(chunked, hh, ww), argnums=(0, 1)))(h, w)
     gn = jax.grad(lambda hh, ww: loss(naive, hh, ww), argnums=(0, 1))(h, w)
     tol = 1e-5 if wdtype == jnp.float32 else 1e-2  # bf16 table: the gradient itself is rounded to bf16

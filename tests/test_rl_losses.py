@@ -94,15 +94,16 @@ def test_on_policy_gradient_is_minus_omega_a():
 def test_micro_batch_accumulation_equals_full_batch(agg):
     lp, old, adv, mask, omega = _batch(2, B=8)
     norm = loss_normalizer(mask, agg)
-    f = lambda x, sl, nm: policy_loss(x, old[sl], adv[sl], mask[sl], omega_BxT=omega[sl], agg=agg,
-                                      normalizer=nm)
+    def f(x, sl, nm):
+        return policy_loss(x, old[sl], adv[sl], mask[sl], omega_BxT=omega[sl], agg=agg, normalizer=nm)
+
     full, fmet = f(lp, slice(None), None)
     gfull = jax.grad(lambda x: f(x, slice(None), None)[0])(lp)
     tot, gacc, sums = 0.0, np.zeros_like(lp), {"clipfrac_sum": 0.0, "approx_kl_sum": 0.0, "token_count": 0.0}
     for k in range(4):
         sl = slice(2 * k, 2 * k + 2)
-        l, met = f(lp[sl], sl, norm)
-        tot += float(l)
+        loss, met = f(lp[sl], sl, norm)
+        tot += float(loss)
         gacc[sl] = np.asarray(jax.grad(lambda x: f(x, sl, norm)[0])(lp[sl]))
         for key in sums:
             sums[key] += float(met[key])

@@ -242,8 +242,9 @@ def test_real_model_on_real_data_smoke(tmp_path):
     if not data.is_file():
         pytest.skip(f"shared data not found at {data}")
     run = tmp_path / "smol"
-    p = _run([sys.executable, "-m", "stare_jax.cli", "train", "--config", str(REPO / "configs/smollm2_gsm8k_smoke.yaml"),
-              "--run-dir", str(run), f"model.path={model_dir}", f"data.train_path={data}", "logging.progress_bar=false"],
+    p = _run([sys.executable, "-m", "stare_jax.cli", "train",
+              "--config", str(REPO / "configs/smollm2_gsm8k_smoke.yaml"), "--run-dir", str(run),
+              f"model.path={model_dir}", f"data.train_path={data}", "logging.progress_bar=false"],
              timeout=1200)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = read_metrics(run, drop_timing=False)

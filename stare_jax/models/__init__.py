@@ -3,5 +3,5 @@ from stare_jax.models.config import PRESETS, SUPPORTED_ARCHITECTURES, ModelConfi
 from stare_jax.models.transformer import Transformer, abstract_model, default_positions, init_model
 from stare_jax.models.hf_io import from_pretrained, save_pretrained
 
-__all__ = ["ModelConfig", "Transformer", "init_model", "abstract_model", "from_pretrained", "save_pretrained", "get_preset",
-           "PRESETS", "SUPPORTED_ARCHITECTURES", "default_positions"]
+__all__ = ["ModelConfig", "Transformer", "init_model", "abstract_model", "from_pretrained", "save_pretrained",
+           "get_preset", "PRESETS", "SUPPORTED_ARCHITECTURES", "default_positions"]

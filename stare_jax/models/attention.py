@@ -93,7 +93,8 @@ def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interp
 
     Padding is expressed through segment ids (real tokens 1, padding 0): a real query sees only real keys at
     or before it, exactly like `causal_padding_mask` for real positions. T is padded up to a multiple of
-    128 (the kernel's block granularity) with an extra segment. interpret=None runs the Pallas interpreter off-TPU (CPU tests)."""
+    128 (the kernel's block granularity) with an extra segment. interpret=None runs the Pallas interpreter off-TPU
+    (CPU tests)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 
     b, t, h, d = q_BxTxHxD.shape

@@ -196,8 +196,10 @@ def select(logprobs_BxT, advantages_B, mask_BxT, cfg: StareConfig, *, need: tupl
     scope = cfg.scope if scope is None else scope
     s, cand_pos, cand_neg = candidates(logprobs_BxT, advantages_B, mask_BxT)
     B, T = s.shape
-    fn = lambda a, b, c: _select_flat(a, b, c, top_p=cfg.top_p, rule=cfg.rule, need=tuple(need),
-                                      impl=cfg.select_impl)
+
+    def fn(a, b, c):
+        return _select_flat(a, b, c, top_p=cfg.top_p, rule=cfg.rule, need=tuple(need), impl=cfg.select_impl)
+
     if scope == "batch":
         sets = fn(s.reshape(-1), cand_pos.reshape(-1), cand_neg.reshape(-1))
     elif scope == "micro_batch":

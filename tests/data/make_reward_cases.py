@@ -188,7 +188,8 @@ def main(data_dir: pathlib.Path) -> list[dict]:
     for r in [x for x in math500 if re.fullmatch(r"-?\d+ ?[+-] ?\d+i", x["answer"])]:
         m = re.fullmatch(r"(-?\d+) ?([+-]) ?(\d+)i", r["answer"])
         a, op, b = m.groups()
-        add("complex_reordered", r["id"], f"\\boxed{{{op}{b}i + {a}}}".replace("+-", "-").replace("{+", "{"), r["answer"], 1)
+        add("complex_reordered", r["id"], f"\\boxed{{{op}{b}i + {a}}}".replace("+-", "-").replace("{+", "{"),
+            r["answer"], 1)
         conj = "-" if op == "+" else "+"
         add("complex_conjugate", r["id"], f"\\boxed{{{a}{conj}{b}i}}", r["answer"], 0)
 
