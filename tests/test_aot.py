@@ -48,7 +48,8 @@ def test_tiny_config_compiles_with_splash_through_mosaic(tiny_report):
 
 def test_tiny_config_state_is_sharded(tiny_report):
     s = tiny_report["state_bytes_per_device"]
-    assert s["optimizer"] == 2 * s["params"]  # AdamW moments sharded exactly like the fp32 params
+    # AdamW moments sharded exactly like the fp32 params (+ two replicated int32 step counts)
+    assert s["optimizer"] - 2 * s["params"] == 8
     assert s["sampler_weights"] * 2 >= s["params"]  # bf16 copy, replicated over the 4 data shards
     assert tiny_report["phases"]["sampling"]["resident_bytes"] == s["params"] + s["optimizer"]
 
@@ -57,8 +58,8 @@ def test_flops_count_loop_trips(tiny_report):
     """Per-step FLOPs include every micro-batch and decode step: more than XLA's body-once count."""
     t = tiny_report["compiled"]["train_step"]
     assert t["flops_per_step"] / tiny_report["devices"] > t["xla_flops_body_once"]
-    s = tiny_report["compiled"]["sampler"]
-    assert s["flops_per_step"] / tiny_report["devices"] > 5 * s["xla_flops_body_once"]
+    s = tiny_report["compiled"]["sampler"]  # the prefill (counted once by both) dominates the tiny decode
+    assert s["flops_per_step"] / tiny_report["devices"] > 2 * s["xla_flops_body_once"]
 
 
 def test_jaxpr_flops_matches_a_hand_count():
@@ -86,7 +87,8 @@ def test_collectives_parsed_from_hlo():
     (["--topology", "v9:2x2"], "unknown TPU topology 'v9:2x2'"),
     (["--compile", "--accelerator", "v7-8"], "unknown accelerator type 'v7-8'"),
     (["--compile", "--accelerator", "8xH100"], "GPU type"),
-    (["--topology", "v5p:2x2x1", "mesh.fsdp=3"], "does not divide the 4 devices"),
+    (["--topology", "v5p:2x2x1", "mesh.fsdp=3"], "has 3 devices but the accelerator has 4"),
+    (["--topology", "v5p:2x2x1", "mesh.fsdp=-1", "mesh.tensor=3"], "does not divide the 4 devices"),
     (["--compile"], "no accelerator"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys):
