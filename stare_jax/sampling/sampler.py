@@ -335,8 +335,8 @@ class Sampler:
 
     def trace(self, num_prompts: int, prompt_len: int, *, max_new_tokens: int, num_samples: int = 1):
         """The jax `Traced` sampling program (its .jaxpr; .lower() it under program_context()) for `num_prompts`
-        prompts of (bucketed) length `prompt_len`: the
-        same code path as generate_arrays (buckets, padding, shardings), for an ahead-of-time compile."""
+        prompts of (bucketed) length `prompt_len`: the same code path as generate_arrays (buckets, padding,
+        shardings), for an ahead-of-time compile."""
         if not self.abstract:
             raise ValueError("Sampler.trace needs an abstract sampler (built from models.abstract_model)")
         ids = np.zeros((num_prompts, prompt_len), np.int32)
