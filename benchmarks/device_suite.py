@@ -341,6 +341,16 @@ class _Ctx:
         return [self.impl] if self.impl in ("xla", "dot_product") else [self.impl, "xla"]
 
 
+def _fall_back(ctx, sec, impl, err, label):
+    """After attention_impl `impl` failed: re-raise if it was the last choice, else record the fallback to xla."""
+    if impl == ctx.impls()[-1]:
+        raise err
+    sec["attention_fallback"] = (f"attention_impl={impl} failed ({type(err).__name__}: "
+                                 f"{str(err).splitlines()[0][:300]}); fell back to xla")
+    log(f"[device_suite] {label}: {sec['attention_fallback']}")
+    ctx._models.clear()
+
+
 def model_summary(cfg):
     d, L, h, dh, V = cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.vocab_size
     n_total = cfg.num_params()
@@ -402,7 +412,6 @@ def section_train_step(suite, ctx, sec, peak, *, batch, seq_len, micro_batches, 
                     "micro_batches": micro_batches, "timed_steps": timed, "warmup_steps": 1,
                     "train_step": "STARE-O1, gate forced on (target_entropy 1e3), ppo_epochs 1, 1 mini-batch, "
                                   "token-mean, lr 1e-6 AdamW, state donated"}
-    last_err = None
     for impl in ctx.impls():
         name, mcfg = ctx.big_config(seq_len, impl)
         try:
@@ -416,13 +425,7 @@ def section_train_step(suite, ctx, sec, peak, *, batch, seq_len, micro_batches, 
             first = time.perf_counter() - t
             break
         except Exception as e:  # noqa: BLE001
-            if impl == ctx.impls()[-1]:
-                raise
-            last_err = f"attention_impl={impl} failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}); " \
-                       "fell back to xla"
-            sec["attention_fallback"] = last_err
-            log(f"[device_suite] train_step: {last_err}")
-            ctx._models.clear()
+            _fall_back(ctx, sec, impl, e, "train_step")
     sec["model_name"] = name
     sec["model"] = model_summary(mcfg)
     log(f"[device_suite] train_step: {name}, {mcfg.num_params() / 1e6:.1f}M params, {batch}x{seq_len}, "
@@ -502,12 +505,7 @@ def section_sampler(suite, ctx, sec, *, prompts, samples, prompt_len, new_tokens
             first = time.perf_counter() - t
             break
         except Exception as e:  # noqa: BLE001
-            if impl == ctx.impls()[-1]:
-                raise
-            sec["attention_fallback"] = (f"attention_impl={impl} failed ({type(e).__name__}: "
-                                         f"{str(e).splitlines()[0][:300]}); fell back to xla")
-            log(f"[device_suite] sampler: {sec['attention_fallback']}")
-            ctx._models.clear()
+            _fall_back(ctx, sec, impl, e, "sampler")
     sec["model_name"] = name
     sec["model"] = model_summary(mcfg)
     sec["sampler_weights_dtype"] = str(jax.tree.leaves(sampler.state)[0].dtype)
@@ -559,12 +557,7 @@ def section_stare_ratio(suite, ctx, sec, *, batch, seq_len, micro_batches, pairs
                 first[arm] = round(time.perf_counter() - t, 3)
             break
         except Exception as e:  # noqa: BLE001
-            if impl == ctx.impls()[-1]:
-                raise
-            sec["attention_fallback"] = (f"attention_impl={impl} failed ({type(e).__name__}: "
-                                         f"{str(e).splitlines()[0][:300]}); fell back to xla")
-            log(f"[device_suite] stare_ratio: {sec['attention_fallback']}")
-            ctx._models.clear()
+            _fall_back(ctx, sec, impl, e, "stare_ratio")
     sec["model"] = model_summary(mcfg)
     log(f"[device_suite] stare_ratio: {mcfg.num_params() / 1e6:.1f}M params, {batch}x{seq_len}, first calls {first}")
     for arm in arms:

@@ -113,14 +113,20 @@ def test_sigkill_then_resume_matches_uninterrupted_run(full_run, toy_cache, tmp_
     assert resumed[restored_from:] == full[restored_from:]
 
 
-def test_sigterm_saves_a_loadable_checkpoint_and_exits_cleanly(toy_cache, tmp_path):
-    run = tmp_path / "term"
+def _start_until_first_step(run, toy_cache):
+    """A 50-step toy run in a child process, returned once its first step is logged."""
     proc = subprocess.Popen(_train_cmd(run, toy_cache, "total_steps=50", "checkpoint.every_steps=0"), cwd=REPO,
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0 = time.time()
     while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
         assert proc.poll() is None and time.time() - t0 < 300, "run died before its first step"
         time.sleep(0.05)
+    return proc
+
+
+def test_sigterm_saves_a_loadable_checkpoint_and_exits_cleanly(toy_cache, tmp_path):
+    run = tmp_path / "term"
+    proc = _start_until_first_step(run, toy_cache)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
@@ -137,12 +143,7 @@ def test_ctrl_c_saves_the_current_step_says_so_and_exits_0(toy_cache, tmp_path):
     """SIGINT (Ctrl-C) is handled like SIGTERM: the step under way finishes, is saved, one line says so, exit 0, no
     KeyboardInterrupt traceback; the run then resumes from that step."""
     run = tmp_path / "ctrl_c"
-    proc = subprocess.Popen(_train_cmd(run, toy_cache, "total_steps=50", "checkpoint.every_steps=0"), cwd=REPO,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    t0 = time.time()
-    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
-        assert proc.poll() is None and time.time() - t0 < 300, "run died before its first step"
-        time.sleep(0.05)
+    proc = _start_until_first_step(run, toy_cache)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
