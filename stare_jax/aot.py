@@ -22,6 +22,7 @@ Nothing here is a copy of a program: the run's own code paths are given abstract
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -197,6 +198,17 @@ def tree_bytes_per_device(tree) -> int:
     return int(sum(_shard_bytes(x) for x in jax.tree.leaves(tree)))
 
 
+@contextlib.contextmanager
+def _no_persistent_cache():
+    """Compile-only executables cannot be loaded back from JAX's persistent cache: keep them out of it."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
 @dataclasses.dataclass
 class Program:
     """One compiled program's figures (bytes per device; FLOPs per call, all devices)."""
@@ -218,7 +230,7 @@ class Program:
     @classmethod
     def compile(cls, name: str, traced, mesh_ctx, num_devices: int, *, while_trips: int = 1) -> "Program":
         t0 = time.time()
-        with mesh_ctx():
+        with mesh_ctx(), _no_persistent_cache():
             compiled = traced.lower().compile()
         compile_s = time.time() - t0
         ma = compiled.memory_analysis()
