@@ -48,12 +48,9 @@ def compile_one(config: pathlib.Path, out: pathlib.Path, fresh: bool) -> dict:
 def estimate_phases(config: pathlib.Path) -> dict:
     """The analytic model's per-phase peaks now (same phase definitions as the compiled ones)."""
     from stare_jax.config import load_config
-    from stare_jax.plan import estimate
+    from stare_jax.plan import estimate, phase_peaks
 
-    mem = estimate(load_config(config))["memory_bytes"]
-    resident = mem["train/params"] + mem["train/optimizer"]
-    return {"sampling": resident + sum(v for k, v in mem.items() if k.startswith("sample/")),
-            "training": sum(v for k, v in mem.items() if k.startswith("train/"))}
+    return phase_peaks(estimate(load_config(config)))
 
 
 def table(rows: list[tuple[pathlib.Path, dict]]) -> str:

@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stare_jax import models
 from stare_jax.models.sharding import make_mesh, mesh_for_config
-from stare_jax.plan import GiB, estimate, parse_accelerator, run_model_config
+from stare_jax.plan import GiB, estimate, parse_accelerator, phase_peaks, run_model_config
 from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.train_step import BATCH_KEYS, init_train_state, make_train_step
 from stare_jax.sampling import Sampler, next_bucket
@@ -375,11 +375,9 @@ def format_compiled(report: dict) -> str:
                      f"{p['alias_bytes'] / GiB:9.2f}{p['temp_bytes'] / GiB:9.2f}{p['generated_code_bytes'] / GiB:8.2f}"
                      f"{p['peak_bytes'] / GiB:9.2f}{p['flops_per_step'] / 1e12:12.1f}{p['compile_s']:11.1f}")
     est_peak = est.get("peak_bytes_per_device")
+    est_phases = phase_peaks(est) if "memory_bytes" in est else {}
     for name, ph in report["phases"].items():
-        key = "sample" if name == "sampling" else "train"
-        e = sum(v for k, v in (est.get("memory_bytes") or {}).items() if k.startswith(f"{key}/")) or None
-        if e is not None and name == "sampling":
-            e += (est["memory_bytes"]["train/params"] + est["memory_bytes"]["train/optimizer"])
+        e = est_phases.get(name)
         lines.append(f"  phase {name:<10} peak {ph['peak_bytes'] / GiB:8.2f} GiB"
                      + (f"   (estimate {e / GiB:.2f} GiB)" if e else ""))
     for name, p in report["compiled"].items():

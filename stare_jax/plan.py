@@ -232,6 +232,15 @@ def _warnings(model_cfg, acc: Accelerator) -> list[str]:
     return out
 
 
+def phase_peaks(plan: dict) -> dict[str, float]:
+    """Per-phase peak bytes per device of an `estimate` result, as stare_jax.aot defines the phases: sampling =
+    the sampler's buffers + the params and AdamW moments that stay resident; training = the train step."""
+    mem = plan["memory_bytes"]
+    return {"sampling": mem["train/params"] + mem["train/optimizer"]
+            + sum(v for k, v in mem.items() if k.startswith("sample/")),
+            "training": sum(v for k, v in mem.items() if k.startswith("train/"))}
+
+
 def format_plan(plan: dict) -> str:
     """Human-readable table of an `estimate` result."""
     lines = [
