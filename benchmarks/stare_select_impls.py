@@ -31,6 +31,14 @@ from stare_jax.rl.stare import StareConfig, StareState, stare_omega  # noqa: E40
 IMPLS = ("bisect", "jnp_quantile")
 
 
+def _omega_program(impl: str, out_sharding):
+    """The jitted STARE-O1 omega (gate on) with selection implementation `impl`."""
+    cfg = StareConfig(enabled=True, variant="O1", select_impl=impl)
+    state = StareState(gate_on=jnp.asarray(True), w=jnp.float32(cfg.w), m=jnp.float32(cfg.m),
+                       last_entropy=jnp.float32(0.0))
+    return jax.jit(lambda a, b, c: stare_omega(a, b, c, state, cfg)[0], out_shardings=out_sharding)
+
+
 def _inputs(n_tok: int, seq: int, sh2, sh1):
     B = max(n_tok // seq, 8)
     T = n_tok // B
@@ -59,11 +67,7 @@ def run(tokens_list, iters: int, seq: int, log=print) -> dict:
         (lp, adv, mask), (B, T) = _inputs(n_tok, seq, sh2, sh1)
         fns, outs = {}, {}
         for impl in IMPLS:
-            cfg = StareConfig(enabled=True, variant="O1", select_impl=impl)
-            state = StareState(gate_on=jnp.asarray(True), w=jnp.float32(cfg.w), m=jnp.float32(cfg.m),
-                               last_entropy=jnp.float32(0.0))
-            f = jax.jit(lambda a, b, c, cfg=cfg, state=state: stare_omega(a, b, c, state, cfg)[0],
-                        out_shardings=sh2)
+            f = _omega_program(impl, sh2)
             t0 = time.perf_counter()
             compiled = f.lower(lp, adv, mask).compile()
             compile_s = time.perf_counter() - t0
@@ -104,11 +108,7 @@ def aot(topology: str, tokens_list, seq: int, log=print) -> list[dict]:
         args = (jax.ShapeDtypeStruct((B, T), jnp.float32, sharding=sh2), jax.ShapeDtypeStruct((B,), jnp.float32,
                 sharding=sh1), jax.ShapeDtypeStruct((B, T), jnp.float32, sharding=sh2))
         for impl in IMPLS:
-            cfg = StareConfig(enabled=True, variant="O1", select_impl=impl)
-            state = StareState(gate_on=jnp.asarray(True), w=jnp.float32(cfg.w), m=jnp.float32(cfg.m),
-                               last_entropy=jnp.float32(0.0))
-            f = jax.jit(lambda a, b, c, cfg=cfg, state=state: stare_omega(a, b, c, state, cfg)[0],
-                        out_shardings=sh2)
+            f = _omega_program(impl, sh2)
             mem = f.lower(*args).compile().memory_analysis()
             out.append({"topology": topology, "mesh": dict(mesh.shape), "tokens": B * T, "B": B, "T": T,
                         "impl": impl, "temp_bytes": int(mem.temp_size_in_bytes)})
