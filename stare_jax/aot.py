@@ -41,6 +41,7 @@ from stare_jax.models.sharding import make_mesh, mesh_for_config
 from stare_jax.plan import GiB, estimate, parse_accelerator, phase_peaks, run_model_config
 from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.train_step import BATCH_KEYS, init_train_state, make_train_step
+from stare_jax.run_setup import train_step_config
 from stare_jax.sampling import Sampler, next_bucket
 from stare_jax.sampling.sharding import reshard_program, sampler_param_sharding
 
@@ -289,8 +290,6 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, log=print) 
     """Compile the train step, the sampler program and the weight reshard of run config `cfg` for a TPU slice
     (`topology`, default: the one of cfg.launch.accelerator) and report the compiler's figures.
     `model_cfg` replaces the run's model (e.g. a few-layer variant for a quick study)."""
-    from stare_jax.train import train_step_config
-
     accelerator = getattr(getattr(cfg, "launch", None), "accelerator", None)
     if topology is None:
         if not accelerator:

@@ -23,19 +23,36 @@ traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+import yaml
+from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
+
+from stare_jax import aot, models
+from stare_jax.checkpoint import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from stare_jax.config import ConfigError, load_config, save_config, to_dict
-
-
-# For `stare-jax eval --help` without importing the eval stack (seconds): name -> (file, samples per problem) of
-# stare_jax.eval.benchmarks.DEFAULT_PROTOCOL (tests/test_cli.py checks they agree).
-BENCHMARKS = {"aime24": ("aime24.jsonl", 32), "aime25": ("aime25.jsonl", 32), "amc23": ("amc23.jsonl", 32),
-              "math500": ("math500.jsonl", 4), "minerva": ("minerva.jsonl", 4),
-              "olympiadbench": ("olympiadbench.jsonl", 4), "gsm8k": ("gsm8k_test.jsonl", 4)}
+from stare_jax.data.prompts import DataError, format_prompt
+from stare_jax.demo import run_demo
+from stare_jax.eval.benchmarks import DEFAULT_PROTOCOL, format_results_json, format_results_markdown, load_benchmark
+from stare_jax.eval.runner import EvalSet, evaluate_sets
+from stare_jax.models.gguf_convert import convert_gguf_to_hf, ensure_smollm2_hf
+from stare_jax.models.sharding import make_mesh
+from stare_jax.plan import estimate, format_plan
+from stare_jax.plot import expand_run_dirs, is_run_dir, load_run, plot_runs, summary_table
+from stare_jax.policy import export_policy, load_policy
+from stare_jax.rl.advantages import DynamicSamplingError
+from stare_jax.rollouts import RewardFn
+from stare_jax.run_config import ConfigChangeError
+from stare_jax.run_setup import TrainingError, init_distributed
+from stare_jax.sampling import Sampler, generate, next_bucket
+from stare_jax.tokenizer import load_tokenizer
+from stare_jax.train import run_training
 
 
 class UsageError(Exception):
@@ -48,7 +65,6 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_config(args) -> int:
-    import yaml
 
     cfg = load_config(args.config, args.overrides)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
@@ -60,8 +76,6 @@ SMOKE_PROMPTS = ("The answer is", "1 + 2 =")
 
 def _byte_tokenizer(folder: pathlib.Path) -> None:
     """A byte-level tokenizer.json for the tiny random model (256 byte tokens, no merges), so smoke can print text."""
-    from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
-
     vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
     tok = Tokenizer(tok_models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -72,11 +86,6 @@ def _byte_tokenizer(folder: pathlib.Path) -> None:
 def _cmd_smoke(args) -> int:
     """Save a tiny random model as an HF folder, load it back, greedy-generate a few tokens; write the run files.
     Prints the prompts and continuations as token ids and as text (the tiny model's is random bytes)."""
-    import jax
-    import jax.numpy as jnp
-
-    from stare_jax import models
-
     if args.new_tokens < 1:
         raise UsageError(f"--new-tokens {args.new_tokens} must be >= 1")
     if args.model and not (pathlib.Path(args.model) / "config.json").is_file():
@@ -104,19 +113,11 @@ def _cmd_smoke(args) -> int:
     vocab = model.config.vocab_size
     tok = None
     if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer.model").is_file():
-        from stare_jax.tokenizer import load_tokenizer
-
         tok = load_tokenizer(model_dir)
         prompt = [tok.encode(t) for t in SMOKE_PROMPTS]
     else:
         prompt = [[t % vocab for t in p] for p in ([1, 5, 9, 13], [2, 4, 6])]
-    try:
-        from stare_jax.sampling import generate
-
-        out = generate(model, prompt, max_new_tokens=args.new_tokens, temperature=0.0)
-        generated = out.tokens
-    except ImportError:
-        generated = [_greedy_reference(model, p, args.new_tokens) for p in prompt]
+    generated = generate(model, prompt, max_new_tokens=args.new_tokens, temperature=0.0).tokens
     elapsed = time.time() - t0
     generated = [list(map(int, g)) for g in generated]
     text = ([{"prompt": tok.decode(p), "generated": tok.decode(g)} for p, g in zip(prompt, generated)]
@@ -142,19 +143,7 @@ def _cmd_smoke(args) -> int:
     return 0
 
 
-def _greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    """Greedy continuation by repeated full forwards (slow, used only when the sampler is unavailable)."""
-    import jax.numpy as jnp
-
-    ids = list(prompt)
-    for _ in range(n):
-        logits = model(jnp.asarray([ids], dtype=jnp.int32))
-        ids.append(int(jnp.argmax(logits[0, -1])))
-    return ids[len(prompt):]
-
-
 def _cmd_train(args) -> int:
-    from stare_jax.train import run_training
 
     if args.require_checkpoint and not args.resume:
         raise UsageError("--require-checkpoint only applies with --resume: add --resume, or drop it")
@@ -180,21 +169,6 @@ def _add_distributed_args(p) -> None:
 
 def _cmd_eval(args) -> int:
     """avg@N / pass@k / mean length per benchmark for an HF folder or a training run's checkpoint."""
-    import time
-
-    import jax
-
-    from stare_jax.data.prompts import format_prompt
-    from stare_jax.eval.benchmarks import (DEFAULT_PROTOCOL, format_results_json, format_results_markdown,
-                                           load_benchmark)
-    from stare_jax.eval.runner import EvalSet, evaluate_sets
-    from stare_jax.models.sharding import make_mesh
-    from stare_jax.policy import load_policy
-    from stare_jax.rollouts import RewardFn
-    from stare_jax.sampling import Sampler, next_bucket
-    from stare_jax.tokenizer import load_tokenizer
-    from stare_jax.train import init_distributed
-
     t0 = time.time()
     for flag, value, low in (("--limit", args.limit, 0), ("--n", args.n, 0),
                              ("--max-new-tokens", args.max_new_tokens, 1), ("--max-prompt-len", args.max_prompt_len, 1),
@@ -282,7 +256,6 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    from stare_jax.policy import export_policy
 
     if "://" not in str(args.run_dir) and not pathlib.Path(args.run_dir).is_dir():
         raise UsageError(f"{args.run_dir} is not a folder: give a training run folder (config.yaml + checkpoints/) "
@@ -297,8 +270,6 @@ def _cmd_export(args) -> int:
 
 def _cmd_demo(args) -> int:
     """The README's main job: both arms of the embedded CPU default, the overlaid plot and the summary table."""
-    from stare_jax.demo import run_demo
-
     if args.config:
         print("stare-jax demo: --config is not used (the demo runs configs/tiny_cpu_*.yaml); pass KEY=VALUE "
               "overrides instead", file=sys.stderr)
@@ -308,7 +279,6 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-    from stare_jax.plot import expand_run_dirs, is_run_dir, load_run, plot_runs, summary_table
 
     run_dirs = expand_run_dirs(args.run_dirs)
     for d in run_dirs:
@@ -333,7 +303,6 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from stare_jax.plan import estimate, format_plan
 
     cfg = load_config(args.config_file, args.overrides)
     if args.compile or args.topology:
@@ -349,13 +318,8 @@ def _cmd_plan(args) -> int:
 
 def _plan_compiled(cfg, args) -> int:
     """`plan --compile`: the compiler's figures for the config's TPU slice (stare_jax.aot)."""
-    import dataclasses as dc
-
-    from stare_jax import aot
-    from stare_jax.train import TrainingError
-
     if args.accelerator:
-        cfg = dc.replace(cfg, launch=dc.replace(cfg.launch, accelerator=args.accelerator))
+        cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, accelerator=args.accelerator))
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     try:
         report = aot.compile_run(cfg, topology=args.topology, log=log)
@@ -367,7 +331,6 @@ def _plan_compiled(cfg, args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    from stare_jax.models.gguf_convert import convert_gguf_to_hf
 
     if not pathlib.Path(args.gguf).is_file():
         raise UsageError(f"GGUF file {args.gguf} not found")
@@ -382,7 +345,6 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_smollm2(args) -> int:
-    from stare_jax.models.gguf_convert import ensure_smollm2_hf
 
     if args.out_dir and pathlib.Path(args.out_dir).exists() and not pathlib.Path(args.out_dir).is_dir():
         raise UsageError(f"{args.out_dir} is a file: give a folder for the converted model")
@@ -407,14 +369,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="avg@N / pass@k on math benchmarks (the paper's protocol)")
     p.add_argument("--checkpoint", required=True, help="HF folder or training run folder")
     p.add_argument("--benchmarks", default="aime24,aime25,amc23,math500,minerva,olympiadbench",
-                   help=f"comma-separated, from: {', '.join(BENCHMARKS)} (default: %(default)s); each is read "
-                        f"from DATA_DIR/<file>: " + ", ".join(f"{k} {v[0]}" for k, v in BENCHMARKS.items()))
+                   help=f"comma-separated, from: {', '.join(DEFAULT_PROTOCOL)} (default: %(default)s); each is read "
+                        f"from DATA_DIR/<file>: " + ", ".join(f"{k} {v['file']}" for k, v in DEFAULT_PROTOCOL.items()))
     p.add_argument("--data-dir", default="../shared/data/math",
                    help="folder with the benchmark jsonl files (default: %(default)s, relative to the current folder)")
     p.add_argument("--limit", type=int, default=0, help="first N problems of each benchmark (default: 0 = all)")
     p.add_argument("--n", "--samples", dest="n", type=int, default=0,
                    help="samples per problem (default: 0 = the paper's protocol: "
-                        + ", ".join(f"{k} {v[1]}" for k, v in BENCHMARKS.items()) + ")")
+                        + ", ".join(f"{k} {v['n']}" for k, v in DEFAULT_PROTOCOL.items()) + ")")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (default: the protocol's 0.7; top-p 0.95)")
     p.add_argument("--max-new-tokens", type=int, default=3072,
@@ -533,12 +495,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors about the user's input or files (bad data rows, missing/corrupt checkpoints, a resume with another
     config, an exhausted dynamic sampling budget): reported in one line, exit status 2, without a traceback.
     Anything else is a bug and keeps its traceback."""
-    from stare_jax.checkpoint import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
-    from stare_jax.data.prompts import DataError
-    from stare_jax.rl.advantages import DynamicSamplingError
-    from stare_jax.run_config import ConfigChangeError
-    from stare_jax.train import TrainingError
-
     return (DataError, TrainingError, ConfigChangeError, CheckpointNotFoundError, CheckpointCorruptError,
             CheckpointMismatchError, DynamicSamplingError, FileNotFoundError, FileExistsError, NotADirectoryError,
             IsADirectoryError, PermissionError)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import pathlib
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -19,23 +17,9 @@ from typing import Any, Literal
 import yaml
 
 from stare_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from stare_jax.options import ConfigError, check_range, coerce, option
+from stare_jax.rl.optimizer_config import OptimizerConfig
 from stare_jax.rl.stare_config import StareConfig
-
-
-class ConfigError(ValueError):
-    """A configuration value is unknown, of the wrong type or out of range."""
-
-
-def _range(lo=None, hi=None, *, lo_open=False, hi_open=False, nonzero=False, doc: str = "") -> dict:
-    """Field metadata describing the accepted numeric range [lo, hi] (open ends where asked)."""
-    return {"range": (lo, hi, lo_open, hi_open), "nonzero": nonzero, "doc": doc}
-
-
-def _f(default, *, doc: str = "", **rng):
-    meta = _range(**rng, doc=doc) if rng else {"doc": doc}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -45,16 +29,16 @@ DType = Literal["float32", "bfloat16", "float16"]
 class ModelConfig:
     """Which model to train and how to compute with it."""
 
-    path: str | None = _f(None, doc="HF checkpoint folder (config.json + *.safetensors); "
+    path: str | None = option(None, doc="HF checkpoint folder (config.json + *.safetensors); "
                                     "None with `preset` for random init")
-    preset: str | None = _f(None, doc="named architecture (e.g. qwen2.5-7b) or 'tiny'; used when path is None")
-    dtype: DType = _f("float32", doc="compute dtype")
-    param_dtype: DType = _f("float32", doc="parameter (master) dtype")
-    attention_impl: Literal[ATTENTION_IMPLS] = _f("xla", doc="attention kernel")
-    remat_policy: Literal[REMAT_POLICIES] = _f("none", doc="per-layer rematerialisation")
-    scan_layers: bool = _f(False, doc="stacked layers run as one lax.scan (one compiled layer, sequential "
+    preset: str | None = option(None, doc="named architecture (e.g. qwen2.5-7b) or 'tiny'; used when path is None")
+    dtype: DType = option("float32", doc="compute dtype")
+    param_dtype: DType = option("float32", doc="parameter (master) dtype")
+    attention_impl: Literal[ATTENTION_IMPLS] = option("xla", doc="attention kernel")
+    remat_policy: Literal[REMAT_POLICIES] = option("none", doc="per-layer rematerialisation")
+    scan_layers: bool = option(False, doc="stacked layers run as one lax.scan (one compiled layer, sequential "
                                       "remat); checkpoints are then stored stacked")
-    tokenizer_path: str | None = _f(None, doc="tokenizer folder or SentencePiece .model; defaults to path")
+    tokenizer_path: str | None = option(None, doc="tokenizer folder or SentencePiece .model; defaults to path")
 
     def architecture_overrides(self) -> dict:
         """The stare_jax.models.ModelConfig fields this section sets on top of the checkpoint's config.json (one
@@ -67,41 +51,41 @@ class ModelConfig:
 class MeshConfig:
     """Device mesh with named axes; -1 means 'all remaining devices' (at most one axis)."""
 
-    data: int = _f(1, lo=-1, nonzero=True)
-    fsdp: int = _f(-1, lo=-1, nonzero=True)
-    tensor: int = _f(1, lo=-1, nonzero=True)
+    data: int = option(1, lo=-1, nonzero=True)
+    fsdp: int = option(-1, lo=-1, nonzero=True)
+    tensor: int = option(1, lo=-1, nonzero=True)
 
 
 @dataclass
 class DataConfig:
     """Prompt data for training and held-out evaluation."""
 
-    train_path: str | None = _f(None, doc="jsonl/parquet of {problem, answer} rows")
-    eval_paths: dict = _f({}, doc="benchmark name -> jsonl path")
-    prompt_field: str = _f("problem")
-    answer_field: str = _f("answer")
-    task: Literal["math", "digit_set", "digit_sum"] = _f(
+    train_path: str | None = option(None, doc="jsonl/parquet of {problem, answer} rows")
+    eval_paths: dict = option({}, doc="benchmark name -> jsonl path")
+    prompt_field: str = option("problem")
+    answer_field: str = option("answer")
+    task: Literal["math", "digit_set", "digit_sum"] = option(
         "math", doc="verifier: math answers (sandboxed) or one of the toy tasks")
-    prompt_template: Literal["paper", "chat", "raw"] = _f("paper", doc="paper instruction, chat template, or raw")
-    max_prompt_len: int = _f(1024, lo=1)
-    shuffle: bool = _f(True)
-    seed: int = _f(0, lo=0)
+    prompt_template: Literal["paper", "chat", "raw"] = option("paper", doc="paper instruction, chat template, or raw")
+    max_prompt_len: int = option(1024, lo=1)
+    shuffle: bool = option(True)
+    seed: int = option(0, lo=0)
 
 
 @dataclass
 class SamplingConfig:
     """Rollout generation (training) and evaluation sampling."""
 
-    max_new_tokens: int = _f(3072, lo=1)
-    temperature: float = _f(1.0, lo=0.0)
-    top_p: float = _f(1.0, lo=0.0, hi=1.0, lo_open=True)
-    top_k: int = _f(0, lo=0, doc="0 = off")
-    kv_cache_dtype: DType = _f("bfloat16")
-    max_prompts_per_call: int = _f(0, lo=0, doc="prompts per sampler call (bounds the KV cache); 0 = the whole "
+    max_new_tokens: int = option(3072, lo=1)
+    temperature: float = option(1.0, lo=0.0)
+    top_p: float = option(1.0, lo=0.0, hi=1.0, lo_open=True)
+    top_k: int = option(0, lo=0, doc="0 = off")
+    kv_cache_dtype: DType = option("bfloat16")
+    max_prompts_per_call: int = option(0, lo=0, doc="prompts per sampler call (bounds the KV cache); 0 = the whole "
                                                 "generation batch in one call")
-    eval_temperature: float = _f(0.7, lo=0.0)
-    eval_top_p: float = _f(0.95, lo=0.0, hi=1.0, lo_open=True)
-    eval_num_samples: int = _f(0, lo=0, doc="samples per eval problem; 0 = the paper's protocol per benchmark")
+    eval_temperature: float = option(0.7, lo=0.0)
+    eval_top_p: float = option(0.95, lo=0.0, hi=1.0, lo_open=True)
+    eval_num_samples: int = option(0, lo=0, doc="samples per eval problem; 0 = the paper's protocol per benchmark")
 
 
 # rl.stare is StareConfig itself (stare_jax/rl/stare_config.py): one definition, with the same field metadata, for
@@ -112,60 +96,50 @@ class SamplingConfig:
 class RLConfig:
     """GRPO-ds: group sampling, dynamic sampling, advantages and the clipped surrogate."""
 
-    train_batch_size: int = _f(64, lo=1, doc="prompts per RL step")
-    group_size: int = _f(8, lo=1, doc="G rollouts per prompt")
-    gen_batch_size: int = _f(192, lo=1, doc="prompts per generation batch")
-    dynamic_sampling: bool = _f(True)
-    max_num_gen_batches: int = _f(10, lo=1)
-    norm_adv_by_std: bool = _f(True)
-    clip_low: float = _f(0.2, lo=0.0, hi=1.0)
-    clip_high: float = _f(0.28, lo=0.0)
-    clip_c: float = _f(10.0, lo=1.0, doc="dual-clip constant")
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = _f(
+    train_batch_size: int = option(64, lo=1, doc="prompts per RL step")
+    group_size: int = option(8, lo=1, doc="G rollouts per prompt")
+    gen_batch_size: int = option(192, lo=1, doc="prompts per generation batch")
+    dynamic_sampling: bool = option(True)
+    max_num_gen_batches: int = option(10, lo=1)
+    norm_adv_by_std: bool = option(True)
+    clip_low: float = option(0.2, lo=0.0, hi=1.0)
+    clip_high: float = option(0.28, lo=0.0)
+    clip_c: float = option(10.0, lo=1.0, doc="dual-clip constant")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = option(
         "token-mean"
     )
-    micro_batch_size: int = _f(8, lo=1, doc="sequences per forward/backward micro-batch on each data-parallel shard")
-    mini_batches: int = _f(1, lo=1, doc="optimizer steps per RL batch")
-    ppo_epochs: int = _f(1, lo=1)
-    logprob_chunk_size: int = _f(512, lo=1, doc="sequence chunk of the log-prob/entropy pass")
-    reward: Literal["binary", "signed"] = _f("binary", doc="1/0 (paper) or +1/-1 (DAPO)")
-    overlong_buffer: int = _f(0, lo=0, doc="DAPO overlong penalty buffer in tokens (0 = off)")
-    overlong_penalty: float = _f(1.0, lo=0.0)
+    micro_batch_size: int = option(8, lo=1,
+                                   doc="sequences per forward/backward micro-batch on each data-parallel shard")
+    mini_batches: int = option(1, lo=1, doc="optimizer steps per RL batch")
+    ppo_epochs: int = option(1, lo=1)
+    logprob_chunk_size: int = option(512, lo=1, doc="sequence chunk of the log-prob/entropy pass")
+    reward: Literal["binary", "signed"] = option("binary", doc="1/0 (paper) or +1/-1 (DAPO)")
+    overlong_buffer: int = option(0, lo=0, doc="DAPO overlong penalty buffer in tokens (0 = off)")
+    overlong_penalty: float = option(1.0, lo=0.0)
     stare: StareConfig = field(default_factory=StareConfig)
 
 
-@dataclass
-class OptimizerConfig:
-    """optax AdamW with global-norm clipping."""
-
-    lr: float = _f(1e-6, lo=0.0, lo_open=True)
-    b1: float = _f(0.9, lo=0.0, hi=1.0, hi_open=True)
-    b2: float = _f(0.999, lo=0.0, hi=1.0, hi_open=True)
-    eps: float = _f(1e-8, lo=0.0, lo_open=True)
-    weight_decay: float = _f(0.01, lo=0.0)
-    grad_clip: float = _f(1.0, lo=0.0, doc="0 = off")
-    schedule: Literal["constant", "cosine", "linear"] = _f("constant")
-    warmup_steps: int = _f(0, lo=0)
+# optimizer is OptimizerConfig itself (stare_jax/rl/optimizer_config.py), like rl.stare.
 
 
 @dataclass
 class CheckpointConfig:
     """orbax-checkpoint settings."""
 
-    every_steps: int = _f(50, lo=0, doc="0 = only at the end")
-    keep: int = _f(3, lo=1)
-    async_save: bool = _f(True)
-    on_nan: Literal["skip", "stop"] = _f("skip", doc="a non-finite loss skips the update or stops the run")
+    every_steps: int = option(50, lo=0, doc="0 = only at the end")
+    keep: int = option(3, lo=1)
+    async_save: bool = option(True)
+    on_nan: Literal["skip", "stop"] = option("skip", doc="a non-finite loss skips the update or stops the run")
 
 
 @dataclass
 class LoggingConfig:
     """Metrics sinks."""
 
-    tensorboard: bool = _f(True)
-    wandb_project: str | None = _f(None)
-    progress_bar: bool = _f(True)
-    eval_every_steps: int = _f(0, lo=0, doc="0 = no periodic eval")
+    tensorboard: bool = option(True)
+    wandb_project: str | None = option(None)
+    progress_bar: bool = option(True)
+    eval_every_steps: int = option(0, lo=0, doc="0 = no periodic eval")
 
 
 @dataclass
@@ -173,27 +147,27 @@ class ToyConfig:
     """The embedded CPU default (stare_jax/toy.py): when enabled, the run builds (or reuses from cache_dir) the
     digit-sum data, a SentencePiece tokenizer and an SFT warm-started tiny model, and trains that."""
 
-    enabled: bool = _f(False)
-    cache_dir: str = _f(".cache/toy")
-    task: Literal["digit_set", "digit_sum"] = _f("digit_set")
-    seed: int = _f(0, lo=0)
-    num_train: int = _f(4000, lo=1)
-    num_eval: int = _f(200, lo=1)
-    k_min: int = _f(3, lo=1)
-    k_max: int = _f(5, lo=1)
-    hidden_size: int = _f(128, lo=8)
-    num_layers: int = _f(4, lo=1)
-    sft_steps: int = _f(150, lo=0)
-    sft_lr: float = _f(3e-3, lo=0.0, lo_open=True)
-    sft_noise: float = _f(0.3, lo=0.0, hi=1.0, doc="fraction of warm-start answer digits replaced by random ones")
+    enabled: bool = option(False)
+    cache_dir: str = option(".cache/toy")
+    task: Literal["digit_set", "digit_sum"] = option("digit_set")
+    seed: int = option(0, lo=0)
+    num_train: int = option(4000, lo=1)
+    num_eval: int = option(200, lo=1)
+    k_min: int = option(3, lo=1)
+    k_max: int = option(5, lo=1)
+    hidden_size: int = option(128, lo=8)
+    num_layers: int = option(4, lo=1)
+    sft_steps: int = option(150, lo=0)
+    sft_lr: float = option(3e-3, lo=0.0, lo_open=True)
+    sft_noise: float = option(0.3, lo=0.0, hi=1.0, doc="fraction of warm-start answer digits replaced by random ones")
 
 
 @dataclass
 class LaunchConfig:
     """Where the run is meant to go (used by `stare-jax plan` and the launch/ scripts)."""
 
-    accelerator: str | None = _f(None, doc="TPU type (e.g. v5p-64) or GPUs as [NODESx]GPUSxTYPE (e.g. 2x8xH100)")
-    gpu_alternative: str | None = _f(None, doc="a GPU cluster the run also fits (with the overrides the config's "
+    accelerator: str | None = option(None, doc="TPU type (e.g. v5p-64) or GPUs as [NODESx]GPUSxTYPE (e.g. 2x8xH100)")
+    gpu_alternative: str | None = option(None, doc="a GPU cluster the run also fits (with the overrides the config's "
                                                "comment names, e.g. a smaller sampler call), e.g. 2x8xH100")
 
 
@@ -201,8 +175,8 @@ class LaunchConfig:
 class Config:
     """A whole run."""
 
-    seed: int = _f(0, lo=0)
-    total_steps: int = _f(100, lo=1, doc="RL steps")
+    seed: int = option(0, lo=0)
+    total_steps: int = option(100, lo=1, doc="RL steps")
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -217,88 +191,6 @@ class Config:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Building a typed config from nested dicts, with errors that name the key and where it came from.
-
-
-def _describe(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp, key: str, where: str) -> Any:
-    """Check `value` against the annotation `tp`; return it (ints accepted for floats)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for alt in typing.get_args(tp):
-            try:
-                return _coerce(value, alt, key, where)
-            except ConfigError as e:
-                errors.append(e)
-        raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected {_describe(tp)}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(
-                f"{where}: '{key}' = {value!r} is not accepted; accepted values: "
-                f"{', '.join(repr(c) for c in choices)}{hint}"
-            )
-        return value
-    if tp is type(None):
-        if value is not None:
-            raise ConfigError(f"{where}: '{key}' = {value!r}; expected null")
-        return None
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected a boolean (true/false)")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected an integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected a number")
-        if not math.isfinite(float(value)):
-            raise ConfigError(f"{where}: '{key}' = {value!r} must be a finite number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected a string")
-        return value
-    if tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected a mapping")
-        return dict(value)
-    if tp is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: '{key}' = {value!r} has the wrong type; expected a list")
-        return list(value)
-    raise TypeError(f"config annotation {tp!r} for {key} is not supported")
-
-
-def _check_range(value, meta: dict, key: str, where: str) -> None:
-    if "range" not in meta or value is None:
-        return
-    lo, hi, lo_open, hi_open = meta["range"]
-    if meta.get("nonzero") and value == 0:
-        raise ConfigError(f"{where}: '{key}' = 0 is not accepted; use a positive size or -1 (all remaining devices)")
-    bad = (lo is not None and (value < lo or (lo_open and value == lo))) or (
-        hi is not None and (value > hi or (hi_open and value == hi))
-    )
-    if bad:
-        left = "(" if lo_open else "["
-        right = ")" if hi_open else "]"
-        lo_s = "-inf" if lo is None else lo
-        hi_s = "inf" if hi is None else hi
-        raise ConfigError(f"{where}: '{key}' = {value!r} is out of range; accepted: {left}{lo_s}, {hi_s}{right}")
 
 
 def _build(cls, data: dict, where: dict[str, str], prefix: str = ""):
@@ -329,8 +221,8 @@ def _build(cls, data: dict, where: dict[str, str], prefix: str = ""):
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value if value is not None else {}, where, full + ".")
             continue
-        value = _coerce(value, tp, full, src)
-        _check_range(value, f.metadata, full, src)
+        value = coerce(value, tp, full, src)
+        check_range(value, f.metadata, full, src)
         kwargs[name] = value
     return cls(**kwargs)
 

@@ -15,6 +15,9 @@ from typing import Callable, Sequence
 from stare_jax.config import load_config
 from stare_jax.metrics import read_metrics
 from stare_jax.plot import plot_runs, run_summary, summary_table
+from stare_jax.run_config import ConfigChangeError, check_resume_config
+from stare_jax.run_setup import TrainingError
+from stare_jax.train import run_training
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 ARMS = (("grpo_ds", "tiny_cpu_grpo_ds.yaml"), ("stare_o1", "tiny_cpu_stare.yaml"))
@@ -73,9 +76,6 @@ def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *,
     Run again on the same run_dir, it continues an interrupted arm from its checkpoint and reuses a finished one
     (the same overrides are required: a changed setting stops it with the changed keys). A stop signal (Ctrl-C,
     SIGTERM) ends the demo after the current step's checkpoint; result["stopped"] then says where."""
-    from stare_jax.run_config import ConfigChangeError, check_resume_config
-    from stare_jax.train import TrainingError, run_training
-
     run_dir = pathlib.Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainingError(f"demo: --run-dir {run_dir} is a file; give a folder (default runs/demo)")

@@ -15,16 +15,12 @@ from typing import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-
-def batch_sharding(mesh: jax.sharding.Mesh, batch_axes: Sequence[str] = ("data", "fsdp")) -> NamedSharding:
-    """Leading (batch) axis over batch_axes, the rest replicated (what train_step.batch_shardings uses)."""
-    return NamedSharding(mesh, P(tuple(batch_axes)))
+from stare_jax.models.sharding import BATCH_AXES, batch_sharding
 
 
 def process_batch_rows(mesh: jax.sharding.Mesh, global_batch_size: int,
-                       batch_axes: Sequence[str] = ("data", "fsdp")) -> np.ndarray:
+                       batch_axes: Sequence[str] = BATCH_AXES) -> np.ndarray:
     """Sorted indices of the rows of a [global_batch_size, ...] batch that this process's devices hold.
 
     These are the rows this process must feed to `global_batch_from_process_local`, in this order."""
@@ -41,7 +37,7 @@ def process_batch_rows(mesh: jax.sharding.Mesh, global_batch_size: int,
 
 def global_batch_from_process_local(batch_local: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh,
                                     global_batch_size: int,
-                                    batch_axes: Sequence[str] = ("data", "fsdp")) -> dict:
+                                    batch_axes: Sequence[str] = BATCH_AXES) -> dict:
     """{key: global jax.Array [global_batch_size, ...]} sharded over batch_axes, from this process's rows.
 
     batch_local[k] must hold exactly the rows `process_batch_rows(mesh, global_batch_size)` of the global
@@ -63,7 +59,7 @@ def is_multiprocess() -> bool:
 
 
 def global_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh,
-                 batch_axes: Sequence[str] = ("data", "fsdp")) -> dict:
+                 batch_axes: Sequence[str] = BATCH_AXES) -> dict:
     """{key: global jax.Array} from a host batch that is identical on every process: each process feeds only
     the rows its devices hold (`process_batch_rows`)."""
     n = len(next(iter(batch.values())))

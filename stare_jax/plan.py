@@ -13,7 +13,7 @@ import math
 import pathlib
 import re
 
-from stare_jax.models.sharding import resolve_mesh
+from stare_jax.models.sharding import batch_shards, resolve_mesh
 
 GiB = 1024**3
 
@@ -141,7 +141,7 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     mesh = resolve_mesh(cfg.mesh, acc.num_devices)
     model_cfg = run_model_config(cfg)
     P = num_params if num_params is not None else param_count(model_cfg)
-    dp = mesh["data"] * mesh["fsdp"]
+    dp = batch_shards(mesh)
     shard = mesh["fsdp"] * mesh["tensor"]
     tensor = mesh["tensor"]
     pb, cb = _BYTES[model_cfg.param_dtype], _BYTES[model_cfg.dtype]

@@ -7,8 +7,14 @@ import pathlib
 import shutil
 
 import yaml
+from etils import epath
+from flax import nnx
 
+from stare_jax import models
+from stare_jax.checkpoint import Checkpointer
 from stare_jax.config import Config, config_from_dict
+from stare_jax.run_dir import is_remote, local_copy
+from stare_jax.run_setup import abstract_like, init_run_state, resolve_inputs, train_step_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "generation_config.json")
@@ -26,12 +32,7 @@ def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str
                 log=print) -> Policy:
     """An HF folder (config.json) or a training run folder (config.yaml + checkpoints/); with a mesh the
     parameters are loaded (and restored) straight into their sharded layout on it, on every process."""
-    from stare_jax import models
-    from stare_jax.run_dir import is_remote, local_copy
-
     if is_remote(path):  # an HF folder on gs://: copied to local disk once (a remote run folder is not supported)
-        from etils import epath
-
         if not (epath.Path(str(path)) / "config.json").exists():
             raise FileNotFoundError(f"{path}: only Hugging Face folders (config.json) are read from object storage; "
                                     f"export a training run with `stare-jax export` first")
@@ -42,30 +43,13 @@ def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str
     if not (path / "config.yaml").is_file():
         raise FileNotFoundError(f"{path} is neither a Hugging Face folder (config.json) nor a training run folder "
                                 f"(config.yaml + checkpoints/)")
-    import jax
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from stare_jax.checkpoint import Checkpointer
-    from stare_jax.rl.stare import init_stare_state
-    from stare_jax.rl.train_step import init_train_state, place_train_state
-    from stare_jax.train import resolve_inputs, train_step_config
-
     cfg = config_from_dict(yaml.safe_load((path / "config.yaml").read_text()), source=str(path / "config.yaml"))
     cfg, inputs = resolve_inputs(cfg, log)
     model = models.from_pretrained(inputs.model_path, mesh=mesh,
                                    **{**cfg.model.architecture_overrides(), "dtype": dtype})
     tcfg = train_step_config(cfg)  # only the state's tree and shapes matter here, not the run's batch layout
-    graphdef, train_state = init_train_state(model, tcfg)
-    if mesh is not None:
-        train_state = place_train_state(train_state, mesh)
-        where = NamedSharding(mesh, PartitionSpec())  # replicated
-    else:
-        where = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    stare_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where),
-                               jax.eval_shape(lambda: init_stare_state(tcfg.stare)))
-    abstract = {"train_state": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                            train_state), "stare_state": stare_state}
+    _, train_state, stare_state = init_run_state(model, tcfg, mesh)
+    abstract = abstract_like({"train_state": train_state, "stare_state": stare_state})
     ckpt = Checkpointer(path / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0, async_save=False,
                         must_exist=True)
     try:
@@ -80,8 +64,6 @@ def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str
 def export_policy(src: str | pathlib.Path, out_dir: str | pathlib.Path, *, step: int | None = None, log=print):
     """Write `src` (HF folder or training run) as an HF folder that transformers and stare_jax load: weights,
     config, and the tokenizer files next to them."""
-    from stare_jax import models
-
     out_dir = pathlib.Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"export: {out_dir} exists and is not empty")

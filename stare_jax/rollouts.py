@@ -1,19 +1,26 @@
-"""Rollouts: sample G responses per prompt with the sampler's array API, decode them and score them.
+"""Rollouts: sample G responses per prompt with the sampler's array API, decode them and score them; and the RL
+loop's first stage, `collect_batch`: sample -> score -> dynamic sampling -> rewards -> advantages -> train batch.
 
-Shared by the RL loop (train.py) and evaluation (eval/runner.py). Verification of model output is the RewardFn of
-stare_jax.rewards (re-exported here): toy tasks are pure string checks in-process; math answers go through the
-sandboxed RewardPool (model output is untrusted)."""
+generate_rollouts is shared by the RL loop (train.py) and evaluation (eval/runner.py). Verification of model output
+is the RewardFn of stare_jax.rewards (re-exported here): toy tasks are pure string checks in-process; math answers go
+through the sandboxed RewardPool (model output is untrusted)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import time
+from typing import Callable, Iterator, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from stare_jax import distributed
+from stare_jax.config import RLConfig, SamplingConfig
+from stare_jax.rewards import rollout_rewards
 from stare_jax.rewards.reward_fn import RewardFn
+from stare_jax.rl.advantages import DynamicSamplingAccumulator, dynamic_sampling_keep_mask, grpo_advantages
 
-__all__ = ["REWARD_COUNTERS", "RewardFn", "Rollouts", "add_counts", "generate_rollouts", "left_pad"]
+__all__ = ["REWARD_COUNTERS", "CollectedBatch", "RewardFn", "Rollouts", "add_counts", "batch_seed", "collect_batch",
+           "generate_rollouts", "left_pad", "train_batch_from_rollouts"]
 
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,3 +109,86 @@ def _generate_call(sampler, prompts, answers, *, tokenizer, reward_fn: RewardFn,
     if reward_fn.task == "math":
         stats = {**stats, **distributed.sum_across_processes(stats, REWARD_COUNTERS)}
     return Rollouts(ids[:P], mask[:P], tokens, lengths, correct.reshape(P, G)), texts, stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The RL loop's collection stage
+
+
+def batch_seed(seed: int, step: int, j: int) -> int:
+    """The sampler seed of generation batch j of RL step `step` (randomness is a pure function of these)."""
+    return (seed * 1_000_003 + step * 1_009 + j) % (2**31 - 1)
+
+
+def train_batch_from_rollouts(r: Rollouts, advantages_PxG: np.ndarray) -> dict:
+    """[P*G, T+N] prompt + response ids with attention/response masks, response-major within each prompt."""
+    P, G, N = r.tokens_PxGxN.shape
+    T = r.prompt_ids_PxT.shape[1]
+    resp_mask = (np.arange(N)[None, None, :] < r.lengths_PxG[..., None]).astype(np.int32)
+    ids = np.concatenate([np.repeat(r.prompt_ids_PxT[:, None], G, 1), r.tokens_PxGxN], axis=2)
+    attn = np.concatenate([np.repeat(r.prompt_mask_PxT[:, None], G, 1), resp_mask], axis=2)
+    resp = np.concatenate([np.zeros((P, G, T), np.int32), resp_mask], axis=2)
+    ids = np.where(attn > 0, ids, 0)
+    return {"input_ids_BxT": ids.reshape(P * G, T + N), "attention_mask_BxT": attn.reshape(P * G, T + N),
+            "response_mask_BxT": resp.reshape(P * G, T + N),
+            "advantages_B": advantages_PxG.reshape(P * G).astype(np.float32)}
+
+
+@dataclasses.dataclass
+class CollectedBatch:
+    """One RL step's training data and what collecting it saw."""
+
+    batch: dict  # the train step's host batch (train_batch_from_rollouts of `kept`)
+    kept: Rollouts  # exactly rl.train_batch_size prompt groups
+    rewards_PxG: np.ndarray  # of the kept groups
+    correct_all: np.ndarray  # every generated response, kept or not (flat)
+    lengths_all: np.ndarray
+    reward_stats: dict  # summed n_* counters of the reward pool
+    num_groups_kept: int  # groups that passed dynamic sampling (>= the kept train_batch_size)
+    num_prompts_seen: int
+    num_gen_batches: int
+    gen_time_s: float
+
+    def metrics(self) -> dict:
+        """The step record's entries that describe generation and scoring."""
+        return {"reward_mean": float(self.rewards_PxG.mean()), "accuracy": float(self.correct_all.mean()),
+                "train_accuracy": float(self.kept.correct_PxG.mean()),
+                "response_len_mean": float(self.lengths_all.mean()),
+                "kept_groups_frac": self.num_groups_kept / max(self.num_prompts_seen, 1),
+                "num_gen_batches": self.num_gen_batches,
+                **{f"reward/{k}": v for k, v in self.reward_stats.items()}, "gen_time_s": self.gen_time_s}
+
+
+def collect_batch(sampler, prompt_batches: Iterator[list], prompt_ids: Callable[[object], Sequence[int]], *,
+                  rl: RLConfig, sampling: SamplingConfig, tokenizer, reward_fn: RewardFn, prompt_len: int,
+                  seed: int, step: int) -> CollectedBatch:
+    """Algorithm 1's data half: generate G responses for each prompt of successive generation batches (rows
+    from `prompt_batches`, token ids by `prompt_ids(row)`), score them, keep the groups whose rewards vary
+    (dynamic sampling, when rl.dynamic_sampling) until rl.train_batch_size groups are kept (at most
+    rl.max_num_gen_batches batches), shape the rewards and compute GRPO advantages, and lay out the train batch."""
+    t0 = time.time()
+    acc = DynamicSamplingAccumulator(rl.train_batch_size, rl.max_num_gen_batches if rl.dynamic_sampling else 1)
+    correct, lengths, reward_stats = [], [], {}
+    j = 0
+    while not acc.ready:
+        rows = next(prompt_batches)
+        r, _, stats = generate_rollouts(
+            sampler, [prompt_ids(x) for x in rows], [x.answer for x in rows], tokenizer=tokenizer,
+            reward_fn=reward_fn, prompt_len=prompt_len, max_new_tokens=sampling.max_new_tokens,
+            num_samples=rl.group_size, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            seed=batch_seed(seed, step, j), index_offset=j * rl.gen_batch_size,
+            max_prompts_per_call=sampling.max_prompts_per_call)
+        correct.append(r.correct_PxG.reshape(-1))
+        lengths.append(r.lengths_PxG.reshape(-1))
+        add_counts(reward_stats, stats)
+        keep = (np.asarray(dynamic_sampling_keep_mask(r.correct_PxG)) if rl.dynamic_sampling
+                else np.ones(r.correct_PxG.shape[0], bool))
+        acc.add(dataclasses.asdict(r), keep)
+        j += 1
+    kept = Rollouts(**acc.result())
+    rewards = rollout_rewards(kept.correct_PxG, kept.lengths_PxG, mode=rl.reward, max_length=sampling.max_new_tokens,
+                              overlong_buffer=rl.overlong_buffer, overlong_penalty_factor=rl.overlong_penalty)
+    adv = np.asarray(grpo_advantages(jnp.asarray(rewards), norm_by_std=rl.norm_adv_by_std))
+    return CollectedBatch(train_batch_from_rollouts(kept, adv), kept, rewards, np.concatenate(correct),
+                          np.concatenate(lengths), reward_stats, acc.num_kept, acc.num_prompts_seen, j,
+                          time.time() - t0)

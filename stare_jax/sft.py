@@ -70,7 +70,7 @@ def sft_train(model: nnx.Module, sample_batch: Callable[[np.random.Generator, in
     arrays of one fixed shape (so the step compiles once). Returns the loss curve."""
     graphdef, params, rest = split_model(model)
     tx = make_optimizer(OptimizerConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-                                        schedule="linear_warmup" if cfg.warmup_steps else "constant"))
+                                        schedule="linear" if cfg.warmup_steps else "constant"))
     opt_state = tx.init(params)
     step = make_sft_step(graphdef, tx, cfg.chunk_size)
     rng = np.random.default_rng(cfg.seed)

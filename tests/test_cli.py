@@ -175,7 +175,6 @@ def test_ctrl_c_outside_a_training_loop_is_one_line(capsys, monkeypatch):
 def test_benchmarks_help_lists_the_accepted_names_and_defaults(capsys):
     from stare_jax.eval.benchmarks import DEFAULT_PROTOCOL
 
-    assert cli.BENCHMARKS == {k: (v["file"], v["n"]) for k, v in DEFAULT_PROTOCOL.items()}
     with pytest.raises(SystemExit):
         cli.main(["eval", "--help"])
     text = " ".join(capsys.readouterr().out.split())

@@ -114,7 +114,7 @@ def test_every_shipped_config_loads():
 def test_rl_stare_is_the_step_stare_config():
     """One StareConfig: the run config's rl.stare section is the jitted step's static config (no field copy)."""
     from stare_jax.rl.stare import StareConfig
-    from stare_jax.train import train_step_config
+    from stare_jax.run_setup import train_step_config
 
     cfg = load_config(None, ["rl.stare.enabled=true", "rl.stare.target_entropy=0", "rl.stare.select_impl=jnp_quantile"])
     assert type(cfg.rl.stare) is StareConfig and cfg.rl.stare.target_entropy == 0.0

@@ -134,3 +134,10 @@ def test_the_check_sees_function_local_relative_and_dynamic_imports():
     assert found == {"stare_jax.train", "stare_jax.toy", "stare_jax.plan", "stare_jax.cli", "stare_jax.models.hf_io"}
     assert _is_under("stare_jax.models.hf_io", _forbidden_for("stare_jax.rewards.probe"))
     assert not _is_under("stare_jax.models.hf_io", _forbidden_for("stare_jax.rl.probe"))
+
+
+def test_only_the_entry_points_import_the_training_loop():
+    """policy (evaluation/export), aot and the lower layers use run_setup; only the command line and the demo run
+    the loop."""
+    importers = {m for m in MODULES for mod, _ in _imports(m) if mod == "stare_jax.train"}
+    assert importers <= {"stare_jax.cli", "stare_jax.demo"}, importers

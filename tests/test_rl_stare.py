@@ -179,8 +179,9 @@ def test_degenerate_inputs_are_defined():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(w=0.9), "w=0.9"), (dict(m=0.0), "m=0.0"),
-    (dict(m=1.2), "m=1.2"), (dict(variant="O5"), "variant.*O1"), (dict(gate="global"), "gate.*batch"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(w=0.9), "'w' = 0.9 is out of range"),
+    (dict(m=0.0), "'m' = 0.0"),
+    (dict(m=1.2), "'m' = 1.2"), (dict(variant="O5"), "variant.*O1"), (dict(gate="global"), "gate.*batch"),
     (dict(rule="topk"), "rule.*exact_top_k"), (dict(scope="device"), "scope.*micro_batch"),
     (dict(adaptive_timing="later"), "adaptive_timing"), (dict(target_entropy=-0.1), "target_entropy"),
     (dict(select_impl="sort"), "select_impl.*jnp_quantile"), (dict(micro_batch_size=0), "micro_batch_size"),

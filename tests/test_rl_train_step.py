@@ -137,9 +137,9 @@ def test_nonfinite_loss_skips_update(single, batch):
 def test_ppo_epochs_minibatches_and_micro_batch_scope(single, batch):
     graphdef, ts, _, _, _, _ = single
     cfg = dataclasses.replace(
-        BASE, ppo_epochs=2, num_mini_batches=2, num_micro_batches=2, debug_outputs=False, theory_diagnostics=True,
+        BASE, ppo_epochs=2, num_mini_batches=2, num_micro_batches=2, debug_outputs=False,
         stare=dataclasses.replace(STARE_ON, variant="C2", scope="micro_batch", micro_batch_size=2,
-                                  rule="exact_top_k"))
+                                  rule="exact_top_k", theory_diagnostics=True))
     step = make_train_step(graphdef, cfg, donate=True)
     new, ss, met = step(jax.tree.map(jnp.copy, ts), batch, init_stare_state(cfg.stare))
     assert float(met["num_updates"]) == 4 and float(met["skipped_updates"]) == 0

@@ -25,6 +25,7 @@ TIE_MARGIN = 1e-4
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [1, 2], list(range(30, 60)), [200, 100, 50, 25, 12]]
 PAD = 0
 TIE_EVENTS: list[tuple[str, int, int, float]] = []
+ROWS_COMPARED = [0]
 
 
 def _hf_config(arch: str):
@@ -75,6 +76,7 @@ def _compare(tag, ours, ref, ref_logits):
     """Token-for-token equality; a divergence is allowed only at a reference top-2 margin < TIE_MARGIN.
     Returns, per row, the length of the prefix that agrees with the reference."""
     agree = []
+    ROWS_COMPARED[0] += len(ours)
     for b, (a, r) in enumerate(zip(ours, ref)):
         n = min(len(a), len(r))
         diff = [i for i in range(n) if a[i] != r[i]]
@@ -161,6 +163,11 @@ def test_sampled_logprobs_equal_teacher_forced(checkpoint, mesh_name):
         np.testing.assert_allclose(np.asarray(lps), ref, atol=1e-5, rtol=0, err_msg=f"{arch} row {r}")
 
 
-def test_report_ties():
-    """Not a check: prints how often a divergence was excused by a near-tie (runs after the parity tests)."""
-    print(f"\nnear-tie divergences (margin < {TIE_MARGIN}): {len(TIE_EVENTS)}", TIE_EVENTS)
+def test_near_tie_divergences_are_rare():
+    """Runs after the parity tests of this file: divergences excused by a near-tie (reference top-2 margin <
+    TIE_MARGIN) stay exceptions - at most 1 in 10 compared rows - and each was a genuine near-tie."""
+    if not ROWS_COMPARED[0]:
+        pytest.skip("no parity test ran before this one")
+    print(f"\nnear-tie divergences (margin < {TIE_MARGIN}): {len(TIE_EVENTS)} of {ROWS_COMPARED[0]} rows", TIE_EVENTS)
+    assert len(TIE_EVENTS) <= max(1, ROWS_COMPARED[0] // 10), TIE_EVENTS
+    assert all(0 <= margin < TIE_MARGIN for *_, margin in TIE_EVENTS)

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")  # the axes that split the batch, in every program (train step, sampler, evaluation)
 
 # logical name -> mesh axis (str), tuple of mesh axes, or None (replicated)
 Rules = Mapping[str, "str | tuple[str, ...] | None"]
@@ -32,7 +33,7 @@ DEFAULT_RULES: dict = {
     "norm": None,
     "layers": None,  # the stacked-layer axis when ModelConfig.scan_layers
     # activations
-    "batch": ("data", "fsdp"),
+    "batch": BATCH_AXES,
     "seq": None,
     "act_embed": None,
     "act_heads": "tensor",
@@ -93,6 +94,26 @@ def mesh_for_config(mesh_cfg, devices=None) -> jax.sharding.Mesh | None:
     if len(devices) == 1:
         return None
     return make_mesh(resolve_mesh(mesh_cfg, len(devices)), devices=devices)
+
+
+def batch_axes(mesh: jax.sharding.Mesh, candidates: Sequence[str] = BATCH_AXES) -> tuple[str, ...]:
+    """The mesh axes that split the batch dimension (those of `candidates` the mesh has), in mesh order."""
+    return tuple(a for a in mesh.axis_names if a in candidates)
+
+
+def batch_shards(mesh: jax.sharding.Mesh | Mapping[str, int] | None, candidates: Sequence[str] = BATCH_AXES) -> int:
+    """Number of batch shards of a mesh, or of axis sizes (e.g. resolve_mesh's); 1 without a mesh. Batch sizes
+    must be (or are padded to) a multiple of it."""
+    if mesh is None:
+        return 1
+    sizes = mesh.shape if isinstance(mesh, jax.sharding.Mesh) else mesh
+    return math.prod(sizes[a] for a in candidates if a in sizes)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, candidates: Sequence[str] = BATCH_AXES) -> NamedSharding:
+    """Leading (batch) dimension over the batch axes, the rest replicated."""
+    axes = batch_axes(mesh, candidates)
+    return NamedSharding(mesh, P(axes if axes else None))
 
 
 def _mesh_axes_for(name, rules: Rules):

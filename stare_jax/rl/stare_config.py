@@ -15,10 +15,9 @@ Reconciled from the two classes that existed before (decisions):
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
-import typing
 from typing import Literal
+
+from stare_jax.options import option, validate_fields
 
 VARIANTS = ("O1", "O2", "O3", "O4", "C1", "C2", "C3", "C4")
 GATES = ("batch", "sample", "token", "none")
@@ -41,72 +40,30 @@ VARIANT_SETS = {
 }
 
 
-def _opt(default, doc: str = "", *, lo=None, hi=None, lo_open=False, hi_open=False):
-    """A field with the run-config loader's metadata schema (stare_jax/config.py `_f`): doc and accepted range."""
-    meta: dict = {"doc": doc}
-    if lo is not None or hi is not None:
-        meta.update(range=(lo, hi, lo_open, hi_open), nonzero=False)
-    return dataclasses.field(default=default, metadata=meta)
-
-
 @dataclasses.dataclass(frozen=True)
 class StareConfig:
     """STARE token reweighting and its closed-loop entropy gate (STARE-semantics.md); defaults are the paper's."""
 
-    enabled: bool = _opt(False, "False = plain GRPO(-ds): omega == 1 everywhere")
-    variant: Literal["O1", "O2", "O3", "O4", "C1", "C2", "C3", "C4"] = _opt("O1")
-    top_p: float = _opt(0.1, "P: fraction of candidate tokens selected", lo=0.0, hi=1.0, lo_open=True)
-    w: float = _opt(1.1, "amplification weight W >= 1", lo=1.0)
-    m: float = _opt(0.9, "attenuation weight M in (0, 1]", lo=0.0, hi=1.0, lo_open=True)
-    gate: Literal["batch", "sample", "token", "none"] = _opt("batch")
-    target_entropy: float = _opt(0.3, "H_tgt; 0 = the batch gate never opens", lo=0.0)
-    rule: Literal["quantile", "exact_top_k"] = _opt("quantile")
-    scope: Literal["batch", "micro_batch"] = _opt("batch")
-    micro_batch_size: int | None = _opt(None, "scope micro_batch: sequences per selection group; null = the run's "
+    enabled: bool = option(False, "False = plain GRPO(-ds): omega == 1 everywhere")
+    variant: Literal["O1", "O2", "O3", "O4", "C1", "C2", "C3", "C4"] = option("O1")
+    top_p: float = option(0.1, "P: fraction of candidate tokens selected", lo=0.0, hi=1.0, lo_open=True)
+    w: float = option(1.1, "amplification weight W >= 1", lo=1.0)
+    m: float = option(0.9, "attenuation weight M in (0, 1]", lo=0.0, hi=1.0, lo_open=True)
+    gate: Literal["batch", "sample", "token", "none"] = option("batch")
+    target_entropy: float = option(0.3, "H_tgt; 0 = the batch gate never opens", lo=0.0)
+    rule: Literal["quantile", "exact_top_k"] = option("quantile")
+    scope: Literal["batch", "micro_batch"] = option("batch")
+    micro_batch_size: int | None = option(None, "scope micro_batch: sequences per selection group; null = the run's "
                                               "rl.micro_batch_size", lo=1)
-    select_impl: Literal["bisect", "jnp_quantile"] = _opt(
+    select_impl: Literal["bisect", "jnp_quantile"] = option(
         "bisect", "how the quantile rule's thresholds are found: bisection on the float bits (masked counts, "
                   "no sort) or jnp.nanquantile (a sort); exact_top_k always bisects")
-    adaptive: bool = _opt(False)
-    alpha: float = _opt(0.01, lo=0.0)
-    w_max: float = _opt(1.5, lo=1.0)
-    m_min: float = _opt(0.5, lo=0.0, hi=1.0, lo_open=True)
-    adaptive_timing: Literal["same_step", "next_step"] = _opt("same_step")
-    theory_diagnostics: bool = _opt(False, "Phi, s*, Lambda, Gamma, W* in the trainer pass (slower)")
+    adaptive: bool = option(False)
+    alpha: float = option(0.01, lo=0.0)
+    w_max: float = option(1.5, lo=1.0)
+    m_min: float = option(0.5, lo=0.0, hi=1.0, lo_open=True)
+    adaptive_timing: Literal["same_step", "next_step"] = option("same_step")
+    theory_diagnostics: bool = option(False, "Phi, s*, Lambda, Gamma, W* in the trainer pass (slower)")
 
     def __post_init__(self):
-        for f, tp in _fields(type(self)):
-            _check(f, tp, getattr(self, f.name))
-
-
-@functools.cache
-def _fields(cls):
-    hints = typing.get_type_hints(cls)
-    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
-
-
-def _check(f: dataclasses.Field, tp, value) -> None:
-    """ValueError naming the option, its value and what is accepted."""
-    name = f.name
-    if typing.get_origin(tp) is Literal:
-        if value not in typing.get_args(tp):
-            raise ValueError(f"STARE option {name}={value!r} is not supported; accepted values: "
-                             f"{list(typing.get_args(tp))}")
-        return
-    if value is None and type(None) in typing.get_args(tp):
-        return
-    kind = tp if tp in (bool, int, float) else next(a for a in typing.get_args(tp) if a is not type(None))
-    ok = (isinstance(value, bool) if kind is bool else
-          isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool))
-    if not ok:
-        raise ValueError(f"STARE option {name}={value!r} has the wrong type; expected {kind.__name__}")
-    if kind is float and not math.isfinite(value):
-        raise ValueError(f"STARE option {name}={value!r} must be a finite number")
-    if "range" in f.metadata:
-        lo, hi, lo_open, hi_open = f.metadata["range"]
-        if (lo is not None and (value < lo or (lo_open and value == lo))) or (
-                hi is not None and (value > hi or (hi_open and value == hi))):
-            accepted = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}" \
-                       f"{')' if hi_open else ']'}"
-            doc = f" ({f.metadata['doc']})" if f.metadata.get("doc") else ""
-            raise ValueError(f"STARE option {name}={value!r} is out of range; accepted: {accepted}{doc}")
+        validate_fields(self, "rl.stare")

@@ -36,36 +36,14 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from stare_jax.models.sharding import DEFAULT_RULES, activation_rules
+from stare_jax.models.sharding import BATCH_AXES, DEFAULT_RULES, activation_rules, batch_sharding
 from stare_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
 from stare_jax.rl.losses import AGG_MODES, loss_normalizer, policy_loss
+from stare_jax.rl.optimizer_config import OptimizerConfig
 from stare_jax.rl.stare import StareConfig, StareState, stare_omega, update_controller
 from stare_jax.rl.theory import batch_entropy_terms
 
 BATCH_KEYS = ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT", "advantages_B")
-SCHEDULES = ("constant", "linear_warmup", "cosine")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW + global-norm clipping; defaults are the paper's (lr 1e-6, constant schedule, no warm-up)."""
-    lr: float = 1e-6
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    schedule: str = "constant"
-    warmup_steps: int = 0
-    total_steps: int | None = None
-
-    def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"optimizer schedule={self.schedule!r} unknown; accepted values: {list(SCHEDULES)}")
-        if not self.lr > 0:
-            raise ValueError(f"optimizer lr={self.lr} must be > 0")
-        if self.schedule == "cosine" and not self.total_steps:
-            raise ValueError("optimizer schedule='cosine' needs total_steps")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +60,6 @@ class TrainStepConfig:
     num_mini_batches: int = 1
     ppo_epochs: int = 1
     logprob_chunk_size: int = DEFAULT_CHUNK_SIZE
-    theory_diagnostics: bool = False
     debug_outputs: bool = False  # metrics["debug/..."]: omega, old log-probs, entropy, last update's grads
 
     def __post_init__(self):
@@ -105,13 +82,16 @@ class TrainState:
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    if cfg.schedule == "constant":
-        lr = optax.constant_schedule(cfg.lr) if not cfg.warmup_steps else optax.linear_schedule(
-            0.0, cfg.lr, cfg.warmup_steps)
-    elif cfg.schedule == "linear_warmup":
+    """optax chain of cfg: global-norm clipping (when grad_clip > 0), then AdamW on cfg.schedule (counted in
+    optimizer updates)."""
+    if cfg.schedule == "cosine":
+        if not cfg.total_steps:
+            raise ValueError("optimizer schedule='cosine' needs optimizer.total_steps (the run fills it in)")
+        lr = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.total_steps)
+    elif cfg.warmup_steps or cfg.schedule == "linear":
         lr = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
     else:
-        lr = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, cfg.total_steps)
+        lr = optax.constant_schedule(cfg.lr)
     chain = []
     if cfg.grad_clip and cfg.grad_clip > 0:
         chain.append(optax.clip_by_global_norm(cfg.grad_clip))
@@ -221,7 +201,7 @@ def _masked_mean(x, m):
     return jnp.sum(jnp.where(m > 0, x, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=("data", "fsdp")) -> Callable:
+def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH_AXES) -> Callable:
     """The pure (un-jitted) step function (train_state, batch, stare_state) -> (train_state, stare_state, metrics)."""
     tx = make_optimizer(cfg.optimizer)
     scfg = cfg.stare
@@ -244,7 +224,7 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=("dat
             raise ValueError(f"stare scope='micro_batch': micro-batch size {micro} must be a multiple of "
                              f"micro_batch_size={scfg.micro_batch_size}")
         params, rest = train_state.params, train_state.rest
-        theory = cfg.theory_diagnostics
+        theory = cfg.stare.theory_diagnostics
 
         # 1. no-grad pass over the whole batch, micro-batched (B / (n_mini*n_micro) sequences at a time).
         n_pass = n_mini * n_micro
@@ -366,13 +346,13 @@ def place_train_state(train_state: TrainState, mesh):
     return jax.device_put(train_state, train_state_shardings(train_state, mesh))
 
 
-def batch_shardings(mesh, batch_axes=("data", "fsdp")):
+def batch_shardings(mesh, batch_axes=BATCH_AXES):
     """NamedSharding for each batch key: leading (batch) axis over batch_axes."""
-    return {k: NamedSharding(mesh, P(batch_axes)) for k in BATCH_KEYS}
+    return {k: batch_sharding(mesh, batch_axes) for k in BATCH_KEYS}
 
 
 def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: TrainState | None = None,
-                    rules=None, batch_axes=("data", "fsdp"), donate: bool = True):
+                    rules=None, batch_axes=BATCH_AXES, donate: bool = True):
     """jax.jit-compiled step. With a mesh: in/out shardings = the train_state's current shardings (pass the
     initialised train_state), batch sharded over batch_axes on its leading axis, controller state and metrics
     replicated; the model's activation constraints use `rules` (default: stare_jax.models.sharding rules)."""

@@ -8,7 +8,8 @@ from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, Sampler, com
                                         next_bucket, quarter_octave_bucket)
 from stare_jax.sampling.selection import (greedy_tokens, inverse_cdf_sample, select_tokens, token_logprobs,
                                           top_k_mask, top_p_mask)
-from stare_jax.sampling.sharding import batch_sharding, reshard_for_sampling, sampler_param_sharding
+from stare_jax.models.sharding import batch_sharding
+from stare_jax.sampling.sharding import reshard_for_sampling, sampler_param_sharding
 
 __all__ = [
     "SampleArrays", "SampleOutput", "Sampler", "compiled_programs", "generate", "next_bucket", "quarter_octave_bucket",

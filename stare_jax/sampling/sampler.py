@@ -305,7 +305,7 @@ class Sampler:
         self.compute_dtype = jnp.dtype(getattr(self.config, "dtype", "float32")).name
         self.graphdef, state = nnx.split(model)
         self.state = None
-        self._batch_sharding = sampling_sharding.batch_sharding(mesh) if mesh is not None else None
+        self._batch_sharding = model_sharding.batch_sharding(mesh) if mesh is not None else None
         self.update_params(state)
 
     def update_params(self, params) -> None:
@@ -344,7 +344,7 @@ class Sampler:
 
     @property
     def data_shards(self) -> int:
-        return sampling_sharding.data_size(self.mesh)
+        return model_sharding.batch_shards(self.mesh)
 
     def batch_bucket(self, num_prompts: int) -> int:
         """Padded number of prompts (>= min_batch_bucket), a multiple of the data shards: rounded up to a quarter of
@@ -368,7 +368,7 @@ class Sampler:
         if self._batch_sharding is None:
             return jnp.asarray(x)
         if distributed.is_multiprocess():  # every process passes the same global host batch
-            return distributed.global_batch({"x": x}, self.mesh, sampling_sharding.data_axes(self.mesh))["x"]
+            return distributed.global_batch({"x": x}, self.mesh, model_sharding.batch_axes(self.mesh))["x"]
         return jax.device_put(x, self._batch_sharding)
 
     def generate_arrays(self, prompt_ids_PxT, prompt_mask_PxT, *, max_new_tokens: int, num_samples: int = 1,

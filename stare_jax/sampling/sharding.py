@@ -15,29 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-DATA_AXES = ("data", "fsdp")  # batch axes of the sampler (those present in the mesh are used)
+
 PARAM_KEEP_AXES = ("tensor",)  # parameter axes the sampler keeps (everything else is replicated)
-
-
-def data_axes(mesh: Mesh, candidates: Sequence[str] = DATA_AXES) -> tuple[str, ...]:
-    """The mesh axes that shard the sampler's batch dimension, in mesh order."""
-    return tuple(a for a in mesh.axis_names if a in candidates)
-
-
-def data_size(mesh: Mesh | None, candidates: Sequence[str] = DATA_AXES) -> int:
-    """Number of batch shards (1 without a mesh); batch sizes are padded to a multiple of it."""
-    if mesh is None:
-        return 1
-    n = 1
-    for a in data_axes(mesh, candidates):
-        n *= mesh.shape[a]
-    return n
-
-
-def batch_sharding(mesh: Mesh, candidates: Sequence[str] = DATA_AXES) -> NamedSharding:
-    """Leading (batch) dimension over the data axes, the rest replicated."""
-    axes = data_axes(mesh, candidates)
-    return NamedSharding(mesh, PartitionSpec(axes if axes else None))
 
 
 def _keep(entry, keep: Sequence[str], mesh: Mesh):

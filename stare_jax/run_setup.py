@@ -1,0 +1,152 @@
+"""What a run needs before its first step, shared by training (train.py), loading a run for evaluation or export
+(policy.py) and the ahead-of-time compiles (aot.py): the input paths, the static config of the jitted step
+derived from the run config, and the initial train + controller state committed to its devices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Callable, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from stare_jax import distributed as dist
+from stare_jax import toy
+from stare_jax.config import Config
+from stare_jax.data.prompts import PromptRow, format_prompt
+from stare_jax.models.sharding import batch_shards
+from stare_jax.rl.stare import StareState, init_stare_state
+from stare_jax.rl.train_step import TrainState, TrainStepConfig, init_train_state, place_train_state
+from stare_jax.run_dir import is_remote, local_copy
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (the message says why and what was saved)."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Processes and inputs
+
+
+def init_distributed(coordinator_address: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """jax.distributed.initialize for multi-process runs: explicit arguments (GPU over ssh, local CPU processes),
+    or automatic on Cloud TPU / Slurm / when JAX_COORDINATOR_ADDRESS is set. Single-process runs skip it."""
+    given = [coordinator_address, num_processes, process_id]
+    if any(v is not None for v in given):
+        if coordinator_address is None or num_processes is None or process_id is None:
+            raise TrainingError("multi-process runs need all of --coordinator-address, --num-processes and "
+                                "--process-id (or none of them, for automatic detection)")
+        if not 0 <= process_id < num_processes:
+            raise TrainingError(f"--process-id {process_id} is outside [0, --num-processes={num_processes})")
+        # CPU cross-process collectives (local multi-process runs) go through gloo; GPU/TPU are unaffected
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                                   process_id=process_id)
+    elif os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
+        jax.distributed.initialize()
+
+
+@dataclasses.dataclass
+class RunInputs:
+    model_path: pathlib.Path
+    tokenizer_path: pathlib.Path
+    train_path: str | pathlib.Path  # a local path or an object-store URL (gs://...)
+    eval_paths: dict
+
+
+def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, RunInputs]:
+    """Paths of the model, tokenizer and data; for the embedded toy default, builds (or reuses) its assets."""
+    if cfg.toy.enabled:
+        t = cfg.toy
+        asset_cfg = toy.asset_config(t)
+        # multi-process: process 0 builds the assets first; the others then find them in a shared cache (or,
+        # on hosts with their own disks, build the same deterministic assets themselves)
+        if jax.process_index() == 0:
+            assets = toy.prepare(asset_cfg, t.cache_dir, log=log)
+        dist.barrier("stare_jax_toy_assets")
+        if jax.process_index() != 0:
+            assets = toy.prepare(asset_cfg, t.cache_dir, log=log)
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task=t.task, prompt_template="raw"))
+        return cfg, RunInputs(assets.model_dir, assets.model_dir / "tokenizer.model", assets.train_path,
+                              {"heldout": str(assets.eval_path)})
+    if not cfg.model.path:
+        raise TrainingError("model.path is not set: point it at a Hugging Face checkpoint folder")
+    if not cfg.data.train_path:
+        raise TrainingError("data.train_path is not set: point it at a jsonl/parquet file of {problem, answer} rows")
+
+    def local(p: str) -> pathlib.Path:  # a checkpoint on gs:// is copied to local disk once per host
+        return local_copy(p, log=log) if is_remote(p) else pathlib.Path(p)
+
+    model_path = local(cfg.model.path)
+    if not (model_path / "config.json").is_file():
+        raise TrainingError(f"model.path {cfg.model.path} has no config.json (not a Hugging Face checkpoint folder)")
+    tok_path = local(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else model_path
+    return cfg, RunInputs(model_path, tok_path, cfg.data.train_path, dict(cfg.data.eval_paths))
+
+
+def encode_rows(rows: Sequence[PromptRow], tokenizer, cfg: Config) -> tuple[list[list[int]], list[int]]:
+    """Token ids of each row's prompt; rows longer than data.max_prompt_len are reported and left out."""
+    ids, keep = [], []
+    for i, row in enumerate(rows):
+        text = format_prompt(row.problem, cfg.data.prompt_template, tokenizer)
+        # a rendered chat template carries its own special tokens; otherwise the tokenizer's default BOS rule
+        toks = tokenizer.encode(text, add_bos=False if cfg.data.prompt_template == "chat" else None)
+        if len(toks) <= cfg.data.max_prompt_len:
+            ids.append(toks)
+            keep.append(i)
+    return ids, keep
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The compiled step's static config and initial state
+
+# TrainStepConfig fields that are not rl.* options of the same name; train_step_config computes each
+DERIVED_STEP_FIELDS = ("optimizer", "stare", "loss_agg_constant", "num_micro_batches", "num_mini_batches",
+                       "debug_outputs")
+
+
+def train_step_config(cfg: Config, mesh=None) -> TrainStepConfig:
+    """The static TrainStepConfig of the jitted step, derived from the run config: every field named like an rl.*
+    option is that option (by name, never copied by hand); the rest (DERIVED_STEP_FIELDS) are computed here."""
+    rl = cfg.rl
+    B = rl.train_batch_size * rl.group_size
+    if B % rl.mini_batches:
+        raise TrainingError(f"rl.train_batch_size x rl.group_size = {B} is not divisible by "
+                            f"rl.mini_batches={rl.mini_batches}")
+    mini = B // rl.mini_batches
+    per_micro = rl.micro_batch_size * batch_shards(mesh)
+    if mini % per_micro:
+        raise TrainingError(
+            f"a mini-batch of {mini} sequences does not split into micro-batches of rl.micro_batch_size="
+            f"{rl.micro_batch_size} x {batch_shards(mesh)} data shards")
+    # scope micro_batch ranks groups of rl.micro_batch_size unless rl.stare says otherwise
+    stare = rl.stare if rl.stare.scope != "micro_batch" or rl.stare.micro_batch_size else dataclasses.replace(
+        rl.stare, micro_batch_size=rl.micro_batch_size)
+    # the optimizer's schedule counts updates: rl.mini_batches x rl.ppo_epochs of them per RL step
+    opt = cfg.optimizer if cfg.optimizer.total_steps else dataclasses.replace(
+        cfg.optimizer, total_steps=cfg.total_steps * rl.mini_batches * rl.ppo_epochs)
+    by_name = {f.name: getattr(rl, f.name) for f in dataclasses.fields(TrainStepConfig)
+               if f.name not in DERIVED_STEP_FIELDS}
+    return TrainStepConfig(optimizer=opt, stare=stare, loss_agg_constant=float(cfg.sampling.max_new_tokens),
+                           num_micro_batches=mini // per_micro, num_mini_batches=rl.mini_batches, **by_name)
+
+
+def init_run_state(model, tcfg: TrainStepConfig, mesh=None) -> tuple[object, TrainState, StareState]:
+    """(graphdef, train state, controller state) of a new run, committed to their devices as the step's outputs
+    are (so the second step does not recompile): the train state on its shardings, the controller replicated."""
+    graphdef, train_state = init_train_state(model, tcfg)
+    if mesh is None:
+        stare_state = init_stare_state(tcfg.stare)
+        train_state, stare_state = jax.device_put((train_state, stare_state), jax.local_devices()[0])
+        return graphdef, train_state, stare_state
+    train_state = place_train_state(train_state, mesh)
+    # created replicated by a jitted init: device_put would compare the NaN last_entropy across processes
+    stare_state = jax.jit(lambda: init_stare_state(tcfg.stare), out_shardings=NamedSharding(mesh, PartitionSpec()))()
+    return graphdef, train_state, stare_state
+
+
+def abstract_like(tree):
+    """ShapeDtypeStructs with the shardings of a tree of arrays: what a checkpoint is restored into."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

@@ -1,0 +1,101 @@
+"""The RL loop's stages one at a time, in-process (test_train.py runs the whole loop as users do, in a subprocess):
+open_run -> collect (rollouts.collect_batch) -> update -> step_record -> evaluate -> save, on the embedded toy task
+with a tiny model on the 8-device test mesh; and the loop's derived static config (run_setup.train_step_config)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from stare_jax.config import load_config
+from stare_jax.rl.train_step import TrainStepConfig
+from stare_jax.rollouts import CollectedBatch, Rollouts, train_batch_from_rollouts
+from stare_jax.run_setup import DERIVED_STEP_FIELDS, TrainingError, train_step_config
+from stare_jax.train import open_run, step_record, update_was_finite
+
+# 4 prompts x 4 responses on the 8-device test mesh (fsdp=8): micro-batches of 2 sequences per device
+TINY = [
+    "toy.hidden_size=32", "toy.num_layers=2", "toy.sft_steps=60", "toy.num_train=200", "toy.num_eval=8",
+    "rl.train_batch_size=4", "rl.group_size=4", "rl.gen_batch_size=8", "rl.micro_batch_size=2",
+    "logging.eval_every_steps=1", "logging.tensorboard=false", "logging.progress_bar=false",
+    "checkpoint.async_save=false", "sampling.eval_num_samples=2", "total_steps=3",
+]
+
+
+def test_every_step_field_is_an_rl_option_of_the_same_name_or_derived():
+    cfg = load_config("configs/tiny_cpu_stare.yaml", ["rl.clip_high=0.3", "rl.ppo_epochs=2", "rl.mini_batches=2",
+                                                       "optimizer.schedule=cosine", "total_steps=7"])
+    tcfg = train_step_config(cfg)
+    for f in dataclasses.fields(TrainStepConfig):
+        if f.name not in DERIVED_STEP_FIELDS:
+            assert getattr(tcfg, f.name) == getattr(cfg.rl, f.name), f.name
+    assert tcfg.clip_high == 0.3 and tcfg.ppo_epochs == 2 and tcfg.num_mini_batches == 2
+    assert tcfg.optimizer == dataclasses.replace(cfg.optimizer, total_steps=7 * 2 * 2)  # counted in updates
+    assert tcfg.stare is cfg.rl.stare
+    with pytest.raises(TrainingError, match="rl.mini_batches=3"):
+        train_step_config(load_config("configs/tiny_cpu_stare.yaml", ["rl.mini_batches=3"]))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    cache, run_dir = tmp_path_factory.mktemp("toycache"), tmp_path_factory.mktemp("stages") / "run"
+    cfg = load_config("configs/tiny_cpu_stare.yaml", [f"toy.cache_dir={cache}", *TINY])
+    r = open_run(cfg, run_dir, resume=False, log=lambda *_: None)
+    yield r
+    r.close()
+
+
+def test_collect_keeps_varied_groups_with_grpo_advantages(run):
+    state = run.stream.state()
+    a = run.collect(0)
+    run.stream.restore(state)
+    b = run.collect(0)  # randomness is a function of (seed, step, generation batch) and the stream position
+    for k in a.batch:
+        np.testing.assert_array_equal(a.batch[k], b.batch[k])
+    P, G = run.cfg.rl.train_batch_size, run.cfg.rl.group_size
+    assert a.kept.correct_PxG.shape == (P, G) and a.num_gen_batches >= 1
+    assert (a.kept.correct_PxG.std(axis=1) > 0).all()  # dynamic sampling keeps only groups whose rewards vary
+    r = a.rewards_PxG
+    adv = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)  # verl's GRPO, NumPy
+    np.testing.assert_allclose(a.batch["advantages_B"], adv.reshape(-1), rtol=1e-5, atol=1e-6)
+    expect = train_batch_from_rollouts(a.kept, adv)
+    for k in ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT"):
+        np.testing.assert_array_equal(a.batch[k], expect[k])
+    assert a.correct_all.size == a.num_gen_batches * run.cfg.rl.gen_batch_size * G
+    assert a.metrics().keys() >= {"reward_mean", "accuracy", "train_accuracy", "response_len_mean",
+                                   "kept_groups_frac", "num_gen_batches", "gen_time_s"}
+    assert a.batch["input_ids_BxT"].shape[0] == P * G
+
+
+def test_update_record_evaluate_and_save(run):
+    collected = run.collect(0)
+    before = jax.device_get(run.train_state.params)
+    metrics, seconds = run.update(collected.batch)
+    after = jax.device_get(run.train_state.params)
+    assert seconds > 0 and np.isfinite(metrics["loss"])
+    assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+    record = step_record(run.cfg, collected, metrics, step_time_s=1.0, train_time_s=seconds)
+    assert update_was_finite(record) and record["stare_enabled"] and record["target_entropy"] == 0.7
+    assert record["gate_on"] == bool(metrics["gate_on"])
+    ev = run.evaluate(1)
+    assert 0.0 <= ev["eval/accuracy"] <= 1.0 and "eval/heldout/response_len_mean" in ev
+    assert run.eval_due(1) and run.eval_due(run.cfg.total_steps)
+    run.save(1, force=True)
+    run.ckpt.wait()
+    assert run.ckpt.latest_step() == 1
+
+
+def test_record_of_grpo_ds_has_unit_weights_and_flags_nonfinite_updates():
+    cfg = load_config("configs/tiny_cpu_grpo_ds.yaml")
+    kept = Rollouts(np.zeros((1, 2), np.int32), np.ones((1, 2), np.int32), np.zeros((1, 2, 3), np.int32),
+                    np.array([[3, 1]]), np.array([[1.0, 0.0]], np.float32))
+    collected = CollectedBatch({}, kept, np.array([[1.0, 0.0]]), np.array([1.0, 0.0, 0.0, 0.0]),
+                               np.array([3, 1, 2, 2]), {"n_items": 4}, 1, 2, 1, 0.5)
+    m = {"entropy": 0.4, "stare_w": 1.3, "stare_m": 0.8, "gate_on": True, "clipfrac": 0.0, "clipfrac_lower": 0.0,
+         "approx_kl": 0.0, "loss": float("nan"), "grad_norm": 1.0, "skipped_updates": 1.0}
+    rec = step_record(cfg, collected, m, step_time_s=2.0, train_time_s=1.0)
+    assert rec["stare_w"] == rec["stare_m"] == 1.0 and rec["gate_on"] is False  # GRPO-ds never reweights
+    assert rec["accuracy"] == 0.25 and rec["train_accuracy"] == 0.5 and rec["kept_groups_frac"] == 0.5
+    assert rec["reward/n_items"] == 4 and not update_was_finite(rec)
