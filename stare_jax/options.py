@@ -9,6 +9,7 @@ the same rules. No imports from the rest of the package: every layer may use thi
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -29,7 +30,7 @@ def option(default, doc: str = "", *, lo=None, hi=None, lo_open: bool = False, h
     if lo is not None or hi is not None or nonzero:
         meta.update(range=(lo, hi, lo_open, hi_open), nonzero=nonzero)
     if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+        return dataclasses.field(default_factory=functools.partial(copy.deepcopy, default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -105,11 +106,15 @@ def check_range(value, meta, key: str, where: str) -> None:
         raise ConfigError(f"{where}: '{key}' = {value!r} is out of range; accepted: {accepted}{doc}")
 
 
-@functools.cache
-def typed_fields(cls) -> tuple[tuple[dataclasses.Field, Any], ...]:
+_TYPED_FIELDS: dict[type, tuple[tuple[dataclasses.Field, Any], ...]] = {}
+
+
+def typed_fields(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
     """(field, resolved annotation) of a dataclass, cached (annotations are strings under `from __future__`)."""
-    hints = typing.get_type_hints(cls)
-    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
+    if cls not in _TYPED_FIELDS:
+        hints = typing.get_type_hints(cls)
+        _TYPED_FIELDS[cls] = tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
+    return _TYPED_FIELDS[cls]
 
 
 def validate_fields(obj, where: str | None = None) -> None:

@@ -22,7 +22,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 @dataclasses.dataclass
 class Policy:
-    model: object
+    model: models.Transformer
     tokenizer_path: pathlib.Path
     run_config: Config | None  # the training run's config when loaded from a run folder
     step: int | None  # the checkpoint step restored (None for an HF folder)

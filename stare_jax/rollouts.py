@@ -78,7 +78,7 @@ def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequen
         return parts[0]
     fields = [f.name for f in dataclasses.fields(Rollouts)]
     merged = Rollouts(**{f: np.concatenate([getattr(r, f) for r, _, _ in parts]) for f in fields})
-    stats = {}
+    stats: dict = {}
     for _, _, st in parts:
         add_counts(stats, st)
     return merged, [t for _, texts, _ in parts for t in texts], stats
@@ -168,7 +168,9 @@ def collect_batch(sampler, prompt_batches: Iterator[list], prompt_ids: Callable[
     rl.max_num_gen_batches batches), shape the rewards and compute GRPO advantages, and lay out the train batch."""
     t0 = time.time()
     acc = DynamicSamplingAccumulator(rl.train_batch_size, rl.max_num_gen_batches if rl.dynamic_sampling else 1)
-    correct, lengths, reward_stats = [], [], {}
+    correct: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    reward_stats: dict = {}
     j = 0
     while not acc.ready:
         rows = next(prompt_batches)

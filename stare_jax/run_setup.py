@@ -10,6 +10,7 @@ import pathlib
 from typing import Callable, Sequence
 
 import jax
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stare_jax import distributed as dist
@@ -133,7 +134,7 @@ def train_step_config(cfg: Config, mesh=None) -> TrainStepConfig:
                            num_micro_batches=mini // per_micro, num_mini_batches=rl.mini_batches, **by_name)
 
 
-def init_run_state(model, tcfg: TrainStepConfig, mesh=None) -> tuple[object, TrainState, StareState]:
+def init_run_state(model, tcfg: TrainStepConfig, mesh=None) -> tuple[nnx.GraphDef, TrainState, StareState]:
     """(graphdef, train state, controller state) of a new run, committed to their devices as the step's outputs
     are (so the second step does not recompile): the train state on its shardings, the controller replicated."""
     graphdef, train_state = init_train_state(model, tcfg)

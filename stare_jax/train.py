@@ -50,8 +50,8 @@ __all__ = ["Run", "TrainingError", "compile_count", "open_run", "run_training", 
 _COMPILES = [0]
 
 
-def _count_compile(name: str, *_, **__) -> None:
-    if name == "/jax/core/compile/jaxpr_to_mlir_module_duration":  # one per jit cache miss (lowering)
+def _count_compile(event: str, duration_secs: float, **kwargs) -> None:
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":  # one per jit cache miss (lowering)
         _COMPILES[0] += 1
 
 
@@ -117,7 +117,7 @@ class Run:
     prompt_of: dict  # id(row) -> prompt token ids
     eval_sets: list[EvalSet]
     prompt_len: int  # the sampler's prompt bucket (train and eval prompts)
-    graphdef: object
+    graphdef: nnx.GraphDef
     train_state: TrainState
     stare_state: StareState
     step_fn: Callable
@@ -143,6 +143,7 @@ class Run:
     def update(self, batch: dict) -> tuple[dict, float]:
         """Stage 2: one jitted GRPO/STARE step on the batch; (host metrics, seconds)."""
         if dist.is_multiprocess():  # the same host batch on every process -> one global array
+            assert self.sampler.mesh is not None  # several processes always share a mesh
             batch = dist.global_batch(batch, self.sampler.mesh)
         self.sampler.release()  # the sampler's weight copy is not alive during the train step
         t0 = time.time()

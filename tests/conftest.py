@@ -1,4 +1,9 @@
-"""Test session set-up: 8 fake CPU devices (for mesh tests), a persistent JAX compilation cache, `slow` marker."""
+"""Test session set-up: 8 fake CPU devices (for mesh tests), a persistent JAX compilation cache, and the tiers.
+
+Tiers (markers, one per test, from its module): `unit` - one module's functions against an independent reference,
+in-process; `integration` - whole programs as users run them (subprocesses, several processes, TPU compiles, the
+real SmolLM2, parity with transformers' generate); `slow` - opt-in (--runslow or STARE_JAX_RUN_SLOW=1). The default
+run is unit + integration; `-m unit` / `-m integration` select one tier, and every run ends with each tier's time."""
 import os
 
 # Must happen before jax is imported anywhere: 8 host devices so mesh tests can build a (2, 4) mesh.
@@ -24,13 +29,43 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 
 
+# test modules of the integration tier (the rest are unit tests)
+INTEGRATION = {"test_aot", "test_cli", "test_device_suite", "test_launch", "test_multihost", "test_sampling_parity",
+               "test_smollm2", "test_train", "test_train_stages", "test_gguf_convert", "test_paper_configs"}
+TIERS = ("unit", "integration", "slow")
+_TIER_SECONDS = dict.fromkeys(TIERS, 0.0)
+
+
+def tier_of(item) -> str:
+    if "slow" in item.keywords:
+        return "slow"
+    return "integration" if item.module.__name__.rpartition(".")[2] in INTEGRATION else "unit"
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = tier_of(item)
+        if tier != "slow":
+            item.add_marker(getattr(pytest.mark, tier))
     if config.getoption("--runslow") or os.environ.get("STARE_JAX_RUN_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow or STARE_JAX_RUN_SLOW=1")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """Adds each test's set-up, call and tear-down time to its tier."""
+    tier = next((t for t in TIERS if t in report.keywords), None)
+    if tier is not None:
+        _TIER_SECONDS[tier] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    ran = {t: s for t, s in _TIER_SECONDS.items() if s > 0}
+    if ran:
+        terminalreporter.write_line("time per tier: " + ", ".join(f"{t} {s:.0f} s" for t, s in ran.items()))
 
 
 @pytest.fixture(scope="session")

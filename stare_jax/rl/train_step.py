@@ -78,7 +78,7 @@ class TrainState:
     params: Any
     rest: Any
     opt_state: Any
-    step: jax.Array
+    step: Any  # int32 scalar array (a ShapeDtypeStruct in an abstract state)
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
@@ -142,6 +142,7 @@ def init_train_state(model: nnx.Module, cfg: TrainStepConfig):
     graphdef, params, rest = split_model(model)
     tx = make_optimizer(cfg.optimizer)
     shardings = opt_state_shardings(tx, params)
+    step: Any
     if _is_abstract(params):
         abstract = jax.eval_shape(tx.init, params)
         opt_state = abstract if shardings is None else jax.tree.map(
@@ -209,7 +210,7 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
     n_micro, n_mini, epochs = cfg.num_micro_batches, cfg.num_mini_batches, cfg.ppo_epochs
     per_micro_scope = scfg.enabled and scfg.scope == "micro_batch"
 
-    def forward(params, rest, ids, attn, tgt, lm, theory=False):
+    def forward(params, rest, ids, attn, tgt, lm, *, theory=False):
         return policy_forward(graphdef, params, rest, ids, attn, tgt, lm, chunk_size=chunk, theory=theory)
 
     def step_fn(train_state: TrainState, batch, stare_state: StareState):
@@ -352,7 +353,7 @@ def batch_shardings(mesh, batch_axes=BATCH_AXES):
 
 
 def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: TrainState | None = None,
-                    rules=None, batch_axes=BATCH_AXES, donate: bool = True):
+                    rules=None, batch_axes=BATCH_AXES, donate: bool = True) -> Callable:
     """jax.jit-compiled step. With a mesh: in/out shardings = the train_state's current shardings (pass the
     initialised train_state), batch sharded over batch_axes on its leading axis, controller state and metrics
     replicated; the model's activation constraints use `rules` (default: stare_jax.models.sharding rules)."""
@@ -368,38 +369,47 @@ def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: T
     jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(mesh, batch_axes), rep),
                      out_shardings=(state_sh, rep, rep), donate_argnums=donate_argnums)
 
-    shards = math.prod(mesh.shape[a] for a in batch_axes)
+    return ShardedStep(jitted, mesh, rules, tuple(batch_axes))
 
-    def context():
-        """The mesh and activation rules the step is traced under (also for ahead-of-time lowering)."""
+
+@dataclasses.dataclass(frozen=True)
+class ShardedStep:
+    """The jitted step on a mesh: called like the step, it runs under the mesh and the activation rules it was
+    traced with; `trace` / `lower` give jax.stages objects for real or abstract arguments (the ahead-of-time
+    compile's entry, stare_jax.aot)."""
+
+    jitted: Any
+    mesh: Any
+    rules: Any
+    batch_axes: tuple
+
+    @property
+    def batch_shardings(self) -> dict:
+        return batch_shardings(self.mesh, self.batch_axes)
+
+    def context(self) -> contextlib.ExitStack:
+        """The mesh and activation rules the step is traced under."""
         stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(mesh))
-        stack.enter_context(activation_rules(rules))
+        stack.enter_context(jax.set_mesh(self.mesh))
+        stack.enter_context(activation_rules(self.rules))
         return stack
 
-    def run(train_state, batch, stare_state):
+    def __call__(self, train_state, batch, stare_state):
         batch = {k: batch[k] for k in BATCH_KEYS}
+        shards = math.prod(self.mesh.shape[a] for a in self.batch_axes)
         if jnp.shape(batch["input_ids_BxT"])[0] % shards:
             raise ValueError(f"batch size {jnp.shape(batch['input_ids_BxT'])[0]} must be divisible by the "
-                             f"{shards} devices of mesh axes {batch_axes}")
-        with context():
-            return jitted(train_state, batch, stare_state)
+                             f"{shards} devices of mesh axes {self.batch_axes}")
+        with self.context():
+            return self.jitted(train_state, batch, stare_state)
 
-    def trace(*args):
-        with context():
-            return jitted.trace(*args)
+    def trace(self, *args) -> jax.stages.Traced:
+        with self.context():
+            return self.jitted.trace(*args)
 
-    run.jitted = jitted
-    run.context = context
-    run.trace = trace  # jax.stages.Traced (its .jaxpr and .lower()) for abstract or real arguments
-    run.lower = lambda *a: _under(context, lambda: trace(*a).lower())
-    run.batch_shardings = batch_shardings(mesh, batch_axes)
-    return run
-
-
-def _under(context, fn):
-    with context():
-        return fn()
+    def lower(self, *args) -> jax.stages.Lowered:
+        with self.context():
+            return self.trace(*args).lower()
 
 
 def batch_entropy(graphdef, params, rest, batch, *, chunk_size=DEFAULT_CHUNK_SIZE):
