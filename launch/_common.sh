@@ -139,13 +139,21 @@ seq_csv() {
 }
 
 # train_args CONFIG RUN_DIR RESUME(0|1): the `stare-jax train` arguments shared by every launcher.
-#   CLI contract assumed (see README of launch/): stare-jax train --config CFG --run-dir DIR [--resume]
-#   [--coordinator-address HOST:PORT --num-processes N --process-id I]
+#   CLI contract assumed (see README of launch/): stare-jax train --config CFG --run-dir DIR [--resume
+#   [--allow-config-change]] [--coordinator-address HOST:PORT --num-processes N --process-id I]
 #   --resume means: continue from the latest checkpoint in --run-dir if there is one, else start fresh.
+#   --allow-config-change (ALLOW_CONFIG_CHANGE=1, the launchers' --allow-config-change): a resumed run may change
+#   settings beyond the operational ones; every change is recorded in RUN_DIR/config_changes.jsonl.
+ALLOW_CONFIG_CHANGE=0
 train_args() {
   TRAIN_ARGS=(train --config "$1" --run-dir "$2")
   if [[ "$3" == 1 ]]; then
     TRAIN_ARGS+=(--resume)
+    if [[ "$ALLOW_CONFIG_CHANGE" == 1 ]]; then
+      TRAIN_ARGS+=(--allow-config-change)
+    fi
+  elif [[ "$ALLOW_CONFIG_CHANGE" == 1 ]]; then
+    die "--allow-config-change only applies when resuming: drop --no-resume, or drop --allow-config-change"
   fi
   TRAIN_ARGS+=(${OVERRIDES[@]+"${OVERRIDES[@]}"})
 }

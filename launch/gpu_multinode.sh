@@ -31,6 +31,8 @@ Common options:
                             sampling.max_prompts_per_call=32 (what the paper configs' GPU alternatives need)
   --run-dir DIR             run directory seen by every node
   --no-resume               start fresh instead of resuming from the latest checkpoint in --run-dir
+  --allow-config-change     resuming: accept config changes beyond the operational keys (recorded in
+                            RUN_DIR/config_changes.jsonl; without it a changed config is refused)
   --port PORT               coordinator port (slurm; default: derived from the job id like jax's Slurm detector)
 
 Slurm options (the script is written to logs/slurm/JOB.sbatch and submitted with sbatch):
@@ -73,6 +75,7 @@ while [[ $# -gt 0 ]]; do
     --run-dir) need_value "$@"; RUN_DIR="$2"; shift 2 ;;
     --resume) RESUME=1; shift ;;
     --no-resume) RESUME=0; shift ;;
+    --allow-config-change) ALLOW_CONFIG_CHANGE=1; shift ;;
     --port) need_value "$@"; PORT="$2"; shift 2 ;;
     --job-name) need_value "$@"; JOB="$2"; shift 2 ;;
     --partition) need_value "$@"; PARTITION="$2"; shift 2 ;;

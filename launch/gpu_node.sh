@@ -21,6 +21,8 @@ Options:
   --set KEY=VALUE   config override passed to stare-jax train (repeatable), e.g. --set model.path=/data/q7b
   --run-dir DIR     run directory (checkpoints, metrics, config.yaml); a local path or gs://...
   --no-resume       start fresh instead of resuming from the latest checkpoint in --run-dir
+  --allow-config-change resuming: accept config changes beyond the operational keys (recorded in
+                    RUN_DIR/config_changes.jsonl; without it a changed config is refused)
   --log FILE        log file (default logs/train.log in the checkout)
   --env KEY=VALUE   extra environment for the process (repeatable), e.g. XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
   --dry-run         print the commands, one per line, instead of running them
@@ -44,6 +46,7 @@ while [[ $# -gt 0 ]]; do
     --run-dir) need_value "$@"; RUN_DIR="$2"; shift 2 ;;
     --resume) RESUME=1; shift ;;
     --no-resume) RESUME=0; shift ;;
+    --allow-config-change) ALLOW_CONFIG_CHANGE=1; shift ;;
     --log) need_value "$@"; LOG="$2"; shift 2 ;;
     --env) need_value "$@"; EXTRA_ENV+=("$2"); shift 2 ;;
     *) die "unknown option '$1' (see --help)" ;;

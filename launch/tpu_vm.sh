@@ -37,6 +37,8 @@ Options:
   --run-dir DIR             gs://bucket/path (needed on multi-host slices: every worker must see the checkpoints)
                             or a directory on each worker (run, watch)
   --no-resume               start fresh instead of resuming from the latest checkpoint in --run-dir
+  --allow-config-change     resuming: accept config changes beyond the operational keys (recorded in
+                            RUN_DIR/config_changes.jsonl; without it a changed config is refused)
   --repo URL --ref REF      sync with git (clone once, then fetch + checkout REF) instead of copying this checkout
   --remote-dir DIR          checkout directory on the workers (default stare_jax, i.e. ~/stare_jax)
   --python PY               Python >= 3.11 used for the venv on the workers (default python3.11; installed
@@ -134,6 +136,7 @@ while [[ $# -gt 0 ]]; do
     --run-dir) need_value "$@"; RUN_DIR="$2"; shift 2 ;;
     --resume) RESUME=1; shift ;;
     --no-resume) RESUME=0; shift ;;
+    --allow-config-change) ALLOW_CONFIG_CHANGE=1; shift ;;
     --repo) need_value "$@"; REPO="$2"; shift 2 ;;
     --ref) need_value "$@"; REF="$2"; shift 2 ;;
     --remote-dir) need_value "$@"; REMOTE_DIR="$2"; shift 2 ;;

@@ -156,6 +156,8 @@ def test_tpu_run_logs_stop_delete():
                   "--set", "data.train_path=gs://b/train.jsonl")
     assert (f"train --config {CFG} --run-dir {RUN} --resume model.path=/data/q7b data.train_path=gs://b/train.jsonl "
             "> logs/") in remote(over)
+    (changed,) = dry("tpu_vm.sh", "run", *TPU, "--config", CFG, "--run-dir", RUN, "--allow-config-change")
+    assert f"train --config {CFG} --run-dir {RUN} --resume --allow-config-change > logs/" in remote(changed)
     (logs,) = dry("tpu_vm.sh", "logs", *TPU, "--worker", "3")
     assert "--worker=3" in logs and remote(logs) == "tail -n 100 -F ~/stare_jax/logs/train-$(hostname).log"
     (stop,) = dry("tpu_vm.sh", "stop", *TPU)
@@ -258,6 +260,8 @@ def test_gpu_node_dry_run():
         f"cd {ROOT}", "mkdir -p logs",
         f"env CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 .venv/bin/stare-jax train --config {CFG} --run-dir runs/q7b "
         "--resume 2>&1 | tee -a logs/train.log"]
+    assert dry("gpu_node.sh", "--gpus", "8", "--config", CFG, "--run-dir", "runs/q7b", "--allow-config-change")[-1] \
+        .endswith("--run-dir runs/q7b --resume --allow-config-change 2>&1 | tee -a logs/train.log")
     lines = dry("gpu_node.sh", "--gpus=2", "--devices=4,5", "--config", CFG, "--run-dir", "r", "--no-resume",
                 "--env", "XLA_PYTHON_CLIENT_MEM_FRACTION=0.9", "--log", "out/x.log")
     assert lines[1:] == ["mkdir -p out", "env CUDA_VISIBLE_DEVICES=4,5 XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 "
@@ -447,6 +451,8 @@ STUB_HOST="$host" bash -c "$1"
      "--set must be KEY=VALUE with a dotted config key"),
     ("gpu_node.sh", ["--gpus", "8", "--config", CFG, "--run-dir", "r", "--set", "rl.stare.w=$(reboot)"],
      "has characters that are not accepted"),
+    ("gpu_node.sh", ["--gpus", "8", "--config", CFG, "--run-dir", "r", "--no-resume", "--allow-config-change"],
+     "--allow-config-change only applies when resuming"),
     # overrides take part in the layout check: a micro-batch size that does not tile the batch on 8 GPUs
     ("gpu_node.sh", ["--gpus", "8", "--config", CFG, "--run-dir", "r", "--set", "rl.micro_batch_size=3"],
      "micro-batches of rl.micro_batch_size=3 on each of 8 data shards"),
