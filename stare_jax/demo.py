@@ -80,7 +80,8 @@ def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *,
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainingError(f"demo: --run-dir {run_dir} is a file; give a folder (default runs/demo)")
     t0 = time.time()
-    dirs, reused = [], []
+    dirs: list[pathlib.Path] = []
+    reused: list[str] = []
     for arm, cfg_file in ARMS:
         cfg = load_config(CONFIGS / cfg_file, overrides)
         arm_dir = run_dir / arm

@@ -29,8 +29,9 @@ def process_batch_rows(mesh: jax.sharding.Mesh, global_batch_size: int,
         raise ValueError(f"global batch size {global_batch_size} must be divisible by the {shards} devices of "
                          f"mesh axes {tuple(batch_axes)}")
     idx = batch_sharding(mesh, batch_axes).addressable_devices_indices_map((global_batch_size,))
-    rows = set()
+    rows: set[int] = set()
     for index in idx.values():
+        assert index is not None  # typed Optional by jax, but every device of a sharding holds an index
         rows.update(range(*index[0].indices(global_batch_size)))
     return np.array(sorted(rows), dtype=np.int64)
 

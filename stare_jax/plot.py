@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeGuard
 
 from stare_jax.metrics import read_metrics
 
@@ -24,7 +24,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P")  # one marker shape per overlaid run
 DEFAULT_PLOT_NAME = "curves.png"
 
 
-def _finite(v: Any) -> bool:
+def _finite(v: Any) -> TypeGuard[int | float]:
     """A plottable value: a bool, or a finite int/float (NaN/inf markers and strings are skipped)."""
     if isinstance(v, bool):
         return True

@@ -290,7 +290,11 @@ def pad_sequences(
                 )
             s = s[len(s) - max_length :] if truncation_side == "left" else s[:max_length]
         rows.append(s)
-    T = max_length if padding == "max_length" else max(len(s) for s in rows)
+    if padding == "max_length":
+        assert max_length is not None  # checked above
+        T = max_length
+    else:
+        T = max(len(s) for s in rows)
     if pad_to_multiple_of:
         T = -(-T // pad_to_multiple_of) * pad_to_multiple_of
     ids_BxT = np.full((len(rows), T), pad_id, dtype=np.int32)
@@ -617,7 +621,8 @@ class SentencePieceTokenizer(_TokenizerBase):
         if skip_special_tokens:
             return self._sp.decode([i for i in ids if i not in self._special_ids])
         # keep control pieces visible (sentencepiece itself renders them as "")
-        out, run = [], []
+        out: list[str] = []
+        run: list[int] = []
         for i in ids:
             if i in self._control_ids:
                 out.append(self._sp.decode(run))
@@ -677,7 +682,7 @@ def train_sentencepiece(
     prefix.parent.mkdir(parents=True, exist_ok=True)
     # sentencepiece reads one sentence per line; split multi-line texts so no newline ends up inside a sentence.
     lines = [line for t in texts for line in t.split("\n") if line.strip()]
-    options = dict(
+    options: dict[str, Any] = dict(
         model_prefix=str(prefix),
         vocab_size=vocab_size,
         model_type=model_type,

@@ -170,6 +170,8 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
     prompts = [(encode_example(tok, r["problem"]), task.parse_spec(r["answer"])) for r in train]
     longest = max(len(p) for p, _ in prompts) + len(encode_answer(tok, "9" * cfg.k_max))
     rng_answers = random.Random(cfg.seed + 2)
+    pad_id = tok.pad_id
+    assert pad_id is not None  # train_sentencepiece gives the tokenizer a pad piece
 
     def sample_batch(rng: np.random.Generator, batch_size: int):
         picks = rng.integers(0, len(prompts), size=batch_size)
@@ -177,12 +179,16 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
         for i in picks:
             p, sp = prompts[int(i)]
             examples.append((p, encode_answer(tok, noisy_answer(cfg, sp, rng_answers))))
-        return pack_examples(examples, tok.pad_id, length=longest)
+        return pack_examples(examples, pad_id, length=longest)
 
     sft_log = (tmp / "sft_log.jsonl").open("w")
+
+    def log_sft_step(i: int, loss: float) -> None:
+        sft_log.write(json.dumps({"sft_step": i, "loss": loss}) + "\n")
+
     losses = sft_train(model, sample_batch,
                        SFTConfig(steps=cfg.sft_steps, batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, seed=cfg.seed),
-                       log=lambda i, loss: sft_log.write(json.dumps({"sft_step": i, "loss": loss}) + "\n"))
+                       log=log_sft_step)
     sft_log.close()
     log(f"toy: warm start ({cfg.sft_steps} SFT steps) loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
         f"{time.time() - t0:.1f}s so far")

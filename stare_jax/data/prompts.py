@@ -44,17 +44,17 @@ def iter_jsonl_objects(path: str | pathlib.Path) -> Iterator[tuple[int, dict]]:
     """(1-based line number, object) for every non-blank line of a JSON-lines file; DataError naming the file and
     line for invalid JSON or a line that is not a JSON object. The one jsonl reader of the project. Local paths
     and object-store URLs (gs://..., via etils.epath) both work."""
-    path = epath.Path(path)
-    with path.open(encoding="utf-8") as f:
+    file = epath.Path(path)
+    with file.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{file}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+                raise DataError(f"{file}:{lineno}: expected a JSON object, got {type(obj).__name__}")
             yield lineno, obj
 
 
@@ -79,29 +79,29 @@ def read_rows(path: str | pathlib.Path, *, prompt_field: str = "problem",
               answer_field: str = "answer") -> list[PromptRow]:
     """Read every row of a .jsonl or .parquet file (local, or gs://... on multi-host runs); any bad row raises
     DataError naming the file and line."""
-    path = epath.Path(path)
-    if not path.is_file():
-        raise DataError(f"data file not found: {path}")
+    file = epath.Path(path)
+    if not file.is_file():
+        raise DataError(f"data file not found: {file}")
     rows: list[PromptRow] = []
-    if path.suffix == ".parquet":
+    if file.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as e:  # pragma: no cover - pyarrow is a runtime dependency
-            raise DataError(f"{path}: reading parquet needs pyarrow ({e})") from None
+            raise DataError(f"{file}: reading parquet needs pyarrow ({e})") from None
         try:
-            with path.open("rb") as f:
+            with file.open("rb") as f:
                 records = pq.read_table(f).to_pylist()
         except Exception as e:  # noqa: BLE001 - pyarrow raises many types for bad files
-            raise DataError(f"{path}: not a readable parquet file: {e}") from None
+            raise DataError(f"{file}: not a readable parquet file: {e}") from None
         for i, obj in enumerate(records):
-            rows.append(_row_from_mapping(obj, f"{path}:row {i}", prompt_field, answer_field, i))
-    elif path.suffix in (".jsonl", ".json"):
-        for lineno, obj in iter_jsonl_objects(path):
-            rows.append(_row_from_mapping(obj, f"{path}:{lineno}", prompt_field, answer_field, len(rows)))
+            rows.append(_row_from_mapping(obj, f"{file}:row {i}", prompt_field, answer_field, i))
+    elif file.suffix in (".jsonl", ".json"):
+        for lineno, obj in iter_jsonl_objects(file):
+            rows.append(_row_from_mapping(obj, f"{file}:{lineno}", prompt_field, answer_field, len(rows)))
     else:
-        raise DataError(f"{path}: unsupported data file type '{path.suffix}' (accepted: .jsonl, .parquet)")
+        raise DataError(f"{file}: unsupported data file type '{file.suffix}' (accepted: .jsonl, .parquet)")
     if not rows:
-        raise DataError(f"{path}: no rows")
+        raise DataError(f"{file}: no rows")
     return rows
 
 

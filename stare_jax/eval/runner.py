@@ -33,8 +33,8 @@ class EvalSet:
 def evaluate_sets(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn: RewardFn, prompt_len: int,
                   max_new_tokens: int, seed: int, ks: Sequence[int] = (1,), batch_prompts: int = 256) -> dict:
     """{benchmark: benchmark_metrics(...)} (avg@N, pass@k for k in ks that fit N, mean_response_len)."""
-    correct = {es.name: [] for es in eval_sets}
-    lengths = {es.name: [] for es in eval_sets}
+    correct: dict[str, list[np.ndarray]] = {es.name: [] for es in eval_sets}
+    lengths: dict[str, list[np.ndarray]] = {es.name: [] for es in eval_sets}
     key = lambda es: (es.num_samples, es.temperature, es.top_p)  # noqa: E731
     for (n, temp, top_p), group in itertools.groupby(sorted(eval_sets, key=key), key=key):
         items = [(es.name, p, a) for es in group for p, a in zip(es.prompts, es.answers)]

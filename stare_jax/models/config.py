@@ -11,6 +11,8 @@ from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# config.json's model_type (any JSON value, or absent) -> architecture, for configs without `architectures`
+_ARCH_OF_MODEL_TYPE: dict[Any, str] = {t: a for a, t in _MODEL_TYPE.items()}
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -88,6 +90,7 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"ModelConfig.num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+        assert self.head_dim is not None  # the loop above raised unless it is a positive int
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
@@ -129,6 +132,7 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Exact parameter count (matches the HF model with the same config)."""
+        assert self.head_dim is not None  # __post_init__ derives it from hidden_size // num_heads
         d, h, kv, dh, i, v = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
                               self.intermediate_size, self.vocab_size)
         attn = d * h * dh + 2 * d * kv * dh + h * dh * d
@@ -145,8 +149,7 @@ class ModelConfig:
     def from_hf_config(cls, hf: Mapping[str, Any], **overrides) -> "ModelConfig":
         """Build from a HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
         archs = hf.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                       "qwen3": "Qwen3ForCausalLM"}.get(hf.get("model_type"), None)
+        arch = archs[0] if archs else _ARCH_OF_MODEL_TYPE.get(hf.get("model_type"), None)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"config.json field `architectures`={archs!r} (model_type={hf.get('model_type')!r}) is not "

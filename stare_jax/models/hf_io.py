@@ -250,7 +250,7 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rul
     new_flat = []
     for p, var, names, kind, shape, layer_shape in plan:
         sharding = sh_flat[p].get_value() if mesh is not None else single
-        memo = {}  # replicas of one shard (e.g. over "data") read the file once
+        memo: dict[tuple, np.ndarray] = {}  # replicas of one shard (e.g. over "data") read the file once
 
         def cb(index, names=names, kind=kind, shape=shape, layer_shape=layer_shape, memo=memo):
             sl = _norm_slices(index, shape)
@@ -290,9 +290,13 @@ def _to_host(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def _export_plan(model: Transformer):
+# (HF name, our param path, variable, layer index or None)
+_ExportItem = tuple[str, tuple, nnx.Variable, int | None]
+
+
+def _export_plan(model: Transformer) -> list[_ExportItem]:
     """[(HF name, our param path, variable, layer index or None)] in a stable order."""
-    out = []
+    out: list[_ExportItem] = []
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         names, _, _ = _hf_entries(p, var.get_value().shape, model.config)
         stacked = _is_stacked(p, model.config)
@@ -329,7 +333,9 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: in
     np_dt = _np_dtype(saved_dt)
     plan = _export_plan(model)
     sizes = [math.prod(var.get_value().shape[layer is not None:]) * np_dt.itemsize for _, _, var, layer in plan]
-    shards, cur, cur_bytes = [], [], 0
+    shards: list[list[_ExportItem]] = []
+    cur: list[_ExportItem] = []
+    cur_bytes = 0
     for item, nbytes in zip(plan, sizes):
         if cur and cur_bytes + nbytes > max_shard_bytes:
             shards.append(cur)

@@ -125,10 +125,11 @@ def _mesh_axes_for(name, rules: Rules):
 
 
 def logical_to_spec(names: Sequence[str | None], rules: Rules, shape: Sequence[int] | None = None,
-                    mesh: jax.sharding.Mesh | None = None) -> P:
+                    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> P:
     """PartitionSpec for logical names. With shape+mesh, a dimension that the mesh axes do not divide evenly,
     or a mesh axis already used by an earlier dimension, is replicated instead."""
-    out, used = [], set()
+    out: list[str | tuple[str, ...] | None] = []
+    used: set[str] = set()
     for i, name in enumerate(names):
         axes = _mesh_axes_for(name, rules)
         if axes is None:
@@ -138,7 +139,7 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules, shape: Sequence[i
         if mesh is not None:
             axes_t = tuple(a for a in axes_t if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
             if shape is not None:
-                kept = []
+                kept: list[str] = []
                 for a in axes_t:  # keep the prefix of axes whose product divides the dim
                     if shape[i] % (math.prod(mesh.shape[x] for x in kept) * mesh.shape[a]) == 0:
                         kept.append(a)

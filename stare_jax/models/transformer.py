@@ -44,9 +44,11 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
                                                   / np.float32(dh)))).astype(np.float32)
     rt = cfg.rope_type
     if rt == "linear":
+        assert cfg.rope_scaling is not None  # rope_type is "default" without it
         inv = (inv / np.float32(cfg.rope_scaling["factor"])).astype(np.float32)
     elif rt == "llama3":
         s = cfg.rope_scaling
+        assert s is not None  # rope_type is "default" without it
         factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
         old = float(s["original_max_position_embeddings"])
         lo_wavelen, hi_wavelen = old / lo, old / hi
@@ -97,6 +99,7 @@ class Linear(nnx.Module):
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        assert dh is not None  # ModelConfig.__post_init__ derives it
         b = cfg.qkv_bias
         self.q_proj = Linear((d, h, dh), ("embed", "q_heads", "head_dim"), cfg, rngs,
                              (h, dh) if b else None, ("q_heads", "head_dim"))
@@ -106,8 +109,8 @@ class Attention(nnx.Module):
                              (k, dh) if b else None, ("kv_heads", "head_dim"))
         self.o_proj = Linear((h, dh, d), ("q_heads", "head_dim", "embed"), cfg, rngs)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(dh, cfg, rngs)
-            self.k_norm = RMSNorm(dh, cfg, rngs)
+            self.q_norm: RMSNorm | None = RMSNorm(dh, cfg, rngs)
+            self.k_norm: RMSNorm | None = RMSNorm(dh, cfg, rngs)
         else:
             self.q_norm = self.k_norm = None
         self.dtype = _dtype(cfg.dtype)
@@ -232,6 +235,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed_tokens = _param(rngs, "normal", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
+        self.layers: Block | nnx.List[Block]
         if cfg.scan_layers:
             self.layers = _stacked_blocks(cfg, rngs)  # one Block whose params have a leading [L] axis
         else:
@@ -246,6 +250,7 @@ class Transformer(nnx.Module):
     def blocks(self) -> list:
         """The layers as a list of Blocks (with scan_layers: per-layer slices of the stacked parameters)."""
         if not self.config.scan_layers:
+            assert isinstance(self.layers, nnx.List)
             return list(self.layers)
         graphdef, stacked = nnx.split(self.layers)
         return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))

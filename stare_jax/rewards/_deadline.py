@@ -81,13 +81,20 @@ class _Helper:
                     with self.lock:
                         self.finished = True
                         if self.injected:
-                            _set_async_exc(ctypes.c_ulong(self.thread.ident), None)  # drop an undelivered one
+                            _set_async_exc(self._thread_id(), None)  # drop an undelivered one
                     break
                 except _Stop:
                     continue
 
+    def _thread_id(self) -> ctypes.c_ulong:
+        """The helper thread's id; called only once it runs (from it, or after its frame was found)."""
+        ident = self.thread.ident
+        assert ident is not None
+        return ctypes.c_ulong(ident)
+
     def _in_stoppable_code(self) -> bool:
-        frame = sys._current_frames().get(self.thread.ident)
+        ident = self.thread.ident
+        frame = None if ident is None else sys._current_frames().get(ident)
         if frame is None or frame.f_code.co_filename == __file__:
             return False  # not started, or in this module's bookkeeping around fn
         return any(part in frame.f_code.co_filename for part in self.stoppable)
@@ -101,7 +108,7 @@ class _Helper:
                 ready = self._in_stoppable_code()
                 if ready:
                     self.injected = True
-                    _set_async_exc(ctypes.c_ulong(self.thread.ident), ctypes.py_object(_Stop))
+                    _set_async_exc(self._thread_id(), ctypes.py_object(_Stop))
             if self.done.wait(_RETRY_S if ready else _NOT_NOW_S):
                 return
 

@@ -33,6 +33,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from stare_jax.rewards.math import score as _math_score
 
@@ -299,7 +300,8 @@ class RewardPool:
         t0 = time.monotonic()
         n = len(responses)
         scores = [0.0] * n
-        stats = dict(n_items=n, n_ok=0, n_correct=0, n_timeout=0, n_crash=0, n_error=0, n_restarts=0)
+        # counters (int), then the failed items' indices (list[int]) and wall_s (float)
+        stats: dict[str, Any] = dict(n_items=n, n_ok=0, n_correct=0, n_timeout=0, n_crash=0, n_error=0, n_restarts=0)
         failed_idx: dict[str, list[int]] = {"n_timeout": [], "n_crash": [], "n_error": []}
         pending = collections.deque(range(n))
         startup_failures = 0

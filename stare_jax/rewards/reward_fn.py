@@ -23,7 +23,7 @@ class RewardFn:
     task: str
     num_workers: int = 2
     timeout_s: float = 10.0
-    _pool: object = None
+    _pool: RewardPool | None = None
 
     def __call__(self, texts: Sequence[str], answers: Sequence[str]) -> tuple[np.ndarray, dict]:
         if self.task != "math":

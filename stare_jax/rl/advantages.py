@@ -65,10 +65,7 @@ class DynamicSamplingAccumulator:
             raise ValueError(f"train_batch_size must be >= 1, got {train_batch_size}")
         self.train_batch_size = int(train_batch_size)
         self.max_num_gen_batches = int(max_num_gen_batches)
-        self.num_gen_batches = 0
-        self.num_prompts_seen = 0
-        self._parts: list[Any] = []
-        self._num_kept = 0
+        self.reset()
 
     @property
     def num_kept(self) -> int:
@@ -111,4 +108,8 @@ class DynamicSamplingAccumulator:
         return jax.tree_util.tree_map(lambda x: x[: self.train_batch_size], cat)
 
     def reset(self) -> None:
-        self.__init__(self.train_batch_size, self.max_num_gen_batches)
+        """Forget the kept groups and the generation-batch count (the sizes stay)."""
+        self.num_gen_batches = 0
+        self.num_prompts_seen = 0
+        self._parts: list[Any] = []
+        self._num_kept = 0

@@ -32,7 +32,8 @@ def _keep(entry, keep: Sequence[str], mesh: Mesh):
 
 def sampler_param_sharding(x: jax.Array, mesh: Mesh, keep_axes: Sequence[str] = PARAM_KEEP_AXES) -> NamedSharding:
     """The sampler's sharding of one parameter: its training spec with every axis but `keep_axes` dropped."""
-    spec = x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else PartitionSpec()
+    sharding = getattr(x, "sharding", None)
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
     return NamedSharding(mesh, PartitionSpec(*(_keep(e, keep_axes, mesh) for e in spec)))
 
 

@@ -76,7 +76,7 @@ def score(response: str, answer: str) -> float:
 def make_rows(n: int, *, seed: int, k_range: tuple[int, int] = (3, 6), min_count: int = 10) -> list[dict]:
     """n prompt rows {id, problem, answer} with k in k_range and S chosen so at least min_count answers exist."""
     rng = random.Random(seed)
-    rows = []
+    rows: list[dict] = []
     while len(rows) < n:
         k = rng.randint(*k_range)
         s = rng.randint(0, 9 * k)
