@@ -40,7 +40,7 @@ from stare_jax import models
 from stare_jax.models.sharding import make_mesh, mesh_for_config
 from stare_jax.plan import GiB, estimate, parse_accelerator, phase_peaks, run_model_config
 from stare_jax.rl.stare import init_stare_state
-from stare_jax.rl.train_step import BATCH_KEYS, init_train_state, make_train_step
+from stare_jax.rl.train_step import BATCH_KEYS, ShardedStep, init_train_state, make_train_step
 from stare_jax.run_setup import train_step_config
 from stare_jax.sampling import Sampler, next_bucket
 from stare_jax.sampling.sharding import reshard_program, sampler_param_sharding
@@ -276,6 +276,7 @@ def compile_train_step(cfg, tcfg, model, mesh) -> tuple[Any, Program]:
     graphdef, train_state = init_train_state(model, tcfg)
     rep = NamedSharding(mesh, PartitionSpec())
     step = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
+    assert isinstance(step, ShardedStep)  # a mesh is given
     B, L = train_batch_shape(cfg)
     batch = {k: jax.ShapeDtypeStruct((B,) if k == "advantages_B" else (B, L),
                                      jnp.float32 if k == "advantages_B" else jnp.int32,

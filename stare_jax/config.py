@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
-from stare_jax.models.config import ATTENTION_IMPLS, REMAT_POLICIES
+from stare_jax.models.config import AttentionImpl, RematPolicy
 from stare_jax.options import ConfigError, check_range, coerce, option
 from stare_jax.rl.optimizer_config import OptimizerConfig
 from stare_jax.rl.stare_config import StareConfig
@@ -34,8 +34,8 @@ class ModelConfig:
     preset: str | None = option(None, doc="named architecture (e.g. qwen2.5-7b) or 'tiny'; used when path is None")
     dtype: DType = option("float32", doc="compute dtype")
     param_dtype: DType = option("float32", doc="parameter (master) dtype")
-    attention_impl: Literal[ATTENTION_IMPLS] = option("xla", doc="attention kernel")
-    remat_policy: Literal[REMAT_POLICIES] = option("none", doc="per-layer rematerialisation")
+    attention_impl: AttentionImpl = option("xla", doc="attention kernel")
+    remat_policy: RematPolicy = option("none", doc="per-layer rematerialisation")
     scan_layers: bool = option(False, doc="stacked layers run as one lax.scan (one compiled layer, sequential "
                                       "remat); checkpoints are then stored stacked")
     tokenizer_path: str | None = option(None, doc="tokenizer folder or SentencePiece .model; defaults to path")

@@ -7,14 +7,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Mapping
+import typing
+from typing import Any, Literal, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 # config.json's model_type (any JSON value, or absent) -> architecture, for configs without `architectures`
 _ARCH_OF_MODEL_TYPE: dict[Any, str] = {t: a for a, t in _MODEL_TYPE.items()}
-ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash")
-REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+AttentionImpl = Literal["xla", "dot_product", "cudnn", "splash"]
+RematPolicy = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"]
+ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImpl)
+REMAT_POLICIES: tuple[str, ...] = typing.get_args(RematPolicy)
 _DTYPES = ("float32", "bfloat16", "float16")
 _ROPE_TYPES = ("default", "llama3", "linear")
 

@@ -218,11 +218,13 @@ def _generate_core(graphdef, state, prompt_ids_PxT, prompt_mask_PxT, prompt_inde
     # Decode in phases: phase k runs tokens up to phases[k] against a cache of T + phases[k] slots, so the
     # attention of early steps does not read the (still empty) slots of later ones. Unfinished phases are
     # skipped as soon as every row is done.
+    def running(end: int):
+        return lambda c: (c.i < jnp.minimum(max_new_tokens, end)) & jnp.any(~c.done_B)
+
     for k, end in enumerate(phases):
         if k > 0:
             carry = grow(carry, T + end)
-        carry = jax.lax.while_loop(
-            lambda c, end=end: (c.i < jnp.minimum(max_new_tokens, end)) & jnp.any(~c.done_B), body, carry)
+        carry = jax.lax.while_loop(running(end), body, carry)
     return SampleArrays(carry.tokens_BxN, carry.logprobs_BxN, carry.lengths_B, carry.eos_B)
 
 
@@ -231,7 +233,7 @@ _generate_jit = jax.jit(_generate_core, static_argnames=("graphdef", "spec"))
 
 def compiled_programs() -> int:
     """Number of sampling programs compiled so far in this process (for recompilation checks)."""
-    return _generate_jit._cache_size()
+    return _generate_jit._cache_size()  # type: ignore[attr-defined]  # jax has no public cache-size API
 
 
 # ----------------------------------------------------------------------------------------------- validation
