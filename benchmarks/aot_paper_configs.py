@@ -6,6 +6,11 @@ per-chip peaks beside the analytic estimate (the BUILD.md table, and the calibra
 Each config is compiled by `stare-jax plan CONFIG --compile --json` in its own process, one at a time (a 7B-32B
 compile needs several GB of host memory), and its JSON report kept in --out-dir (default .cache/aot/, reused
 when newer than the config and the code unless --fresh). Needs libtpu (requirements-test.txt).
+
+The arms of one setting (GRPO-ds, STARE-O1, STARE-C2) differ only under rl.stare, so they run the same sampler and
+weight-reshard programs (same aot.sampler_key: model, mesh, sampling section, slice): once one arm's report
+exists, the others compile only their train step (`--reuse-sampler`), which saves the 5-20 minute sampler compile
+per arm; `--no-reuse` compiles everything.
 """
 from __future__ import annotations
 
@@ -26,14 +31,42 @@ def paper_configs(only: list[str]) -> list[pathlib.Path]:
     return [p for p in files if not only or any(s in p.name for s in only)]
 
 
-def compile_one(config: pathlib.Path, out: pathlib.Path, fresh: bool) -> dict:
+def sampler_source(config: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path | None:
+    """A report of another config with the same sampler_key as `config` (another arm of its setting), if any;
+    a report from before sampler keys were recorded gets the key of the config it was compiled from."""
+    from stare_jax.aot import sampler_key, topology_for
+    from stare_jax.config import load_config
+
+    def key(path: pathlib.Path) -> str:
+        cfg = load_config(path)
+        return sampler_key(cfg, topology_for(cfg.launch.accelerator))
+
+    mine = key(config)
+    for other in paper_configs([]):
+        report = out_dir / f"{other.stem}.json"
+        if other == config or not report.is_file():
+            continue
+        data = json.loads(report.read_text())
+        if "error" in data or data.get("sampler_reused"):
+            continue
+        if data.get("sampler_key", key(other)) == mine:
+            data["sampler_key"] = mine
+            tmp = out_dir / f".sampler_of_{config.stem}.json"
+            tmp.write_text(json.dumps(data))
+            return tmp
+    return None
+
+
+def compile_one(config: pathlib.Path, out: pathlib.Path, fresh: bool, reuse: bool = True) -> dict:
     """The report of one config (compiled now, or the cached one)."""
     code_mtime = max(p.stat().st_mtime for p in (REPO / "stare_jax").rglob("*.py"))
     if out.is_file() and not fresh and out.stat().st_mtime > max(code_mtime, config.stat().st_mtime):
         return json.loads(out.read_text())
     t0 = time.time()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "stare_jax.cli", "plan", str(config), "--compile", "--json"],
+    source = sampler_source(config, out.parent) if reuse else None
+    extra = ["--reuse-sampler", str(source)] if source else []
+    proc = subprocess.run([sys.executable, "-m", "stare_jax.cli", "plan", str(config), "--compile", "--json", *extra],
                           capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         err = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or ["(no message)"]
@@ -65,10 +98,12 @@ def table(rows: list[tuple[pathlib.Path, dict]]) -> str:
         est = estimate_phases(config)
         hbm = r["hbm_bytes_per_device"]
         s, t = r["phases"]["sampling"]["peak_bytes"], r["phases"]["training"]["peak_bytes"]
-        compile_s = sum(p["compile_s"] for p in r["compiled"].values())
+        # compile time of what was compiled for this config (a reused sampler's time is not counted again)
+        compile_s = sum(p["compile_s"] for k, p in r["compiled"].items()
+                        if k == "train_step" or not r.get("sampler_reused"))
         lines.append(f"| {name} | {r['accelerator']} ({r['topology']}) | {s / GiB:.1f} / {est['sampling'] / GiB:.1f} | "
                      f"{t / GiB:.1f} / {est['training'] / GiB:.1f} | {hbm / GiB:.1f} | {1 - max(s, t) / hbm:.0%} | "
-                     f"{'yes' if r['fits'] else 'NO'} | {compile_s:.0f} |")
+                     f"{'yes' if r['fits'] else 'NO'} | {compile_s:.0f}{'*' if r.get('sampler_reused') else ''} |")
     return "\n".join(lines)
 
 
@@ -89,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=[], help="config-name substrings to compile (default: all)")
     ap.add_argument("--out-dir", default=str(REPO / ".cache" / "aot"))
     ap.add_argument("--fresh", action="store_true", help="recompile even when a newer report exists")
+    ap.add_argument("--no-reuse", action="store_true",
+                    help="compile every program of every config (no sampler reuse between the arms of a setting)")
     ap.add_argument("--cached-only", action="store_true", help="tabulate the reports already in --out-dir")
     ap.add_argument("--json", action="store_true", help="print the rows and calibration as JSON")
     args = ap.parse_args(argv)
@@ -101,7 +138,7 @@ def main(argv=None) -> int:
                 rows.append((config, json.loads((out_dir / f"{config.stem}.json").read_text())))
             continue
         print(f"compiling {config.name} ...", file=sys.stderr, flush=True)
-        rows.append((config, compile_one(config, out_dir / f"{config.stem}.json", args.fresh)))
+        rows.append((config, compile_one(config, out_dir / f"{config.stem}.json", args.fresh, not args.no_reuse)))
     cal = calibration(rows)
     if args.json:
         print(json.dumps({"rows": {c.stem: r for c, r in rows}, "calibration": cal}, indent=1))

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import re
@@ -287,10 +289,26 @@ def compile_train_step(cfg, tcfg, model, mesh) -> tuple[Any, Program]:
     return train_state, Program.compile("train_step", traced, step.context, mesh.size)
 
 
-def compile_run(cfg, *, topology: str | None = None, model_cfg=None, log=print) -> dict:
+def sampler_key(cfg, topology: str, model_cfg=None) -> str:
+    """What the sampler and the weight-reshard programs depend on, hashed: the model, the mesh, the sampling
+    section, the prompt bucket, the call's prompts and group size, and the slice. Two configs with the same key
+    (e.g. the GRPO-ds / STARE arms of one setting, which differ only under rl.stare) compile the very same
+    sampler and reshard programs."""
+    model_cfg = model_cfg or run_model_config(cfg)
+    key = {"model": dataclasses.asdict(model_cfg), "mesh": dataclasses.asdict(cfg.mesh),
+           "sampling": dataclasses.asdict(cfg.sampling), "max_prompt_len": cfg.data.max_prompt_len,
+           "call_prompts": sampler_call_prompts(cfg), "gen_batch_size": cfg.rl.gen_batch_size,
+           "group_size": cfg.rl.group_size, "topology": topology}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampler: dict | None = None,
+                log=print) -> dict:
     """Compile the train step, the sampler program and the weight reshard of run config `cfg` for a TPU slice
     (`topology`, default: the one of cfg.launch.accelerator) and report the compiler's figures.
-    `model_cfg` replaces the run's model (e.g. a few-layer variant for a quick study)."""
+    `model_cfg` replaces the run's model (e.g. a few-layer variant for a quick study). `reuse_sampler`: an
+    earlier report of a config with the same sampler_key; its sampler and reshard figures are taken instead of
+    compiling the same programs again (a CompileError if the keys differ)."""
     accelerator = getattr(getattr(cfg, "launch", None), "accelerator", None)
     if topology is None:
         if not accelerator:
@@ -306,33 +324,42 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, log=print) 
     if mesh is None:
         mesh = make_mesh({"fsdp": 1}, devices=devices)
     model_cfg = model_cfg or run_model_config(cfg)
+    key = sampler_key(cfg, topology, model_cfg)
+    if reuse_sampler is not None and reuse_sampler.get("sampler_key") != key:
+        raise CompileError("the report given to reuse the sampler from was compiled for another model, mesh, "
+                           "sampling section or slice (its sampler_key differs): compile the sampler instead")
     model = models.abstract_model(model_cfg, mesh)
     tcfg = train_step_config(cfg, mesh)
     log(f"compiling the train step for {topology} ({n} devices, mesh {dict(mesh.shape)}): batch "
         f"{list(train_batch_shape(cfg))}")
     train_state, train_program = compile_train_step(cfg, tcfg, model, mesh)
     programs = {"train_step": train_program}
-
-    # the trainer -> sampler weight program (cast to the compute dtype + reshard)
-    state = jax.tree.leaves(nnx.split(model)[1])
-    targets = tuple(sampler_param_sharding(x, mesh) for x in state)
-    reshard = reshard_program(targets, jnp.dtype(model_cfg.dtype))
-    log("compiling the trainer -> sampler weight reshard")
-    programs["weight_reshard"] = Program.compile("weight_reshard", reshard.trace(state), lambda: jax.set_mesh(mesh),
-                                                 n)
-
-    # the sampler program at the run's buckets
-    sampler = Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype)
-    call_prompts = sampler_call_prompts(cfg)
-    prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)
-    log(f"compiling the sampler: {call_prompts} prompts x {cfg.rl.group_size} samples, prompt bucket "
-        f"{prompt_bucket}, {cfg.sampling.max_new_tokens} new tokens")
-    traced = sampler.trace(call_prompts, prompt_bucket, max_new_tokens=cfg.sampling.max_new_tokens,
-                           num_samples=cfg.rl.group_size)
-    programs["sampler"] = Program.compile("sampler", traced, sampler.program_context, n,
-                                          while_trips=cfg.sampling.max_new_tokens - 1)
-    gen_calls = math.ceil(cfg.rl.gen_batch_size / call_prompts)
-    programs["sampler"].flops_per_step *= gen_calls  # calls per generation batch (one batch: no top-up)
+    if reuse_sampler is not None:
+        log("sampler and weight reshard: the same programs as in the given report (same sampler_key), reused")
+        for name in ("weight_reshard", "sampler"):
+            programs[name] = Program(**reuse_sampler["compiled"][name])
+        sampler_weights_b = reuse_sampler["state_bytes_per_device"]["sampler_weights"]
+    else:
+        # the trainer -> sampler weight program (cast to the compute dtype + reshard)
+        state = jax.tree.leaves(nnx.split(model)[1])
+        targets = tuple(sampler_param_sharding(x, mesh) for x in state)
+        reshard = reshard_program(targets, jnp.dtype(model_cfg.dtype))
+        log("compiling the trainer -> sampler weight reshard")
+        programs["weight_reshard"] = Program.compile("weight_reshard", reshard.trace(state),
+                                                     lambda: jax.set_mesh(mesh), n)
+        # the sampler program at the run's buckets
+        sampler = Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype)
+        call_prompts = sampler_call_prompts(cfg)
+        prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)
+        log(f"compiling the sampler: {call_prompts} prompts x {cfg.rl.group_size} samples, prompt bucket "
+            f"{prompt_bucket}, {cfg.sampling.max_new_tokens} new tokens")
+        traced = sampler.trace(call_prompts, prompt_bucket, max_new_tokens=cfg.sampling.max_new_tokens,
+                               num_samples=cfg.rl.group_size)
+        programs["sampler"] = Program.compile("sampler", traced, sampler.program_context, n,
+                                              while_trips=cfg.sampling.max_new_tokens - 1)
+        gen_calls = math.ceil(cfg.rl.gen_batch_size / call_prompts)
+        programs["sampler"].flops_per_step *= gen_calls  # calls per generation batch (one batch: no top-up)
+        sampler_weights_b = tree_bytes_per_device(sampler.state)
 
     params_b = tree_bytes_per_device(train_state.params)
     opt_b = tree_bytes_per_device(train_state.opt_state)
@@ -352,10 +379,10 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, log=print) 
         est = {"error": str(e)}
     return {
         "topology": topology, "accelerator": accelerator, "devices": n, "mesh": dict(mesh.shape),
-        "hbm_bytes_per_device": hbm,
+        "hbm_bytes_per_device": hbm, "sampler_key": key,
+        "sampler_reused": reuse_sampler is not None,
         "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
-        "state_bytes_per_device": {"params": params_b, "optimizer": opt_b,
-                                   "sampler_weights": tree_bytes_per_device(sampler.state)},
+        "state_bytes_per_device": {"params": params_b, "optimizer": opt_b, "sampler_weights": sampler_weights_b},
         "phases": phases, "peak_bytes": peak,
         "fits": None if hbm is None else bool(peak <= (1 - HEADROOM) * hbm),
         "estimate": est,

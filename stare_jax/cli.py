@@ -65,7 +65,6 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_config(args) -> int:
-
     cfg = load_config(args.config, args.overrides)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     return 0
@@ -144,7 +143,6 @@ def _cmd_smoke(args) -> int:
 
 
 def _cmd_train(args) -> int:
-
     if args.require_checkpoint and not args.resume:
         raise UsageError("--require-checkpoint only applies with --resume: add --resume, or drop it")
     if args.allow_config_change and not args.resume:
@@ -256,7 +254,6 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_export(args) -> int:
-
     if "://" not in str(args.run_dir) and not pathlib.Path(args.run_dir).is_dir():
         raise UsageError(f"{args.run_dir} is not a folder: give a training run folder (config.yaml + checkpoints/) "
                          f"or a Hugging Face folder")
@@ -279,7 +276,6 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_plot(args) -> int:
-
     run_dirs = expand_run_dirs(args.run_dirs)
     for d in run_dirs:
         if not d.is_dir():
@@ -303,9 +299,8 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-
     cfg = load_config(args.config_file, args.overrides)
-    if args.compile or args.topology:
+    if args.compile or args.topology or args.reuse_sampler:
         return _plan_compiled(cfg, args)
     try:
         plan = estimate(cfg, args.accelerator)
@@ -321,8 +316,14 @@ def _plan_compiled(cfg, args) -> int:
     if args.accelerator:
         cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, accelerator=args.accelerator))
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    reuse = None
+    if args.reuse_sampler:
+        try:
+            reuse = json.loads(pathlib.Path(args.reuse_sampler).read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--reuse-sampler {args.reuse_sampler}: not a readable JSON report ({e})") from None
     try:
-        report = aot.compile_run(cfg, topology=args.topology, log=log)
+        report = aot.compile_run(cfg, topology=args.topology, reuse_sampler=reuse, log=log)
     except (aot.CompileError, TrainingError, ValueError) as e:
         print(f"stare-jax plan --compile: {e}", file=sys.stderr)
         return 2
@@ -331,7 +332,6 @@ def _plan_compiled(cfg, args) -> int:
 
 
 def _cmd_convert(args) -> int:
-
     if not pathlib.Path(args.gguf).is_file():
         raise UsageError(f"GGUF file {args.gguf} not found")
     if pathlib.Path(args.out_dir).exists():
@@ -345,7 +345,6 @@ def _cmd_convert(args) -> int:
 
 
 def _cmd_smollm2(args) -> int:
-
     if args.out_dir and pathlib.Path(args.out_dir).exists() and not pathlib.Path(args.out_dir).is_dir():
         raise UsageError(f"{args.out_dir} is a file: give a folder for the converted model")
     try:
@@ -442,6 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", default=None,
                    help="TPU topology to compile for, e.g. v5p:2x4x4 or v6e:2x2 (default: from launch.accelerator; "
                         "implies --compile)")
+    p.add_argument("--reuse-sampler", default=None, metavar="REPORT_JSON",
+                   help="with --compile: take the sampler and weight-reshard figures from an earlier --json report "
+                        "of a config with the same sampler_key (same model, mesh, sampling, slice; e.g. another "
+                        "arm of the same setting) and compile only the train step")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_plan)
 

@@ -54,6 +54,21 @@ def test_tiny_config_state_is_sharded(tiny_report):
     assert tiny_report["phases"]["sampling"]["resident_bytes"] == s["params"] + s["optimizer"]
 
 
+def test_another_arm_reuses_the_sampler_programs(tiny_report):
+    """The GRPO-ds arm has the STARE arm's sampler_key: only its train step is compiled, the sampler and reshard
+    figures are the report's; a report of another model is refused."""
+    if tiny_report["topology"] != "v5p:2x2x1":
+        pytest.skip("one topology is enough")
+    cfg = load_config("configs/tiny_cpu_grpo_ds.yaml", TINY)
+    r = aot.compile_run(cfg, topology="v5p:2x2x1", reuse_sampler=tiny_report, log=lambda _: None)
+    assert r["sampler_reused"] and r["sampler_key"] == tiny_report["sampler_key"]
+    assert r["compiled"]["sampler"] == tiny_report["compiled"]["sampler"]
+    assert r["compiled"]["train_step"]["compile_s"] > 0 and r["fits"] is True
+    other = load_config("configs/tiny_cpu_grpo_ds.yaml", [*TINY, "sampling.max_new_tokens=40"])
+    with pytest.raises(aot.CompileError, match="sampler_key differs"):
+        aot.compile_run(other, topology="v5p:2x2x1", reuse_sampler=tiny_report, log=lambda _: None)
+
+
 def test_flops_count_loop_trips(tiny_report):
     """Per-step FLOPs include every micro-batch and decode step: more than XLA's body-once count."""
     t = tiny_report["compiled"]["train_step"]
