@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stare_jax import models
@@ -92,7 +93,6 @@ def get_topology(name: str):
         raise CompileError(f"--compile needs libtpu: pip install \"jax[tpu]=={jax.__version__}\" "
                            f"(in this checkout: .venv/bin/pip install -r requirements-test.txt -c constraints.txt)"
                            ) from None
-    from jax.experimental import topologies
 
     # compile-only use: never take libtpu's one-process-per-host lock (a run, a test or another plan may hold it)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

@@ -55,6 +55,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
 
@@ -352,8 +353,6 @@ class Checkpointer:
             if src.exists():
                 os.replace(src, dst)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"stare_jax_checkpoint_move_aside_{step}")
         self._mngr.reload()
 

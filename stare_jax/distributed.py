@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from stare_jax.models.sharding import BATCH_AXES, batch_sharding
+from jax.experimental import multihost_utils
 
 
 def process_batch_rows(mesh: jax.sharding.Mesh, global_batch_size: int,
@@ -73,7 +74,6 @@ def fetch_global(tree):
     arrays spanning several processes; a plain device_get otherwise)."""
     if not is_multiprocess():
         return jax.tree.map(np.asarray, jax.device_get(tree))
-    from jax.experimental import multihost_utils
 
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
 
@@ -94,7 +94,6 @@ def gather_shares(local: np.ndarray, n: int) -> np.ndarray:
     local = np.asarray(local)
     if not is_multiprocess():
         return local
-    from jax.experimental import multihost_utils
 
     count = jax.process_count()
     width = -(-n // count)  # shares differ by at most one item: pad each to the widest
@@ -110,8 +109,6 @@ def sum_across_processes(counts: Mapping[str, float], keys: Sequence[str]) -> di
     collective matches even where a process had nothing to count)."""
     local = np.asarray([float(counts.get(k, 0)) for k in keys], np.float64)
     if is_multiprocess() and keys:
-        from jax.experimental import multihost_utils
-
         local = np.asarray(multihost_utils.process_allgather(local)).sum(axis=0)
     return {k: float(v) for k, v in zip(keys, local)}
 
@@ -120,7 +117,6 @@ def any_process(flag: bool) -> bool:
     """True on every process when `flag` is True on any of them (a stop decision all processes must share)."""
     if not is_multiprocess():
         return bool(flag)
-    from jax.experimental import multihost_utils
 
     return bool(np.asarray(multihost_utils.process_allgather(np.asarray([int(bool(flag))], np.int32))).any())
 
@@ -128,6 +124,4 @@ def any_process(flag: bool) -> bool:
 def barrier(name: str) -> None:
     """Wait until every process reaches this point (no-op in a single process)."""
     if is_multiprocess():
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)

@@ -27,7 +27,10 @@ import pathlib
 import sys
 from typing import Any, Iterable, Mapping
 
+import jax
 import numpy as np
+from tensorboardX import SummaryWriter
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -267,8 +270,6 @@ def _last_step(path: pathlib.Path) -> int | None:
 
 
 def _default_is_main_process() -> bool:
-    import jax
-
     return jax.process_index() == 0
 
 
@@ -327,8 +328,6 @@ class MetricsWriter:
         self._fh = open(self.metrics_path, "a", encoding="utf-8")
         self._timing_fh = open(self.timing_path, "a", encoding="utf-8")
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
             self._tb = SummaryWriter(logdir=str(tb_dir), purge_step=None if resume_step is None else resume_step + 1)
         if wandb_project:
             try:
@@ -433,8 +432,6 @@ class ProgressBar:
         self._bar = None
         self._pos = start_step
         if enabled:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(
                 total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=file or sys.stderr
             )

@@ -13,7 +13,14 @@ import math
 import pathlib
 import re
 
+import jax
+from flax import nnx
+
+from stare_jax import toy
+from stare_jax.models import Transformer, get_preset
+from stare_jax.models.config import ModelConfig
 from stare_jax.models.sharding import batch_shards, resolve_mesh
+from stare_jax.sampling import quarter_octave_bucket
 
 GiB = 1024**3
 
@@ -72,11 +79,6 @@ def parse_accelerator(name: str) -> Accelerator:
 
 def param_count(model_cfg) -> int:
     """Parameter count from jax.eval_shape of the real model (no allocation)."""
-    import jax
-    from flax import nnx
-
-    from stare_jax.models import Transformer
-
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     state = nnx.state(abstract, nnx.Param)
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(state)))
@@ -113,15 +115,10 @@ def run_model_config(cfg):
     """The ModelConfig a run config trains, read from its checkpoint's config.json when that exists, else its
     preset (the checkpoint folder need not exist to plan a run) or the embedded toy model, with the run's
     dtypes, attention kernel and remat policy applied. No weights are read."""
-    from stare_jax.models import get_preset
-    from stare_jax.models.config import ModelConfig
-
     hf_config = pathlib.Path(cfg.model.path or "") / "config.json"
     if cfg.model.path and hf_config.is_file():
         model_cfg = ModelConfig.from_json_file(hf_config)
     elif getattr(getattr(cfg, "toy", None), "enabled", False):  # the embedded toy model (e.g. a smoke test)
-        from stare_jax import toy
-
         model_cfg = toy.model_config(toy.asset_config(cfg.toy))
     elif cfg.model.preset:
         model_cfg = get_preset(cfg.model.preset)
@@ -177,8 +174,6 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     }
     # one sampler call holds sampling.max_prompts_per_call prompts (0: the whole generation batch), padded as the
     # sampler pads them (Sampler.batch_bucket)
-    from stare_jax.sampling import quarter_octave_bucket
-
     call_prompts = min(cfg.rl.gen_batch_size, cfg.sampling.max_prompts_per_call or cfg.rl.gen_batch_size)
     padded = -(-quarter_octave_bucket(call_prompts) // dp) * dp
     gen_seqs_dev = padded * G / dp

@@ -17,6 +17,10 @@ import os
 import pathlib
 from typing import Any, Sequence, TypeGuard
 
+import matplotlib
+import yaml
+from matplotlib.figure import Figure  # no pyplot: no global backend state, works headless
+
 from stare_jax.metrics import read_metrics
 
 BAND = 0.30  # the target band: target_entropy * (1 -+ BAND)
@@ -86,8 +90,6 @@ def run_target_entropy(run_dir: str | os.PathLike, records: Sequence[dict]) -> f
         return vals[-1]
     cfg_path = pathlib.Path(run_dir) / "config.yaml"
     if cfg_path.is_file():
-        import yaml
-
         try:
             cfg = yaml.safe_load(cfg_path.read_text()) or {}
             value = cfg.get("rl", {}).get("stare", {}).get("target_entropy")
@@ -148,9 +150,6 @@ def build_figure(
     gate, W/M)."""
     if not run_dirs:
         raise ValueError("build_figure needs at least one run directory")
-    import matplotlib
-    from matplotlib.figure import Figure  # no pyplot: no global backend state, works headless
-
     runs = [load_run(d) for d in run_dirs]
     labels = run_labels(run_dirs)
     targets = [

@@ -59,7 +59,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+import jinja2
+import jinja2.ext
 import numpy as np
+import sentencepiece as spm
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer
 
 __all__ = [
     "HFTokenizer",
@@ -155,10 +160,6 @@ def _generation_eos(gen_config: dict | None) -> list[int]:
 @functools.lru_cache(maxsize=32)
 def _compile_chat_template(template: str):
     """Compile like transformers' `_compile_jinja_template` (sandboxed, trim/lstrip blocks, HF globals)."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     class _GenerationTag(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` (assistant-mask markers in some templates): renders its body."""
 
@@ -218,8 +219,6 @@ def render_chat_template(
     **kwargs,
 ) -> str:
     """Render one conversation with a chat template string; errors name `source` (the file it came from)."""
-    import jinja2
-
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise TypeError(f"messages must be a list of dicts, got {type(messages).__name__}")
     chat = []
@@ -467,8 +466,6 @@ class HFTokenizer(_TokenizerBase):
     """A HF tokenizer folder (tokenizer.json + tokenizer_config.json ...) via the `tokenizers` library."""
 
     def __init__(self, folder: str | os.PathLike):
-        from tokenizers import AddedToken, Tokenizer
-
         folder = pathlib.Path(folder)
         self.name_or_path = str(folder)
         tok_path = folder / "tokenizer.json"
@@ -552,8 +549,6 @@ class SentencePieceTokenizer(_TokenizerBase):
     """A SentencePiece model; optional tokenizer_config.json / generation_config.json beside it (folder form)."""
 
     def __init__(self, model_path: str | os.PathLike, folder: str | os.PathLike | None = None):
-        import sentencepiece as spm
-
         model_path = pathlib.Path(model_path)
         self.name_or_path = str(folder if folder is not None else model_path)
         if not model_path.is_file():
@@ -668,8 +663,6 @@ def train_sentencepiece(
     hard_vocab_limit=False to accept a smaller vocabulary). Defaults suit toy LMs: BPE, byte fallback (no unknown
     characters), digits split one per token, identity normalisation (text round-trips exactly),
     unk/bos/eos/pad = 0/1/2/3. `user_defined_symbols` (e.g. "<|im_start|>") are always single pieces."""
-    import sentencepiece as spm
-
     texts = [t for t in texts]
     if not texts:
         raise ValueError("train_sentencepiece needs at least one text")

@@ -24,6 +24,9 @@ import time
 import numpy as np
 
 from stare_jax.tasks import TASKS, digit_set, digit_sum
+from stare_jax import models
+from stare_jax.sft import SFTConfig, pack_examples, sft_train
+from stare_jax.tokenizer import load_tokenizer, train_sentencepiece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +127,6 @@ def asset_config(run_toy) -> ToyAssetConfig:
 
 def model_config(cfg: ToyAssetConfig, **token_ids):
     """The toy's Qwen2-shaped ModelConfig (vocab_size and special token ids from its tokenizer when given)."""
-    from stare_jax import models
 
     fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                   num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size,
@@ -136,9 +138,6 @@ def model_config(cfg: ToyAssetConfig, **token_ids):
 def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", log=print) -> ToyAssets:
     """Build (or reuse) the toy assets for `cfg`; returns their paths."""
 
-    from stare_jax import models
-    from stare_jax.sft import SFTConfig, pack_examples, sft_train
-    from stare_jax.tokenizer import load_tokenizer, train_sentencepiece
 
     root = pathlib.Path(cache_dir) / cfg.key()
     assets = ToyAssets(root, root / "train.jsonl", root / "eval.jsonl", root / "model")

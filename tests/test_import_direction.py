@@ -141,3 +141,41 @@ def test_only_the_entry_points_import_the_training_loop():
     the loop."""
     importers = {m for m in MODULES for mod, _ in _imports(m) if mod == "stare_jax.train"}
     assert importers <= {"stare_jax.cli", "stare_jax.demo"}, importers
+
+
+# (module, imported module) pairs that are imported inside a function on purpose, each with its reason
+LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
+    ("stare_jax.metrics", "wandb"): "optional extra [wandb]: only logging.wandb_project needs it",
+    ("stare_jax.aot", "libtpu"): "optional (test dependency): only `plan --compile` needs it; the import names "
+                                 "the package to install when it is missing",
+    ("stare_jax.models.gguf_convert", "torch"): "optional extra [convert]",
+    ("stare_jax.models.gguf_convert", "transformers"): "optional extra [convert]",
+    ("stare_jax.models.gguf_convert", "gguf"): "optional extra [convert]",
+    ("stare_jax.models.gguf_convert", "fcntl"): "POSIX only; without it (Windows) the lock is skipped",
+    ("stare_jax.rewards.pool", "resource"): "POSIX only, in the sandboxed worker process",
+    ("stare_jax.rewards.math", "math_verify"): "the LaTeX grammar (seconds to load) only where math answers are "
+                                               "scored: the reward workers, not the toy tasks' runs",
+    ("stare_jax.rewards.math", "sympy"): "as math_verify (sympy is its dependency)",
+    ("stare_jax.rewards._sympy_budget", "sympy"): "as math_verify: only inside the scoring of a math answer",
+}
+
+
+def _function_local_imports(name: str) -> list[tuple[str, int]]:
+    """(imported module, line) of every import statement inside a function or method of a module."""
+    found = []
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Import):
+                    found += [(a.name.split(".")[0] if not a.name.startswith("stare_jax") else a.name, sub.lineno)
+                              for a in sub.names]
+                elif isinstance(sub, ast.ImportFrom) and sub.module:
+                    top = sub.module if sub.module.startswith("stare_jax") or sub.level else sub.module.split(".")[0]
+                    found.append((top, sub.lineno))
+    return found
+
+
+def test_imports_are_at_module_level_unless_truly_optional():
+    bad = [f"{MODULES[m].relative_to(PKG_DIR.parent)}:{line} imports {mod} inside a function"
+           for m in MODULES for mod, line in _function_local_imports(m) if (m, mod) not in LOCAL_IMPORTS_ALLOWED]
+    assert not bad, "\n".join(bad)

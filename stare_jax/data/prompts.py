@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 
 import grain
 import numpy as np
+import pyarrow.parquet as pq
 from etils import epath
 
 PAPER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -84,10 +85,6 @@ def read_rows(path: str | pathlib.Path, *, prompt_field: str = "problem",
         raise DataError(f"data file not found: {file}")
     rows: list[PromptRow] = []
     if file.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as e:  # pragma: no cover - pyarrow is a runtime dependency
-            raise DataError(f"{file}: reading parquet needs pyarrow ({e})") from None
         try:
             with file.open("rb") as f:
                 records = pq.read_table(f).to_pylist()

@@ -11,6 +11,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+from stare_jax.models import sharding as sh
 
 _NEG = -0.7 * float(np.finfo(np.float32).max)  # finite "minus infinity": fully-masked rows stay NaN-free
 
@@ -70,8 +74,6 @@ def _cudnn_usable(q) -> bool:
 def _splash_mask(t: int, num_heads: int):
     """The causal multi-head mask object for one shape (host-side numpy; cached so splash's own mask-processing
     cache, keyed by this object, is hit by every layer and every trace)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
     return sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(num_heads)])
 
 
@@ -79,8 +81,6 @@ def _splash_kernel(t: int, num_heads: int, interpret: bool):
     """The kernel for one shape, built inside the current trace: its mask-info arrays are staged as constants of
     the program being traced (so nothing concrete is created on the host's devices, or on a TPU topology's
     compile-only ones, and no kernel is shared between traces or shard_map contexts)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-
     bq = next((b for b in (512, 256, 128) if t % b == 0), t)
     sizes = sk.BlockSizes(block_q=bq, block_kv_compute=bq, block_kv=bq, block_q_dkv=bq, block_kv_dkv=bq,
                           block_kv_dkv_compute=bq, block_q_dq=bq, block_kv_dq=bq)
@@ -95,8 +95,6 @@ def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interp
     or before it, exactly like `causal_padding_mask` for real positions. T is padded up to a multiple of
     128 (the kernel's block granularity) with an extra segment. interpret=None runs the Pallas interpreter off-TPU
     (CPU tests)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-
     b, t, h, d = q_BxTxHxD.shape
     pad = -t % 128  # the kernel needs whole 128-token blocks: pad the tail as a separate segment (id 0)
     if pad:
@@ -126,8 +124,6 @@ def _splash_maybe_sharded(q, k, v, attention_mask_BxT):
     """Under an ambient mesh with activation rules (see sharding.activation_rules), run the kernel per shard
     with jax.shard_map (batch over the batch axes, heads over the head axis): XLA cannot partition a Pallas
     call itself. Otherwise call it directly."""
-    from stare_jax.models import sharding as sh
-
     rules = sh._ctx.rules
     mesh = jax.sharding.get_abstract_mesh()
     if rules is None or mesh is None or mesh.empty:

@@ -20,7 +20,9 @@ import numpy as np
 from flax import nnx
 
 from stare_jax.models.config import ModelConfig
+from stare_jax.models.sharding import state_shardings
 from stare_jax.models.transformer import Transformer
+from jax.experimental import multihost_utils
 
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -218,8 +220,6 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rul
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)
     if mesh is not None:
-        from stare_jax.models.sharding import state_shardings
-
         sh_flat = dict(nnx.to_flat_state(state_shardings(abs_state, mesh, rules)))
     np_dt = _np_dtype(cfg.param_dtype)
 
@@ -284,8 +284,6 @@ def _hf_entries(path, shape, cfg: ModelConfig):
 # ----------------------------------------------------------------------------- export
 def _to_host(x) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         x = multihost_utils.process_allgather(x, tiled=True)
     return np.asarray(jax.device_get(x))
 

@@ -16,7 +16,7 @@ from flax import nnx
 
 from stare_jax.models import attention as attn_lib
 from stare_jax.models.config import ModelConfig
-from stare_jax.models.sharding import constrain
+from stare_jax.models.sharding import constrain, state_shardings
 
 _DT = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -360,8 +360,6 @@ def abstract_model(cfg: ModelConfig, mesh=None, rules=None) -> Transformer:
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     if mesh is None:
         return abstract
-    from stare_jax.models.sharding import state_shardings
-
     graphdef, abs_state = nnx.split(abstract)
     shardings = state_shardings(abs_state, mesh, rules)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abs_state, shardings)

@@ -21,13 +21,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from stare_jax.rl.theory import critical_surprisal_from_stats
+from stare_jax.models.sharding import constrain
 
 
 def _constrain(x, names):
     """Logical sharding constraint (stare_jax.models.sharding.constrain): a no-op unless the caller traces under
     jax.set_mesh + activation_rules (the train step does). Keeps tokens batch-sharded and gathers the unembed
     table over the FSDP axis (vocab stays tensor-parallel) instead of letting XLA reshard the activations."""
-    from stare_jax.models.sharding import constrain
     return constrain(x, names)
 
 DEFAULT_CHUNK_SIZE = 128
