@@ -264,8 +264,9 @@ def _kl_cov(lp, old, adv, valid, o):
     l1 = -adv * jnp.exp(neg_kl)
     sel = kl_cov_mask(lp, adv, valid, kl_cov_ratio=o["kl_cov_ratio"], scope=o["scope"],
                       micro_batch_size=o["micro_batch_size"])
-    tok = jnp.where(sel, l1 + o["ppo_kl_coef"] * jnp.abs(neg_kl), l1)
-    return {"tok": tok, "clip": jnp.zeros_like(valid), "lower": jnp.zeros_like(valid), "kl": jnp.abs(neg_kl)}
+    abs_kl = jnp.where(neg_kl == 0, 0.0, jnp.abs(neg_kl))  # |x| with torch's gradient 0 at x == 0
+    tok = jnp.where(sel, l1 + o["ppo_kl_coef"] * abs_kl, l1)
+    return {"tok": tok, "clip": jnp.zeros_like(valid), "lower": jnp.zeros_like(valid), "kl": abs_kl}
 
 
 def _gspo(lp, old, adv, valid, o):
