@@ -118,6 +118,12 @@ def aggregate(loss_tok_BxT, valid_BxT, agg: str, normalizer=None):
     return numer / jnp.maximum(denom, 1.0), numer
 
 
+def abs_sign_grad(x):
+    """|x| whose gradient is sign(x), 0 at x == 0, as torch's abs (jnp.abs gives 1 there); the ratio is exactly
+    1 on-policy, so kl_cov's and the "abs" KL estimator's gradients depend on it."""
+    return jnp.where(x == 0, 0.0, jnp.abs(x))
+
+
 def clip_cov_key(seed: int, step):
     """The PRNG key of clip_cov's random choice at a step: fold_in(key(seed), step) (step may be traced)."""
     return jax.random.fold_in(jax.random.key(seed), step)
@@ -264,7 +270,7 @@ def _kl_cov(lp, old, adv, valid, o):
     l1 = -adv * jnp.exp(neg_kl)
     sel = kl_cov_mask(lp, adv, valid, kl_cov_ratio=o["kl_cov_ratio"], scope=o["scope"],
                       micro_batch_size=o["micro_batch_size"])
-    abs_kl = jnp.where(neg_kl == 0, 0.0, jnp.abs(neg_kl))  # |x| with torch's gradient 0 at x == 0
+    abs_kl = abs_sign_grad(neg_kl)
     tok = jnp.where(sel, l1 + o["ppo_kl_coef"] * abs_kl, l1)
     return {"tok": tok, "clip": jnp.zeros_like(valid), "lower": jnp.zeros_like(valid), "kl": abs_kl}
 

@@ -189,6 +189,18 @@ def top_k_mask(values_N, flag_N, k):
     return (beyond | (tie & (lax.iota(jnp.int32, tie.shape[0]) <= last))) & (k > 0)
 
 
+def top_fraction_mask(values_BxT, flag_BxT, fraction: float, *, rule: str = "quantile"):
+    """bool [B, T]: the top `fraction` of the flagged, finite values over the whole (possibly sharded) array, by
+    the same rules as STARE's high sets: "quantile" keeps v >= numpy-'linear' quantile(v, 1 - fraction) (ties at
+    the threshold may keep more), "exact_top_k" keeps max(1, ceil(fraction n)) (ties by lowest flat index).
+    Bisection on the float keys, no sort (the 80/20 token filter of stare_jax.rl.loss_terms)."""
+    v = jnp.asarray(values_BxT, jnp.float32)
+    flag = (jnp.asarray(flag_BxT) > 0) & jnp.isfinite(v)
+    sel = _select_flat(jnp.where(flag, v, 0.0).reshape(-1), flag.reshape(-1), jnp.zeros(flag.size, bool),
+                       top_p=fraction, rule=rule, need=("pos_high",))
+    return sel["pos_high"].reshape(v.shape)
+
+
 def candidates(logprobs_BxT, advantages_B, mask_BxT):
     """(surprisal [B, T] (0 off the valid tokens), T+ mask, T- mask), all stop-gradient."""
     lp = lax.stop_gradient(jnp.asarray(logprobs_BxT, jnp.float32))
