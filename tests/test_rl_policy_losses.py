@@ -316,7 +316,7 @@ def test_micro_batch_scope_is_verl_per_micro_batch(name, mode):
         x = t[1].clone().requires_grad_(True)
         part = verl_loss(name, t[0], x, t[2], t[3], mode, OPTS[name], **glob)
         part.backward()
-        total += float(part)
+        total += float(part.detach())
         grad[sl] = x.grad.numpy()
     np.testing.assert_allclose(float(loss), total, rtol=1e-5)
     jg = jax.grad(lambda z: _call(name, z, old, adv, mask, mode, scope="micro_batch", micro_batch_size=g)[0])(lp)
@@ -413,3 +413,18 @@ def test_bad_input():
         compute_policy_loss("gpg", old, lp, adv, mask, loss_agg_mode="mean")
     with pytest.raises(ValueError, match="advantages_BxT"):
         compute_policy_loss("gpg", old, lp, adv[:3], mask)
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov", "gspo", "cispo", "gpg", "sapo"])
+def test_omega_weights_every_token_level_loss_after_it_is_computed(name):
+    """STARE's omega (or the 80/20 filter) composes with the token-level losses: loss_tok * omega, stop-gradient."""
+    lp, old, adv, mask, omega = _batch(7, gspo_scale=name == "gspo")
+    unit, _ = _call(name, lp, old, adv, mask, "token-mean", omega_BxT=np.ones_like(omega))
+    np.testing.assert_allclose(float(unit), float(_call(name, lp, old, adv, mask, "token-mean")[0]), rtol=1e-6)
+    two, _ = _call(name, lp, old, adv, mask, "token-mean", omega_BxT=2 * np.ones_like(omega))
+    np.testing.assert_allclose(float(two), 2 * float(unit), rtol=1e-6)
+    g1 = jax.grad(lambda x: _call(name, x, old, adv, mask, "token-mean")[0])(lp)
+    gw = jax.grad(lambda x: _call(name, x, old, adv, mask, "token-mean", omega_BxT=omega)[0])(lp)
+    np.testing.assert_allclose(np.asarray(gw), omega * np.asarray(g1), rtol=1e-5, atol=1e-8)  # token-local
+    with pytest.raises(ValueError, match="omega_BxT do not belong to policy loss 'geo_mean'"):
+        compute_policy_loss("geo_mean", old, lp, adv, mask, omega_BxT=omega)

@@ -5,7 +5,8 @@ response_mask_BxT, *, loss_agg_mode, **options) -> (loss, metrics)`.
     name      verl function                       per-token loss (r = exp(lp - old), A = advantage)
     vanilla   compute_policy_loss_vanilla         dual clip: where(A<0, min(-A c, Lclip), Lclip), Lclip =
                                                   max(-A r, -A clip(r, 1-lo, 1+hi)), log r clamped to [-20, 20]
-    stare     compute_policy_loss_stare           omega * vanilla (omega stop-gradient, multiplies AFTER clipping)
+    stare     compute_policy_loss_stare           omega * vanilla (omega stop-gradient, multiplies AFTER clipping;
+                                                  every token-level loss but vanilla accepts omega_BxT the same way)
     clip_cov  compute_policy_loss_clip_cov        max(-A r, -A clip(r)) * corr; corr = 0 (detached) on a random
                                                   clip_cov_ratio of the tokens whose covariance lies in (lb, ub)
     kl_cov    compute_policy_loss_kl_cov          -A r, plus ppo_kl_coef |lp - old| on the top kl_cov_ratio of
@@ -51,16 +52,19 @@ SCOPES = ("batch", "micro_batch")
 _CLIP = ("clip_ratio", "clip_ratio_low", "clip_ratio_high")
 _COV_SCOPE = ("scope", "micro_batch_size")
 # the options each loss accepts (verl's actor-config names; scope / micro_batch_size / key / omega_BxT are ours)
+# omega_BxT (STARE's token weights, or the 80/20 filter's 0/1) multiplies the per-token loss after clipping; every
+# token-level loss takes it ("vanilla" with omega is "stare"); geo_mean has no per-token loss to weight.
+_W = ("omega_BxT",)
 LOSS_OPTIONS = {
     "vanilla": _CLIP + ("clip_ratio_c",),
-    "stare": _CLIP + ("clip_ratio_c", "omega_BxT"),
-    "clip_cov": _CLIP + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "key") + _COV_SCOPE,
-    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef") + _COV_SCOPE,
-    "gspo": _CLIP,
-    "cispo": _CLIP,
-    "gpg": (),
+    "stare": _CLIP + ("clip_ratio_c",) + _W,
+    "clip_cov": _CLIP + ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "key") + _COV_SCOPE + _W,
+    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef") + _COV_SCOPE + _W,
+    "gspo": _CLIP + _W,
+    "cispo": _CLIP + _W,
+    "gpg": _W,
     "geo_mean": _CLIP,
-    "sapo": ("tau_pos", "tau_neg"),
+    "sapo": ("tau_pos", "tau_neg") + _W,
 }
 COMMON_OPTIONS = ("normalizer",)
 # verl's ActorConfig / PolicyLossConfig defaults (clip_ratio_low / _high fall back to clip_ratio)
@@ -358,6 +362,11 @@ def compute_policy_loss(name, old_logprobs_BxT, logprobs_BxT, advantages_BxT, re
     adv = jnp.where(valid, adv, 0.0)
 
     out = _LOSS_FNS[name](lp, old, adv, valid, o)
+    if name != "stare" and o.get("omega_BxT") is not None:  # stare applies it inside (the train step's exact path)
+        omega = jnp.asarray(o["omega_BxT"], jnp.float32)
+        if omega.shape != lp.shape:
+            raise ValueError(f"omega_BxT must have shape {lp.shape}, got {omega.shape}")
+        out["tok"] = lax.stop_gradient(omega) * out["tok"]
     agg = effective_agg(name, loss_agg_mode)
     if "seq" in out:  # geo_mean: one loss per sequence, mean over all of them (verl: torch.mean)
         numer = jnp.sum(out["seq"])
