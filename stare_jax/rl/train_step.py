@@ -227,6 +227,7 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
     weighted = scfg.enabled or tf.enabled
     on_policy = n_mini == 1 and epochs == 1
     loss_name = ("stare" if weighted else "vanilla") if pl.name in ("vanilla", "stare") else pl.name
+    with_key = not plain and loss_name == "clip_cov"  # the micro-batch index feeds clip_cov's key
     if weighted and "omega_BxT" not in LOSS_OPTIONS[loss_name]:
         raise ValueError(f"policy loss {loss_name!r} has no per-token loss for STARE's omega / the token filter")
     loss_opts = dict(pl.options())
@@ -290,12 +291,12 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
         agg_const = cfg.loss_agg_constant if cfg.loss_agg_constant is not None else float(lm.shape[1])
 
         def micro_loss(p, mb, normalizer, ent_normalizer, key):
-            m_ids, m_attn, m_tgt, m_lm, m_adv, m_old, m_omega, m_keep = mb
+            m_ids, m_attn, m_tgt, m_lm, m_adv, m_old, m_omega = mb[:7]
             lp, m_ent = forward(p, rest, m_ids, m_attn, m_tgt, m_lm)
             if per_micro_scope:
                 m_omega, _ = stare_omega(jax.lax.stop_gradient(lp), m_adv, m_lm, stare_state, scfg,
                                          entropy_BxT=jax.lax.stop_gradient(m_ent), scope="micro_batch")
-                m_omega = m_omega * m_keep if tf.enabled else m_omega
+                m_omega = m_omega * mb[7] if tf.enabled else m_omega
             if plain:
                 loss, met = policy_loss(lp, m_old, m_adv, m_lm, omega_BxT=m_omega, clip_low=cfg.clip_low,
                                         clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg=cfg.loss_agg,
@@ -318,7 +319,7 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
             return loss, met
 
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-        per_tok = (ids, attn, tgt, lm, adv, old_lp, omega, keep)
+        per_tok = (ids, attn, tgt, lm, adv, old_lp, omega) + ((keep,) if tf.enabled else ())
         step_key = clip_cov_key(cfg.seed, train_state.step)
 
         def one_update(carry, u):
@@ -336,9 +337,9 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
             micro_xs = tuple(_split_micro(a, n_micro, mesh, batch_axes) for a in mb_arrays)
 
             def acc(c, xs):
-                mb, i = xs
+                mb, i = xs if with_key else (xs, None)
                 g_sum, l_sum, m_sum = c
-                key = jax.random.fold_in(step_key, u * n_micro + i)
+                key = jax.random.fold_in(step_key, u * n_micro + i) if with_key else None
                 (loss, met), g = grad_fn(p, mb, normalizer, ent_normalizer, key)
                 g_sum = jax.tree.map(jnp.add, g_sum, g)
                 m_sum = jax.tree.map(jnp.add, m_sum, met)
@@ -348,7 +349,7 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
             zeros_m = {k: jnp.float32(0.0) for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum",
                                                       "token_count", "omega_sum")}
             (grads, loss, msum), _ = jax.lax.scan(acc, (zeros_g, jnp.float32(0.0), zeros_m),
-                                                  (micro_xs, jnp.arange(n_micro)))
+                                                  (micro_xs, jnp.arange(n_micro)) if with_key else micro_xs)
             gnorm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
             safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
