@@ -19,6 +19,7 @@ import yaml
 from stare_jax.models.config import AttentionImpl, RematPolicy
 from stare_jax.options import ConfigError, check_range, coerce, option
 from stare_jax.rl.optimizer_config import OptimizerConfig
+from stare_jax.rl.policy_loss_config import TOKEN_LEVEL, PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare_config import StareConfig
 
 
@@ -117,6 +118,22 @@ class RLConfig:
     overlong_buffer: int = option(0, lo=0, doc="DAPO overlong penalty buffer in tokens (0 = off)")
     overlong_penalty: float = option(1.0, lo=0.0)
     stare: StareConfig = field(default_factory=StareConfig)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    entropy_coeff: float = option(0.0, lo=0.0, doc="entropy bonus (verl): loss -= entropy_coeff * agg(entropy)")
+    token_filter: TokenFilterConfig = field(default_factory=TokenFilterConfig)
+
+    def __post_init__(self):
+        """Combinations of the sections that are rejected (ConfigError naming the keys)."""
+        name = self.policy_loss.name
+        if name == "stare" and not self.stare.enabled:
+            raise ConfigError("rl.policy_loss.name = 'stare' needs rl.stare.enabled: true (STARE is the vanilla "
+                              "loss weighted by omega; name 'vanilla' with rl.stare.enabled is the same)")
+        for key, on in (("rl.stare.enabled", self.stare.enabled), ("rl.token_filter.enabled",
+                                                                   self.token_filter.enabled)):
+            if on and name not in TOKEN_LEVEL:
+                raise ConfigError(f"{key}: true cannot be combined with rl.policy_loss.name = {name!r}: it weights "
+                                  f"the per-token loss and {name!r} is a sequence-level loss (token-level: "
+                                  f"{', '.join(TOKEN_LEVEL)})")
 
 
 # optimizer is OptimizerConfig itself (stare_jax/rl/optimizer_config.py), like rl.stare.
@@ -224,7 +241,13 @@ def _build(cls, data: dict, where: dict[str, str], prefix: str = ""):
         value = coerce(value, tp, full, src)
         check_range(value, f.metadata, full, src)
         kwargs[name] = value
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:  # a section's own cross-field check: name where the keys it mentions came from
+        named = [k for k in where if prefix and k.startswith(prefix) and k in str(e)]
+        named = [k for k in named if not any(o.startswith(k + ".") for o in named)]
+        sources = list(dict.fromkeys(where[k] for k in named)) or [where.get(prefix.rstrip("."), default_where)]
+        raise ConfigError(f"{'; '.join(sources)}: {e}") from None
 
 
 def _merge(base: dict, over: dict, where: dict[str, str], source: str, prefix: str = "") -> dict:

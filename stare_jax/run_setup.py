@@ -104,8 +104,8 @@ def encode_rows(rows: Sequence[PromptRow], tokenizer, cfg: Config) -> tuple[list
 # The compiled step's static config and initial state
 
 # TrainStepConfig fields that are not rl.* options of the same name; train_step_config computes each
-DERIVED_STEP_FIELDS = ("optimizer", "stare", "loss_agg_constant", "num_micro_batches", "num_mini_batches",
-                       "debug_outputs")
+DERIVED_STEP_FIELDS = ("optimizer", "stare", "policy_loss", "loss_agg_constant", "num_micro_batches",
+                       "num_mini_batches", "debug_outputs", "seed")
 
 
 def train_step_config(cfg: Config, mesh=None) -> TrainStepConfig:
@@ -122,16 +122,20 @@ def train_step_config(cfg: Config, mesh=None) -> TrainStepConfig:
         raise TrainingError(
             f"a mini-batch of {mini} sequences does not split into micro-batches of rl.micro_batch_size="
             f"{rl.micro_batch_size} x {batch_shards(mesh)} data shards")
-    # scope micro_batch ranks groups of rl.micro_batch_size unless rl.stare says otherwise
+    # scope micro_batch ranks groups of rl.micro_batch_size unless rl.stare / rl.policy_loss say otherwise
     stare = rl.stare if rl.stare.scope != "micro_batch" or rl.stare.micro_batch_size else dataclasses.replace(
         rl.stare, micro_batch_size=rl.micro_batch_size)
+    pl = rl.policy_loss
+    if "micro_batch_size" in pl.options() and not pl.micro_batch_size:
+        pl = dataclasses.replace(pl, micro_batch_size=rl.micro_batch_size)
     # the optimizer's schedule counts updates: rl.mini_batches x rl.ppo_epochs of them per RL step
     opt = cfg.optimizer if cfg.optimizer.total_steps else dataclasses.replace(
         cfg.optimizer, total_steps=cfg.total_steps * rl.mini_batches * rl.ppo_epochs)
     by_name = {f.name: getattr(rl, f.name) for f in dataclasses.fields(TrainStepConfig)
                if f.name not in DERIVED_STEP_FIELDS}
-    return TrainStepConfig(optimizer=opt, stare=stare, loss_agg_constant=float(cfg.sampling.max_new_tokens),
-                           num_micro_batches=mini // per_micro, num_mini_batches=rl.mini_batches, **by_name)
+    return TrainStepConfig(optimizer=opt, stare=stare, policy_loss=pl,
+                           loss_agg_constant=float(cfg.sampling.max_new_tokens), num_micro_batches=mini // per_micro,
+                           num_mini_batches=rl.mini_batches, seed=cfg.seed, **by_name)
 
 
 def init_run_state(model, tcfg: TrainStepConfig, mesh=None) -> tuple[nnx.GraphDef, TrainState, StareState]:

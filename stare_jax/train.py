@@ -94,7 +94,7 @@ def step_record(cfg: Config, collected: CollectedBatch, m: dict, *, step_time_s:
         **{k: float(m[k]) for k in ("clipfrac", "clipfrac_lower", "approx_kl", "loss", "grad_norm",
                                     "skipped_updates")},
         **{f"stare/{k[6:]}": float(v) for k, v in m.items() if k.startswith("stare/")},
-        **{k: float(v) for k, v in m.items() if k.startswith("theory/")},
+        **{k: float(v) for k, v in m.items() if k.startswith(("theory/", "token_filter/"))},
         "step_time_s": step_time_s, "train_time_s": train_time_s,
     }
 

@@ -136,3 +136,37 @@ def test_stare_options_errors_name_key_and_source(override, fragment):
     with pytest.raises(ConfigError, match=fragment) as e:
         load_config(None, [override])
     assert f"command-line override '{override}'" in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["rl.policy_loss.name=vanila"], r"'rl.policy_loss.name' = 'vanila' is not accepted.*did you mean 'vanilla'"),
+    (["rl.policy_loss.clip_cov_ratio=0.1"], r"rl.policy_loss.clip_cov_ratio do not belong to policy loss 'vanilla'"),
+    (["rl.policy_loss.name=gspo", "rl.policy_loss.tau_pos=2"], r"rl.policy_loss.tau_pos do not belong to policy "
+                                                               r"loss 'gspo'"),
+    (["rl.policy_loss.name=stare"], r"'stare' needs rl.stare.enabled: true"),
+    (["rl.policy_loss.name=geo_mean", "rl.stare.enabled=true"], r"rl.stare.enabled: true cannot be combined with "
+                                                                r"rl.policy_loss.name = 'geo_mean'"),
+    (["rl.policy_loss.name=geo_mean", "rl.token_filter.enabled=true"], r"rl.token_filter.enabled: true cannot"),
+    (["rl.policy_loss.name=clip_cov", "rl.policy_loss.clip_cov_lb=6"], r"clip_cov_lb=6.0 must be < clip_cov_ub"),
+    (["rl.entropy_coeff=-0.1"], r"'rl.entropy_coeff' = -0.1 is out of range"),
+    (["rl.token_filter.rho=0"], r"'rl.token_filter.rho' = 0.0 is out of range"),
+    (["rl.token_filter.rule=top_k"], r"accepted values: 'quantile', 'exact_top_k'"),
+])
+def test_policy_loss_options_errors_name_key_and_source(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment) as e:
+        load_config(None, overrides)
+    assert "command-line override 'rl." in str(e.value)
+
+
+def test_policy_loss_sections_reach_the_step_config():
+    from stare_jax.run_setup import train_step_config
+
+    cfg = load_config(None, ["rl.policy_loss.name=kl_cov", "rl.policy_loss.kl_cov_ratio=0.01",
+                             "rl.entropy_coeff=0.001", "rl.token_filter.enabled=true", "rl.micro_batch_size=4",
+                             "rl.policy_loss.scope=micro_batch", "seed=3"])
+    t = train_step_config(cfg)
+    assert t.policy_loss.name == "kl_cov" and t.policy_loss.micro_batch_size == 4 and t.seed == 3
+    assert t.policy_loss.options() == {"kl_cov_ratio": 0.01, "ppo_kl_coef": 0.1, "scope": "micro_batch",
+                                       "micro_batch_size": 4}
+    assert t.entropy_coeff == 0.001 and t.token_filter is cfg.rl.token_filter and t.token_filter.rho == 0.2
+    assert train_step_config(load_config()).policy_loss.micro_batch_size is None  # vanilla: nothing filled in

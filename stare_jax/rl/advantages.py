@@ -113,3 +113,35 @@ class DynamicSamplingAccumulator:
         self.num_prompts_seen = 0
         self._parts: list[Any] = []
         self._num_kept = 0
+
+
+def w_reinforce_advantages(correct_B, lam: float = 0.1):
+    """W-REINF (Zhu et al. 2025, "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning"):
+    REINFORCE with +1 / -1 rewards and the positive samples down-weighted by lambda: A = lam for a correct
+    response, -1 for a wrong one (no baseline, no std). Pair with the "gpg" loss (-A log pi), or "vanilla"
+    on-policy (the same gradient)."""
+    if not lam >= 0.0:
+        raise ValueError(f"W-REINF lambda={lam} must be >= 0")
+    correct_B = jnp.asarray(correct_B)
+    if correct_B.ndim != 1:
+        raise ValueError(f"correct_B must be 1-D [responses], got shape {correct_B.shape}")
+    return jnp.where(correct_B > 0, jnp.float32(lam), jnp.float32(-1.0))
+
+
+def entropy_advantage(advantages_BxT, entropy_BxT, mask_BxT, *, alpha: float = 0.4, kappa: float = 2.0):
+    """EntroAdv (Cheng et al. 2025, "Reasoning with Exploration: An Entropy Perspective"): token-level
+    A + min(alpha * sg(H), |A| / kappa); the clip keeps the entropy term from flipping the sign of a negative
+    advantage, and the detached entropy adds no gradient of its own. advantages [B] are broadcast over T; 0 off
+    the mask."""
+    if not (alpha >= 0.0 and kappa > 0.0):
+        raise ValueError(f"EntroAdv needs alpha >= 0 and kappa > 0, got alpha={alpha}, kappa={kappa}")
+    ent = jax.lax.stop_gradient(jnp.asarray(entropy_BxT, jnp.float32))
+    adv = jnp.asarray(advantages_BxT, jnp.float32)
+    if adv.shape == ent.shape[:1]:
+        adv = jnp.broadcast_to(adv[:, None], ent.shape)
+    if adv.shape != ent.shape or jnp.shape(mask_BxT) != ent.shape:
+        raise ValueError(f"advantages, entropy and mask must share shape {ent.shape}, got {adv.shape}, "
+                         f"{jnp.shape(mask_BxT)}")
+    valid = jnp.asarray(mask_BxT) > 0
+    bonus = jnp.minimum(alpha * jnp.where(valid, ent, 0.0), jnp.abs(adv) / kappa)
+    return jnp.where(valid, adv + bonus, 0.0)

@@ -172,6 +172,35 @@ def _select_flat(s_N, cand_pos_N, cand_neg_N, *, top_p: float, rule: str, need: 
     return out
 
 
+def top_k_mask(values_N, flag_N, k):
+    """bool_N: the min(k, count) flagged elements with the largest values (k a traced or static int), ties at the
+    k-th value broken by lowest flat index, so exactly that many are chosen. The same order-statistic bisection as
+    the exact_top_k rule (masked counts over the 32-bit keys, no sort): used by the clip_cov / kl_cov selections
+    of stare_jax.rl.losses. NaN values are never chosen (flag them out first)."""
+    flag_N = flag_N & ~jnp.isnan(values_N)
+    key_N = _sortable_key(values_N)
+    count = jnp.sum(flag_N, dtype=jnp.int32)
+    k = jnp.clip(jnp.asarray(k, jnp.int32), 0, count)
+    group_N = jnp.where(flag_N, 0, 1).astype(jnp.int32)
+    kv = _order_stat_keys(key_N, group_N, jnp.zeros((1,), jnp.int32), jnp.maximum(count - k, 0)[None])[0]
+    beyond = flag_N & (key_N > kv)
+    tie = flag_N & (key_N == kv)
+    last = _kth_true_index(tie, k - jnp.sum(beyond, dtype=jnp.int32))
+    return (beyond | (tie & (lax.iota(jnp.int32, tie.shape[0]) <= last))) & (k > 0)
+
+
+def top_fraction_mask(values_BxT, flag_BxT, fraction: float, *, rule: str = "quantile"):
+    """bool [B, T]: the top `fraction` of the flagged, finite values over the whole (possibly sharded) array, by
+    the same rules as STARE's high sets: "quantile" keeps v >= numpy-'linear' quantile(v, 1 - fraction) (ties at
+    the threshold may keep more), "exact_top_k" keeps max(1, ceil(fraction n)) (ties by lowest flat index).
+    Bisection on the float keys, no sort (the 80/20 token filter of stare_jax.rl.loss_terms)."""
+    v = jnp.asarray(values_BxT, jnp.float32)
+    flag = (jnp.asarray(flag_BxT) > 0) & jnp.isfinite(v)
+    sel = _select_flat(jnp.where(flag, v, 0.0).reshape(-1), flag.reshape(-1), jnp.zeros(flag.size, bool),
+                       top_p=fraction, rule=rule, need=("pos_high",))
+    return sel["pos_high"].reshape(v.shape)
+
+
 def candidates(logprobs_BxT, advantages_B, mask_BxT):
     """(surprisal [B, T] (0 off the valid tokens), T+ mask, T- mask), all stop-gradient."""
     lp = lax.stop_gradient(jnp.asarray(logprobs_BxT, jnp.float32))

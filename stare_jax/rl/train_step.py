@@ -20,7 +20,12 @@ Data flow (STARE-semantics.md, "Closed-loop gate"):
     accumulation is exactly the full-mini-batch gradient), then one optax update. With scope micro_batch, omega is
     recomputed inside each micro-batch from the current policy's log-probs (and, for sample/token gates, its
     entropies); the batch gate still comes from the controller.
- 5. A non-finite loss or gradient norm skips that update (params and optimizer state unchanged) and is counted in
+ 5. The loss is cfg.policy_loss (stare_jax.rl.losses.compute_policy_loss; "vanilla" + STARE's omega is the GRPO-ds /
+    STARE path, computed exactly as before when no other loss, entropy bonus or token filter is set), plus
+    -entropy_coeff * agg(entropy); the 80/20 filter multiplies omega by the global top-rho entropy mask of pass 1.
+    Outside that path, as verl's dp_actor, a single update per batch (on-policy) uses old = stop_gradient(lp).
+    clip_cov's key: fold_in(fold_in(key(seed), step), update * num_micro_batches + micro-batch).
+ 6. A non-finite loss or gradient norm skips that update (params and optimizer state unchanged) and is counted in
     metrics["skipped_updates"].
 """
 from __future__ import annotations
@@ -38,8 +43,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from stare_jax.models.sharding import BATCH_AXES, DEFAULT_RULES, activation_rules, batch_sharding
 from stare_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
-from stare_jax.rl.losses import AGG_MODES, loss_normalizer, policy_loss
+from stare_jax.rl.loss_terms import entropy_bonus, high_entropy_mask
+from stare_jax.rl.losses import (AGG_MODES, LOSS_OPTIONS, clip_cov_key, compute_policy_loss, loss_normalizer,
+                                 policy_loss, policy_loss_normalizer)
 from stare_jax.rl.optimizer_config import OptimizerConfig
+from stare_jax.rl.policy_loss_config import PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare import StareConfig, StareState, stare_omega, update_controller
 from stare_jax.rl.theory import batch_entropy_terms
 
@@ -61,6 +69,10 @@ class TrainStepConfig:
     ppo_epochs: int = 1
     logprob_chunk_size: int = DEFAULT_CHUNK_SIZE
     debug_outputs: bool = False  # metrics["debug/..."]: omega, old log-probs, entropy, last update's grads
+    policy_loss: PolicyLossConfig = PolicyLossConfig()  # the loss (compute_policy_loss name + options)
+    entropy_coeff: float = 0.0  # entropy bonus: loss -= entropy_coeff * agg(entropy) (verl)
+    token_filter: TokenFilterConfig = TokenFilterConfig()  # the 80/20 rule
+    seed: int = 0  # clip_cov's random choice: key fold_in(fold_in(key(seed), step), update * micro-batches + micro)
 
     def __post_init__(self):
         if self.loss_agg not in AGG_MODES:
@@ -209,6 +221,18 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
     chunk = cfg.logprob_chunk_size
     n_micro, n_mini, epochs = cfg.num_micro_batches, cfg.num_mini_batches, cfg.ppo_epochs
     per_micro_scope = scfg.enabled and scfg.scope == "micro_batch"
+    pl, tf = cfg.policy_loss, cfg.token_filter
+    # GRPO-ds / STARE as before (bit-identical) unless another loss, an entropy bonus or the 80/20 filter is asked for
+    plain = pl.name in ("vanilla", "stare") and cfg.entropy_coeff == 0.0 and not tf.enabled
+    weighted = scfg.enabled or tf.enabled
+    on_policy = n_mini == 1 and epochs == 1
+    loss_name = ("stare" if weighted else "vanilla") if pl.name in ("vanilla", "stare") else pl.name
+    with_key = not plain and loss_name == "clip_cov"  # the micro-batch index feeds clip_cov's key
+    if weighted and "omega_BxT" not in LOSS_OPTIONS[loss_name]:
+        raise ValueError(f"policy loss {loss_name!r} has no per-token loss for STARE's omega / the token filter")
+    loss_opts = dict(pl.options())
+    clip_opts = {"clip_ratio_low": cfg.clip_low, "clip_ratio_high": cfg.clip_high, "clip_ratio_c": cfg.clip_c}
+    loss_opts.update({k: v for k, v in clip_opts.items() if k in LOSS_OPTIONS[loss_name]})
 
     def forward(params, rest, ids, attn, tgt, lm, *, theory=False):
         return policy_forward(graphdef, params, rest, ids, attn, tgt, lm, chunk_size=chunk, theory=theory)
@@ -242,10 +266,16 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
                                   scope="batch")
         if per_micro_scope:
             omega = jnp.ones_like(omega)  # recomputed per micro-batch below
+        keep = jnp.ones_like(omega)
+        if tf.enabled:  # the 80/20 rule: global top-rho entropy tokens of the no-grad pass
+            keep = high_entropy_mask(ent, lm, tf.rho, rule=tf.rule).astype(jnp.float32)
+            omega = omega * keep
         metrics = {"entropy": batch_entropy, "gate_on": stare_state.gate_on.astype(jnp.float32),
                    "stare_w": stare_state.w, "stare_m": stare_state.m,
                    "response_tokens": jnp.sum(lm)}
         metrics.update({"stare/" + k: v for k, v in info["metrics"].items()})
+        if tf.enabled:
+            metrics["token_filter/frac_kept"] = jnp.sum(keep * lm) / jnp.maximum(jnp.sum(lm), 1.0)
         if theory:
             th = flat[2]
             terms = batch_entropy_terms(th["phi"], adv, lm, omega_BxT=omega, pos_set_BxT=info["sets"]["pos_high"],
@@ -260,35 +290,57 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
         # 4. updates: epochs x mini-batches, each a scan over micro-batches.
         agg_const = cfg.loss_agg_constant if cfg.loss_agg_constant is not None else float(lm.shape[1])
 
-        def micro_loss(p, mb, normalizer):
-            m_ids, m_attn, m_tgt, m_lm, m_adv, m_old, m_omega = mb
+        def micro_loss(p, mb, normalizer, ent_normalizer, key):
+            m_ids, m_attn, m_tgt, m_lm, m_adv, m_old, m_omega = mb[:7]
             lp, m_ent = forward(p, rest, m_ids, m_attn, m_tgt, m_lm)
             if per_micro_scope:
                 m_omega, _ = stare_omega(jax.lax.stop_gradient(lp), m_adv, m_lm, stare_state, scfg,
                                          entropy_BxT=jax.lax.stop_gradient(m_ent), scope="micro_batch")
-            loss, met = policy_loss(lp, m_old, m_adv, m_lm, omega_BxT=m_omega, clip_low=cfg.clip_low,
-                                    clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg=cfg.loss_agg,
-                                    normalizer=normalizer)
+                m_omega = m_omega * mb[7] if tf.enabled else m_omega
+            if plain:
+                loss, met = policy_loss(lp, m_old, m_adv, m_lm, omega_BxT=m_omega, clip_low=cfg.clip_low,
+                                        clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg=cfg.loss_agg,
+                                        normalizer=normalizer)
+            else:
+                if on_policy:  # verl dp_actor: old = log_prob.detach() (|log ratio| is then exactly 0 for kl_cov)
+                    m_old = jax.lax.stop_gradient(lp)
+                opts = dict(loss_opts, normalizer=normalizer)
+                if weighted:
+                    opts["omega_BxT"] = m_omega
+                if loss_name == "clip_cov":
+                    opts["key"] = key
+                loss, met = compute_policy_loss(loss_name, m_old, lp, m_adv, m_lm, loss_agg_mode=cfg.loss_agg,
+                                                **opts)
+                if cfg.entropy_coeff:
+                    loss = loss + entropy_bonus(m_ent, m_lm, cfg.entropy_coeff, loss_agg_mode=cfg.loss_agg,
+                                                normalizer=ent_normalizer)[0]
             met = {k: met[k] for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum", "token_count")}
             met["omega_sum"] = jnp.sum(jnp.where(m_lm > 0, m_omega, 0.0))
             return loss, met
 
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-        per_tok = (ids, attn, tgt, lm, adv, old_lp, omega)
+        per_tok = (ids, attn, tgt, lm, adv, old_lp, omega) + ((keep,) if tf.enabled else ())
+        step_key = clip_cov_key(cfg.seed, train_state.step)
 
         def one_update(carry, u):
             p, opt_state = carry
             start = (u % n_mini) * mini
             mb_arrays = tuple(jax.lax.dynamic_slice_in_dim(a, start, mini, axis=0) for a in per_tok)
             if cfg.loss_agg == "seq-mean-token-sum-norm":
-                normalizer = jnp.float32(agg_const)
+                ent_normalizer = jnp.float32(agg_const)
             else:
-                normalizer = loss_normalizer(mb_arrays[3], cfg.loss_agg)
+                ent_normalizer = loss_normalizer(mb_arrays[3], cfg.loss_agg)
+            if plain or loss_name not in ("gspo", "sapo", "geo_mean"):
+                normalizer = ent_normalizer
+            else:  # aggregations verl fixes for these losses
+                normalizer = policy_loss_normalizer(loss_name, mb_arrays[3], cfg.loss_agg)
             micro_xs = tuple(_split_micro(a, n_micro, mesh, batch_axes) for a in mb_arrays)
 
-            def acc(c, mb):
+            def acc(c, xs):
+                mb, i = xs if with_key else (xs, None)
                 g_sum, l_sum, m_sum = c
-                (loss, met), g = grad_fn(p, mb, normalizer)
+                key = jax.random.fold_in(step_key, u * n_micro + i) if with_key else None
+                (loss, met), g = grad_fn(p, mb, normalizer, ent_normalizer, key)
                 g_sum = jax.tree.map(jnp.add, g_sum, g)
                 m_sum = jax.tree.map(jnp.add, m_sum, met)
                 return (g_sum, l_sum + loss, m_sum), None
@@ -296,7 +348,8 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
             zeros_g = jax.tree.map(jnp.zeros_like, p)
             zeros_m = {k: jnp.float32(0.0) for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum",
                                                       "token_count", "omega_sum")}
-            (grads, loss, msum), _ = jax.lax.scan(acc, (zeros_g, jnp.float32(0.0), zeros_m), micro_xs)
+            (grads, loss, msum), _ = jax.lax.scan(acc, (zeros_g, jnp.float32(0.0), zeros_m),
+                                                  (micro_xs, jnp.arange(n_micro)) if with_key else micro_xs)
             gnorm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
             safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
