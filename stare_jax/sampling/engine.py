@@ -54,6 +54,7 @@ from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, _check_promp
                                         _eos_array, model_config)
 
 
+EXIT_FRACTION = 4  # a decode chunk ends early once 1/EXIT_FRACTION of the slots can be refilled
 MIN_WIDTH = 8  # smallest page-table width (pages) of a program: fewer compiled shapes for short sequences
 
 # ----------------------------------------------------------------------------------------------- config
@@ -98,10 +99,12 @@ def _row_keys(key, prompt_index_S, sample_S):
 
 
 def _decode_chunk(graphdef, state, pages, page_table_SxM, tok_S, pos_S, step_S, budget_S, live_S, prompt_index_S,
-                  sample_S, key, greedy, temperature, top_k, top_p, eos_E, *, steps: int, page_size: int,
+                  sample_S, exit_after, key, greedy, temperature, top_k, top_p, eos_E, *, steps: int, page_size: int,
                   pad_id: int):
     """Up to `steps` decode steps of every live slot: feed tok_S at pos_S, draw the token of response index
-    step_S, stop a row on EOS or at step budget_S. Returns (pages, tokens_SxK, logprobs_SxK, count_S, eos_S)."""
+    step_S, stop a row on EOS or at step budget_S. The chunk ends early once `exit_after` rows have finished (the
+    host has that many queued requests to put in their slots) or every row is done.
+    Returns (pages, tokens_SxK, logprobs_SxK, count_S, eos_S)."""
     model = nnx.merge(graphdef, state)
     S = tok_S.shape[0]
     keys_S = _row_keys(key, prompt_index_S, sample_S)
@@ -126,7 +129,11 @@ def _decode_chunk(graphdef, state, pages, page_table_SxM, tok_S, pos_S, step_S, 
 
     init = (jnp.int32(0), pages, tok_S, pos_S, step_S, ~live_S | (step_S >= budget_S), jnp.zeros((S,), bool),
             jnp.full((S, steps), pad_id, jnp.int32), jnp.zeros((S, steps), jnp.float32), jnp.zeros((S,), jnp.int32))
-    c = jax.lax.while_loop(lambda c: (c[0] < steps) & jnp.any(~c[5]), body, init)
+    def cond(c):
+        finished = jnp.sum(c[5] & live_S)
+        return (c[0] < steps) & jnp.any(~c[5]) & (finished < exit_after)
+
+    c = jax.lax.while_loop(cond, body, init)
     return c[1], c[7], c[8], c[9], c[6]
 
 
@@ -548,6 +555,13 @@ class Engine:
             self.pages = _copy_jit(self.pages, self._put(np.asarray(src, np.int32)),
                                    self._put(np.asarray(dst, np.int32)))
 
+    def _exit_after(self, queue, num_rows: int) -> int:
+        """Finished rows that end a decode chunk early: enough to refill a quarter of the slots (or all the
+        queue), so freed slots do not idle until the chunk's end; never with an empty queue."""
+        if not queue:
+            return num_rows + 1
+        return max(1, min(len(queue), -(-num_rows // EXIT_FRACTION)))
+
     def _rows(self) -> int:
         """Batch rows of every program: max_slots rounded up to a multiple of the data shards."""
         return -(-self.engine_config.max_slots // self.data_shards) * self.data_shards
@@ -625,7 +639,8 @@ class Engine:
             self.graphdef, self.state, self.pages, self._put(table), arr(lambda c: c.tokens[-1]),
             arr(lambda c: c.written), arr(lambda c: c.step), arr(lambda c: c.budget),
             arr(lambda c: True, bool), arr(lambda c: c.prompt_index, np.uint32), arr(lambda c: c.sample, np.uint32),
-            *scalars, steps=ec.decode_chunk, page_size=ec.page_size, pad_id=self.pad_id)
+            self._put(np.int32(self._exit_after(queue, S))), *scalars, steps=ec.decode_chunk,
+            page_size=ec.page_size, pad_id=self.pad_id)
         toks, lps, n, eos = jax.device_get((toks, lps, n, eos))
         self.stats["decode_chunks"] += 1
         self.stats["decode_steps"] += int(n.max(initial=0))
