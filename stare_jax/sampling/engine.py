@@ -31,6 +31,10 @@ Design (host scheduler + three jitted programs):
 - Weights. `update_params` reshards the trainer's parameters on device into the sampler layout (as Sampler);
   the page pool is allocated once and reused (donated through every program), so nothing recompiles across
   RL steps once the page-table width buckets of a workload have been seen.
+- Not yet: a TPU Pallas decode kernel (jax.experimental.pallas.ops.tpu.paged_attention wants the pool as
+  [K, N, P, Dh], kv heads first; this pool is [N, P, K, Dh] and decode uses the gather path everywhere), page
+  pools sharded over the data axes (the pool is replicated on a mesh: correct, not memory-optimal), and
+  multi-process (the host scheduler assumes one process).
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, _check_promp
 
 
 EXIT_FRACTION = 4  # a decode chunk ends early once 1/EXIT_FRACTION of the slots can be refilled
+MIN_PREFILL_ROWS = 4  # smallest prefill batch (fewer compiled shapes)
 MIN_WIDTH = 8  # smallest page-table width (pages) of a program: fewer compiled shapes for short sequences
 
 # ----------------------------------------------------------------------------------------------- config
@@ -454,6 +459,8 @@ class Engine:
                 progress |= self._prefill_round(slots, prefixes)
                 self._attach(slots, prefixes)
                 progress |= self._decode_round(slots, queue, scalars, keep, prefixes)
+                if not progress and self._drop_idle_prefix(slots, prefixes):
+                    continue
                 if not progress:
                     raise paged_kv.PagesExhausted(
                         f"the page pool ({self.pool.num_pages} pages, {self.pool.num_free} free) cannot make "
@@ -508,8 +515,9 @@ class Engine:
                 jobs.append((c, c.tokens[:-1], c.written, c.pages))
         if not jobs:
             return False
-        C, R = ec.prefill_chunk, self._rows()
-        jobs = jobs[:R]  # one program shape: at most R rows per round, the rest next round
+        C = ec.prefill_chunk
+        jobs = jobs[:self._rows()]  # at most one program's rows per round, the rest next round
+        R = self._prefill_rows(len(jobs))
         width = self._width(max(len(j[3]) for j in jobs))
         ids, pos, valid = (np.zeros((R, C), np.int32) for _ in range(3))
         rows = []
@@ -562,6 +570,13 @@ class Engine:
             return num_rows + 1
         return max(1, min(len(queue), -(-num_rows // EXIT_FRACTION)))
 
+    def _prefill_rows(self, num_jobs: int) -> int:
+        """Rows of a prefill call: a power-of-two bucket of the rows to prefill (at least MIN_PREFILL_ROWS,
+        at most the slot rows), a multiple of the data shards: a round that prefills one new prompt must not
+        pay for max_slots rows of prefill_chunk tokens."""
+        r = min(1 << (max(num_jobs, MIN_PREFILL_ROWS) - 1).bit_length(), self._rows())
+        return -(-r // self.data_shards) * self.data_shards
+
     def _rows(self) -> int:
         """Batch rows of every program: max_slots rounded up to a multiple of the data shards."""
         return -(-self.engine_config.max_slots // self.data_shards) * self.data_shards
@@ -592,13 +607,20 @@ class Engine:
             if len(rows) > 1:  # the oldest row always keeps going: no livelock
                 self._preempt(rows[-1], slots, queue)
                 continue
-            idle = [e for e in prefixes.values() if not any(c is not None and c.prefix is e for c in slots)]
-            if not idle:
+            if not self._drop_idle_prefix(slots, prefixes):
                 raise paged_kv.PagesExhausted(
                     f"one row needs {growth[0][1]} more pages, {self.pool.num_free} free: raise "
                     f"sampling.engine.num_pages")
-            self.pool.release(idle[0].pages)  # re-created (prefilled again) when its next sample is admitted
-            del prefixes[idle[0].key]
+
+    def _drop_idle_prefix(self, slots, prefixes) -> bool:
+        """Free the pages of one prefix entry that no row in a slot waits for (it is prefilled again when its
+        next sample is admitted); False if there is none."""
+        idle = [e for e in prefixes.values() if not any(c is not None and c.prefix is e for c in slots)]
+        if not idle:
+            return False
+        self.pool.release(idle[0].pages)
+        del prefixes[idle[0].key]
+        return True
 
     def _growth(self, slots) -> list[tuple[Conversation, int]]:
         """(row, pages it still needs for its next decode chunk) for every ready row, oldest admission first."""
