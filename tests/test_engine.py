@@ -206,3 +206,22 @@ def test_bad_input(model):
     engine.release()
     with pytest.raises(RuntimeError, match="released: call update_params"):
         engine.generate([[1]], max_new_tokens=4)
+
+
+def test_drop_in_for_generate_rollouts(model):
+    """The train loop's call (rollouts.generate_rollouts) gives the same rollouts with the engine as the sampler."""
+    from stare_jax.rollouts import RewardFn, generate_rollouts
+
+    class Tok:
+        bos_id, eos_ids = 1, EOS
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    kw = dict(tokenizer=Tok(), reward_fn=RewardFn("digit_sum"), prompt_len=32, max_new_tokens=12, num_samples=2,
+              temperature=1.0, top_p=1.0, top_k=0, seed=3, index_offset=5)
+    a, texts_a, _ = generate_rollouts(Sampler(model), PROMPTS, ["1:1"] * len(PROMPTS), **kw)
+    b, texts_b, _ = generate_rollouts(Engine(model, config=SMALL), PROMPTS, ["1:1"] * len(PROMPTS), **kw)
+    assert texts_a == texts_b
+    for name in ("prompt_ids_PxT", "prompt_mask_PxT", "tokens_PxGxN", "lengths_PxG", "correct_PxG"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
