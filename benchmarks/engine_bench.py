@@ -1,7 +1,7 @@
 """Rollout engine (continuous batching, paged KV) vs the static Sampler: useful tokens/s on CPU, side by side.
 
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/engine_bench.py                  # defaults below
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/engine_bench.py --prompts 8 --max-new 64 --reps 2 --json
+    JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.engine_bench                  # defaults below
+    JAX_PLATFORMS=cpu .venv/bin/python -m benchmarks.engine_bench --prompts 8 --max-new 64 --reps 2 --json
 
 Workload: --prompts prompts (lengths uniform in [--min-prompt, --max-prompt]) x --group samples, temperature 1,
 the same random stare_jax Qwen2-shaped model (small initializer_range: near-uniform next-token distribution)
