@@ -1,0 +1,227 @@
+"""Rollout engine vs the static Sampler (the reference, itself tied to transformers' generate by
+test_sampling_parity.py): token identity for greedy and temperature-1 sampling with long-tailed lengths, whatever
+the slots / page size / chunk sizes; log-probs vs a full forward; page accounting (all pages back, only prompt
+prefix pages shared, one prefill per prompt); preemption; the 8-device mesh; multi-turn continuation; bad input.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from stare_jax.models import ModelConfig, init_model
+from stare_jax.models.sharding import make_mesh
+from stare_jax.sampling import Sampler
+from stare_jax.sampling.engine import Engine, EngineConfig, compiled_programs
+
+V = 256
+PROMPTS = [[3, 14, 15, 92, 65, 35], [1, 2, 3], [4] * 9, [7], list(range(10, 30))]
+EOS = list(range(100, 108))  # 8 of 256 ids: sampled rows end after geometric (long-tailed) lengths
+SMALL = EngineConfig(max_slots=4, page_size=4, decode_chunk=4, prefill_chunk=8)
+
+
+def _tiny(family: str):
+    """Tiny random Qwen2 (q/k/v bias, untied) or Qwen3 (q/k norm, tied) stare_jax model."""
+    qwen3 = family == "qwen3"
+    cfg = ModelConfig(vocab_size=V, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=128, max_position_embeddings=64, qkv_bias=not qwen3, qk_norm=qwen3,
+                      tie_word_embeddings=qwen3, initializer_range=0.1, eos_token_id=None, pad_token_id=0)
+    return init_model(cfg, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny("qwen2")
+
+
+def _full_logprobs(model, seqs) -> list[np.ndarray]:
+    """log softmax of one right-padded full forward over every sequence (causal: padding changes nothing)."""
+    T = model.config.max_position_embeddings
+    ids = np.zeros((len(seqs), T), np.int32)
+    for r, s in enumerate(seqs):
+        ids[r, :len(s)] = s
+    logp = np.asarray(jax.nn.log_softmax(jax.jit(lambda x: model(x))(jnp.asarray(ids)), -1))
+    return [logp[r] for r in range(len(seqs))]
+
+
+def _assert_same(a, b):
+    assert a.tokens == b.tokens
+    assert a.finish_reasons == b.finish_reasons and a.lengths == b.lengths
+    np.testing.assert_allclose(np.concatenate(a.logprobs), np.concatenate(b.logprobs), atol=1e-5)
+
+
+@pytest.mark.parametrize("family, config", [
+    ("qwen2", SMALL), ("qwen2", EngineConfig(max_slots=16, page_size=16, decode_chunk=16)),
+    pytest.param("qwen3", SMALL, marks=pytest.mark.slow)], ids=["qwen2-slots4-page4-K4", "qwen2-slots16-page16-K16",
+                                                                 "qwen3-slots4-page4-K4"])
+def test_matches_static_sampler_greedy_and_sampled(family, config, model):
+    model = model if family == "qwen2" else _tiny(family)
+    kw = dict(max_new_tokens=24, num_samples=3)
+    engine = Engine(model, config=config)
+    free = Sampler(model).generate(PROMPTS, temperature=0.0, eos_ids=[], **kw)
+    greedy_eos = sorted({free.tokens[3 * p][k] for p, k in ((0, 3), (2, 11), (4, 17))})
+    for temperature, eos in ((0.0, greedy_eos), (1.0, EOS)):
+        ref = Sampler(model).generate(PROMPTS, temperature=temperature, eos_ids=eos, seed=5, **kw)
+        out = engine.generate(PROMPTS, temperature=temperature, eos_ids=eos, seed=5, **kw)
+        _assert_same(out, ref)
+        assert len(set(out.lengths)) >= 3  # rows finish at different times (slots are refilled)
+        assert engine.pool.all_free()
+        # one prefill per prompt (not per sample): the prompt minus its last token, once
+        assert engine.stats["prefix_prefills"] == sum(len(p) > 1 for p in PROMPTS)
+        assert engine.stats["prefill_tokens"] == sum(len(p) - 1 for p in PROMPTS)
+    assert engine.stats["peak_pages"] < engine.pool.num_pages
+
+
+def test_logprobs_equal_full_forward(model):
+    out = Engine(model, config=SMALL).generate(PROMPTS[:3], max_new_tokens=16, num_samples=2, temperature=1.0,
+                                               eos_ids=EOS, seed=2)
+    full = _full_logprobs(model, [PROMPTS[r // 2] + toks for r, toks in enumerate(out.tokens)])
+    for r, (toks, lps) in enumerate(zip(out.tokens, out.logprobs)):
+        prompt = PROMPTS[r // 2]
+        ref = full[r][len(prompt) - 1: len(prompt) - 1 + len(toks)][np.arange(len(toks)), toks]
+        np.testing.assert_allclose(lps, ref, atol=1e-5)
+
+
+class _CheckedEngine(Engine):
+    """Checks the page invariants before every decode chunk: a page owned by two rows is a full page of their
+    common prompt's prefix, and the pool's reference counts equal the owners."""
+
+    def _decode_round(self, slots, queue, scalars, keep, prefixes):
+        rows = [c for c in slots if c is not None and c.prefix is None]
+        owners = {}
+        for c in rows:
+            for m, p in enumerate(c.pages):
+                owners.setdefault(p, []).append((c, m))
+        n_shared = 0
+        for p, own in owners.items():
+            if len(own) > 1:
+                n_shared += 1
+                assert len({c.prompt_pos for c, _ in own}) == 1
+                assert all(m < (c.prompt_len - 1) // self.engine_config.page_size for c, m in own)
+            assert self.pool.refs_N[p] >= len(own)
+        self.shared_seen = getattr(self, "shared_seen", 0) + n_shared
+        return super()._decode_round(slots, queue, scalars, keep, prefixes)
+
+
+def test_prefix_pages_shared_never_written_twice_and_preemption(model):
+    kw = dict(max_new_tokens=24, num_samples=3, temperature=1.0, eos_ids=EOS, seed=5)
+    ref = Sampler(model).generate(PROMPTS, **kw)
+    engine = _CheckedEngine(model, config=SMALL)
+    _assert_same(engine.generate(PROMPTS, **kw), ref)
+    assert engine.shared_seen > 0 and engine.stats["recomputes"] == 0
+    # A pool of 16 pages (15 usable) for 4 slots of up to 44 tokens (11 pages each): rows are preempted and
+    # recomputed, with the same tokens.
+    tight = _CheckedEngine(model, config=EngineConfig(max_slots=4, page_size=4, decode_chunk=4, prefill_chunk=8,
+                                                      num_pages=16))
+    _assert_same(tight.generate(PROMPTS, **kw), ref)
+    assert tight.stats["recomputes"] > 0 and tight.stats["peak_pages"] <= 15 and tight.pool.all_free()
+
+
+def test_array_api_matches_sampler(model):
+    """generate_arrays with left padding, inactive prompts and global prompt indices (the train loop's call)."""
+    ids = np.zeros((3, 16), np.int32)
+    mask = np.zeros((3, 16), np.int32)
+    for r, p in enumerate([PROMPTS[0], PROMPTS[1], PROMPTS[2]]):
+        ids[r, 16 - len(p):], mask[r, 16 - len(p):] = p, 1
+    kw = dict(max_new_tokens=12, num_samples=2, temperature=1.0, eos_ids=EOS, seed=9,
+              prompt_index_P=np.asarray([40, 41, 42]), active_P=np.asarray([True, False, True]))
+    ref = Sampler(model).generate_arrays(ids, mask, **kw)
+    out = Engine(model, config=SMALL).generate_arrays(jnp.asarray(ids), jnp.asarray(mask), **kw)
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_array_equal(out.tokens_BxN, ref.tokens_BxN)
+    np.testing.assert_array_equal(out.lengths_B, ref.lengths_B)
+    np.testing.assert_array_equal(out.finished_B, ref.finished_B)
+    np.testing.assert_allclose(out.logprobs_BxN, ref.logprobs_BxN, atol=1e-5)
+    assert np.all(np.asarray(out.lengths_B)[2:4] == 0)
+
+
+def test_no_recompilation_across_steps(model):
+    engine = Engine(model, config=SMALL)
+    kw = dict(max_new_tokens=24, num_samples=3, temperature=1.0, eos_ids=EOS)
+    first = engine.generate(PROMPTS, seed=0, **kw)
+    before = compiled_programs()
+    engine.update_params(init_model(model.config, seed=7))  # the next RL step's weights, same program
+    second = engine.generate(PROMPTS, seed=0, **kw)
+    engine.generate(PROMPTS[::-1], seed=1, **kw)  # another length mix
+    assert compiled_programs() == before and second.tokens != first.tokens
+
+
+@pytest.mark.slow
+def test_mesh_matches_single_device(model):
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded = init_model(model.config, seed=0, mesh=mesh)
+    kw = dict(max_new_tokens=16, num_samples=3, temperature=1.0, eos_ids=EOS, seed=4)
+    on_mesh = Engine(sharded, mesh=mesh, config=SMALL).generate(PROMPTS, **kw)
+    _assert_same(on_mesh, Engine(model, config=SMALL).generate(PROMPTS, **kw))
+
+
+def test_multi_turn_continuation_equals_full_forward(model):
+    engine = Engine(model, config=SMALL)
+    kw = dict(temperature=1.0, eos_ids=[], seed=3)
+    convs = engine.start(PROMPTS[:2], max_new_tokens=5, num_samples=2, **kw)
+    used = engine.pool.num_used
+    assert used > 0  # the conversations keep their pages
+    tool = [[200, 201, 202], [210], [220, 221], [230, 231, 232, 233]]
+    engine.extend(convs, tool, max_new_tokens=6, **kw)
+    # only the previous turn's last token + the appended tokens were prefilled, never the conversation
+    assert engine.stats["prefill_tokens"] == sum(len(t) for t in tool)
+    full = _full_logprobs(model, [c.tokens for c in convs])
+    for c, t, logp in zip(convs, tool, full):
+        assert len(c.turn_tokens) == 6
+        assert c.response_mask == [1] * 5 + [0] * len(t)
+        assert c.tokens[c.prompt_len + 5: c.prompt_len + 5 + len(t)] == t
+        n0 = len(c.seq)
+        ref = logp[n0 - 1: n0 - 1 + 6][np.arange(6), c.turn_tokens]
+        np.testing.assert_allclose(c.turn_logprobs, ref, atol=1e-5)
+        assert np.all(np.isnan(c.response_logprobs[5:]))
+    engine.close(convs)
+    assert engine.pool.all_free()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_slots=0), "sampling.engine.max_slots must be an int >= 1"),
+    (dict(page_size=0), "sampling.engine.page_size must be"),
+    (dict(decode_chunk=2.5), "sampling.engine.decode_chunk must be an int"),
+    (dict(num_pages=1), "sampling.engine.num_pages must be 0"),
+])
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+def test_bad_input(model):
+    engine = Engine(model, config=EngineConfig(max_slots=2, page_size=4, num_pages=4))
+    with pytest.raises(ValueError, match="sampling.engine.num_pages=4 cannot hold one request of 30 tokens .* "
+                                         "needs >= 10"):
+        engine.generate([[1] * 6], max_new_tokens=24)
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        engine.generate([], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 0: 60 tokens \\+ max_new_tokens 5 exceeds"):
+        engine.generate([[1] * 60], max_new_tokens=5)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        engine.generate([[1]], max_new_tokens=4, top_p=0.0)
+    engine.release()
+    with pytest.raises(RuntimeError, match="released: call update_params"):
+        engine.generate([[1]], max_new_tokens=4)
+
+
+def test_drop_in_for_generate_rollouts(model):
+    """The train loop's call (rollouts.generate_rollouts) gives the same rollouts with the engine as the sampler."""
+    from stare_jax.rollouts import RewardFn, generate_rollouts
+
+    class Tok:
+        bos_id, eos_ids = 1, EOS
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    kw = dict(tokenizer=Tok(), reward_fn=RewardFn("digit_sum"), prompt_len=32, max_new_tokens=12, num_samples=2,
+              temperature=1.0, top_p=1.0, top_k=0, seed=3, index_offset=5)
+    a, texts_a, _ = generate_rollouts(Sampler(model), PROMPTS, ["1:1"] * len(PROMPTS), **kw)
+    b, texts_b, _ = generate_rollouts(Engine(model, config=SMALL), PROMPTS, ["1:1"] * len(PROMPTS), **kw)
+    assert texts_a == texts_b
+    for name in ("prompt_ids_PxT", "prompt_mask_PxT", "tokens_PxGxN", "lengths_PxG", "correct_PxG"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
