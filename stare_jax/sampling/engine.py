@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -162,7 +163,7 @@ _copy_jit = jax.jit(_copy_pages, donate_argnames=("pages",))
 
 def compiled_programs() -> int:
     """Number of engine programs compiled so far in this process (for recompilation checks)."""
-    return _decode_jit._cache_size() + _prefill_jit._cache_size() + _copy_jit._cache_size()
+    return sum(f._cache_size() for f in (_decode_jit, _prefill_jit, _copy_jit))  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------------------------- host state
@@ -252,12 +253,20 @@ class Engine:
         self.compute_dtype = jnp.dtype(getattr(self.config, "dtype", "float32")).name
         self.graphdef, state = nnx.split(model)
         self.state = None
-        self.pages = None
+        self.pages: Any = None  # per layer k/v page arrays (made with the pool)
         self.pool: paged_kv.PagePool | None = None
+        self._waiting: collections.Counter = collections.Counter()
         self.stats: dict = {}
         self._admitted = 0
         self._replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
         self.update_params(state)
+
+    @property
+    def live_pool(self) -> paged_kv.PagePool:
+        """The page pool of the call in progress (made by the call's first step)."""
+        if self.pool is None:
+            raise RuntimeError("the engine has no page pool yet: it is made by the first generate call")
+        return self.pool
 
     # ------------------------------------------------------------------ Sampler-compatible surface
     def update_params(self, params) -> None:
@@ -276,7 +285,7 @@ class Engine:
 
     @property
     def data_shards(self) -> int:
-        return sampling_sharding.data_size(self.mesh)
+        return model_sharding.batch_shards(self.mesh)
 
     def program_context(self):
         """The mesh and its activation rules around the jitted programs (nothing without a mesh)."""
@@ -373,7 +382,7 @@ class Engine:
         """Free the pages of finished conversations."""
         for c in convs:
             if not c.closed:
-                self.pool.release(c.pages)
+                self.live_pool.release(c.pages)
                 c.pages, c.closed = [], True
 
     # ------------------------------------------------------------------ scheduling
@@ -408,7 +417,7 @@ class Engine:
         if num == 0:
             num = (ec.max_slots + 1) * one + 1
             if self.pool is not None and (self.pool.num_pages >= num or not self.pool.all_free()):
-                num = self.pool.num_pages  # never shrink; with live conversations keep it (preemption copes)
+                num = self.live_pool.num_pages  # never shrink; with live conversations keep it (preemption copes)
         if num - 1 < one:
             raise ValueError(f"sampling.engine.num_pages={num} cannot hold one request of {longest} tokens with "
                              f"sampling.engine.page_size={ec.page_size}: needs >= {one + 1}")
@@ -446,7 +455,7 @@ class Engine:
         self._ensure_pool(convs)
         self.stats = dict(prefix_prefills=0, recomputes=0, prefill_calls=0, prefill_tokens=0, decode_chunks=0,
                           decode_steps=0, peak_pages=0, rounds=0)
-        self.pool.peak_used = self.pool.num_used
+        self.live_pool.peak_used = self.live_pool.num_used
         scalars = self._scalars(sampling)
         queue = collections.deque(convs)
         prefixes: dict[int, _Prefix] = {}
@@ -463,9 +472,9 @@ class Engine:
                     continue
                 if not progress:
                     raise paged_kv.PagesExhausted(
-                        f"the page pool ({self.pool.num_pages} pages, {self.pool.num_free} free) cannot make "
+                        f"the page pool ({self.live_pool.num_pages} pages, {self.live_pool.num_free} free) cannot make "
                         f"progress: raise sampling.engine.num_pages")
-        self.stats["peak_pages"] = self.pool.peak_used
+        self.stats["peak_pages"] = self.live_pool.peak_used
 
     def _admit(self, queue, slots, prefixes) -> bool:
         """Move queued conversations into free slots while their first pages can be allocated."""
@@ -482,19 +491,19 @@ class Engine:
                 entry = prefixes.get(c.prompt_pos)
                 n_tail = 1 if (c.prompt_len - 1) % ec.page_size else 0
                 need = n_tail + (0 if entry else paged_kv.pages_for(c.prompt_len - 1, ec.page_size))
-                if need + reserve > self.pool.num_free:
+                if need + reserve > self.live_pool.num_free:
                     break
                 if entry is None:
-                    entry = _Prefix(c.prompt_pos, c.seq[:-1], self.pool.alloc(need - n_tail),
+                    entry = _Prefix(c.prompt_pos, c.seq[:-1], self.live_pool.alloc(need - n_tail),
                                     self._waiting[c.prompt_pos])
                     prefixes[c.prompt_pos] = entry
                     self.stats["prefix_prefills"] += 1
-                c.prefix, c.tail = entry, (self.pool.alloc(1)[0] if n_tail else None)
+                c.prefix, c.tail = entry, (self.live_pool.alloc(1)[0] if n_tail else None)
             else:  # recompute / continuation / one-token prompt: its own pages for what it must prefill
                 need = paged_kv.pages_for(len(c.tokens) - 1, ec.page_size) - len(c.pages)
-                if need + reserve > self.pool.num_free:
+                if need + reserve > self.live_pool.num_free:
                     break
-                c.pages += self.pool.alloc(max(need, 0))
+                c.pages += self.live_pool.alloc(max(need, 0))
             queue.popleft()
             self._admitted += 1
             c.admitted = self._admitted
@@ -545,7 +554,7 @@ class Engine:
                 continue
             entry = c.prefix
             n_full = len(entry.tokens) // ps
-            self.pool.share(entry.pages[:n_full])
+            self.live_pool.share(entry.pages[:n_full])
             c.pages = entry.pages[:n_full] + ([c.tail] if c.tail is not None else [])
             if c.tail is not None:
                 src.append(entry.pages[n_full])
@@ -554,7 +563,7 @@ class Engine:
             entry.waiting -= 1
             self._waiting[entry.key] -= 1
             if entry.waiting == 0:
-                self.pool.release(entry.pages)
+                self.live_pool.release(entry.pages)
                 del prefixes[entry.key]
         if src:
             n = -(-len(src) // self._rows()) * self._rows()  # one program shape
@@ -598,10 +607,10 @@ class Engine:
             growth = self._growth(slots)
             if not growth:
                 return
-            if sum(max(n, 0) for _, n in growth) <= self.pool.num_free:
+            if sum(max(n, 0) for _, n in growth) <= self.live_pool.num_free:
                 for c, n in growth:
                     if n > 0:
-                        c.pages += self.pool.alloc(n)
+                        c.pages += self.live_pool.alloc(n)
                 return
             rows = sorted((c for c in slots if c is not None), key=lambda c: c.admitted)
             if len(rows) > 1:  # the oldest row always keeps going: no livelock
@@ -609,7 +618,7 @@ class Engine:
                 continue
             if not self._drop_idle_prefix(slots, prefixes):
                 raise paged_kv.PagesExhausted(
-                    f"one row needs {growth[0][1]} more pages, {self.pool.num_free} free: raise "
+                    f"one row needs {growth[0][1]} more pages, {self.live_pool.num_free} free: raise "
                     f"sampling.engine.num_pages")
 
     def _drop_idle_prefix(self, slots, prefixes) -> bool:
@@ -618,7 +627,7 @@ class Engine:
         idle = [e for e in prefixes.values() if not any(c is not None and c.prefix is e for c in slots)]
         if not idle:
             return False
-        self.pool.release(idle[0].pages)
+        self.live_pool.release(idle[0].pages)
         del prefixes[idle[0].key]
         return True
 
@@ -634,10 +643,10 @@ class Engine:
         gives back its reserved tail page; any other row is recomputed later (same draws, same tokens)."""
         if c.prefix is not None:
             if c.tail is not None:
-                self.pool.release([c.tail])
+                self.live_pool.release([c.tail])
             c.prefix, c.tail = None, None
         else:
-            self.pool.release(c.pages)
+            self.live_pool.release(c.pages)
             c.pages, c.written, c.shareable = [], 0, False
             c.turn_tokens, c.turn_logprobs = [], []
             self.stats["recomputes"] += 1
@@ -677,7 +686,7 @@ class Engine:
                 c.finished_eos = bool(eos[s])
                 slots[s] = None
                 if not keep:
-                    self.pool.release(c.pages)
+                    self.live_pool.release(c.pages)
                     c.pages, c.closed = [], True
         return True
 
