@@ -21,6 +21,7 @@ from stare_jax.options import ConfigError, check_range, coerce, option
 from stare_jax.rl.optimizer_config import OptimizerConfig
 from stare_jax.rl.policy_loss_config import TOKEN_LEVEL, PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare_config import StareConfig
+from stare_jax.sampling.engine_config import EngineConfig
 
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -87,6 +88,7 @@ class SamplingConfig:
     eval_temperature: float = option(0.7, lo=0.0)
     eval_top_p: float = option(0.95, lo=0.0, hi=1.0, lo_open=True)
     eval_num_samples: int = option(0, lo=0, doc="samples per eval problem; 0 = the paper's protocol per benchmark")
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the rollout engine (sampling.engine.enabled)
 
 
 # rl.stare is StareConfig itself (stare_jax/rl/stare_config.py): one definition, with the same field metadata, for

@@ -21,6 +21,7 @@ from stare_jax.models.sharding import batch_shards
 from stare_jax.rl.stare import StareState, init_stare_state
 from stare_jax.rl.train_step import TrainState, TrainStepConfig, init_train_state, place_train_state
 from stare_jax.run_dir import is_remote, local_copy
+from stare_jax.sampling import Engine, Sampler
 
 
 class TrainingError(RuntimeError):
@@ -150,6 +151,18 @@ def init_run_state(model, tcfg: TrainStepConfig, mesh=None) -> tuple[nnx.GraphDe
     # created replicated by a jitted init: device_put would compare the NaN last_entropy across processes
     stare_state = jax.jit(lambda: init_stare_state(tcfg.stare), out_shardings=NamedSharding(mesh, PartitionSpec()))()
     return graphdef, train_state, stare_state
+
+
+def make_sampler(model, cfg: Config, mesh, pad_id: int | None) -> Sampler | Engine:
+    """The run's generator: the rollout engine (continuous batching over paged KV, sampling.engine.enabled) or
+    the static sampler. Both take the same per-(prompt, sample, position) keys, so they draw the same samples."""
+    if not cfg.sampling.engine.enabled:
+        return Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id)
+    if dist.is_multiprocess():
+        raise TrainingError("sampling.engine.enabled: the rollout engine's scheduler runs in one process; "
+                            "multi-process runs use the static sampler (sampling.engine.enabled=false)")
+    return Engine(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id,
+                  config=cfg.sampling.engine)
 
 
 def abstract_like(tree):

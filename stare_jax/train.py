@@ -41,8 +41,8 @@ from stare_jax.rl.train_step import TrainState, make_train_step
 from stare_jax.rollouts import CollectedBatch, RewardFn, batch_seed, collect_batch
 from stare_jax.run_dir import RunDir
 from stare_jax.run_setup import (RunInputs, TrainingError, abstract_like, encode_rows, init_distributed,
-                                 init_run_state, resolve_inputs, train_step_config)
-from stare_jax.sampling import Sampler, next_bucket
+                                 init_run_state, make_sampler, resolve_inputs, train_step_config)
+from stare_jax.sampling import Engine, Sampler, next_bucket
 from stare_jax.tokenizer import load_tokenizer
 
 __all__ = ["Run", "TrainingError", "compile_count", "open_run", "run_training", "step_record", "train_step_config"]
@@ -121,7 +121,7 @@ class Run:
     train_state: TrainState
     stare_state: StareState
     step_fn: Callable
-    sampler: Sampler
+    sampler: Sampler | Engine
     reward_fn: RewardFn
     ckpt: Checkpointer
     writer: MetricsWriter
@@ -317,7 +317,7 @@ def open_run(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool, require_
     tcfg = train_step_config(cfg, mesh)
     graphdef, train_state, stare_state = init_run_state(model, tcfg, mesh)
     step_fn = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
-    sampler = Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=tokenizer.pad_id)
+    sampler = make_sampler(model, cfg, mesh, tokenizer.pad_id)
     ckpt = Checkpointer(rd.checkpoints, keep=cfg.checkpoint.keep, every_steps=cfg.checkpoint.every_steps,
                         async_save=cfg.checkpoint.async_save, must_exist=resume)
     start_step = 0

@@ -63,7 +63,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_terminal_summary(terminalreporter):
-    ran = {t: s for t, s in _TIER_SECONDS.items() if s > 0}
+    ran = {t: s for t, s in _TIER_SECONDS.items() if s >= 0.5}
     if ran:
         terminalreporter.write_line("time per tier: " + ", ".join(f"{t} {s:.0f} s" for t, s in ran.items()))
 

@@ -182,10 +182,10 @@ def test_multi_turn_continuation_equals_full_forward(model):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(max_slots=0), "sampling.engine.max_slots must be an int >= 1"),
-    (dict(page_size=0), "sampling.engine.page_size must be"),
-    (dict(decode_chunk=2.5), "sampling.engine.decode_chunk must be an int"),
-    (dict(num_pages=1), "sampling.engine.num_pages must be 0"),
+    (dict(max_slots=0), "sampling.engine: 'max_slots' = 0 is out of range; accepted: \\[1, inf\\]"),
+    (dict(page_size=0), "sampling.engine: 'page_size' = 0 is out of range"),
+    (dict(decode_chunk=2.5), "sampling.engine: 'decode_chunk' = 2.5 has the wrong type; expected an integer"),
+    (dict(num_pages=1), "sampling.engine: 'num_pages' = 1 is not accepted: 0 \\(auto\\)"),
 ])
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -8,11 +8,13 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from stare_jax.config import load_config
 from stare_jax.rl.train_step import TrainStepConfig
 from stare_jax.rollouts import CollectedBatch, Rollouts, train_batch_from_rollouts
-from stare_jax.run_setup import DERIVED_STEP_FIELDS, TrainingError, train_step_config
+from stare_jax.run_setup import DERIVED_STEP_FIELDS, TrainingError, make_sampler, train_step_config
+from stare_jax.sampling import Engine
 from stare_jax.train import open_run, step_record, update_was_finite
 
 # 4 prompts x 4 responses on the 8-device test mesh (fsdp=8): micro-batches of 2 sequences per device
@@ -99,3 +101,23 @@ def test_record_of_grpo_ds_has_unit_weights_and_flags_nonfinite_updates():
     assert rec["stare_w"] == rec["stare_m"] == 1.0 and rec["gate_on"] is False  # GRPO-ds never reweights
     assert rec["accuracy"] == 0.25 and rec["train_accuracy"] == 0.5 and rec["kept_groups_frac"] == 0.5
     assert rec["reward/n_items"] == 4 and not update_was_finite(rec)
+
+
+def test_collect_with_the_rollout_engine_draws_the_same_samples(run):
+    """sampling.engine.enabled swaps the static sampler for the engine (run_setup.make_sampler): the same keys per
+    (prompt, sample, position), so the same train batch."""
+    cfg = dataclasses.replace(run.cfg, sampling=dataclasses.replace(
+        run.cfg.sampling, engine=dataclasses.replace(run.cfg.sampling.engine, enabled=True, max_slots=8,
+                                                     page_size=4)))
+    state = run.stream.state()
+    static = run.collect(5)
+    model = nnx.merge(run.graphdef, run.train_state.params, run.train_state.rest)
+    static_sampler, run.sampler = run.sampler, make_sampler(model, cfg, None, run.tokenizer.pad_id)
+    try:
+        assert isinstance(run.sampler, Engine)
+        run.stream.restore(state)
+        paged = run.collect(5)
+    finally:
+        run.sampler = static_sampler
+    for k in static.batch:
+        np.testing.assert_array_equal(paged.batch[k], static.batch[k])

@@ -55,6 +55,7 @@ from stare_jax.models import paged_attention as pa
 from stare_jax.models import sharding as model_sharding
 from stare_jax.sampling import paged_kv, selection
 from stare_jax.sampling import sharding as sampling_sharding
+from stare_jax.sampling.engine_config import EngineConfig
 from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, _check_prompts, _check_sampling_args,
                                         _eos_array, model_config)
 
@@ -64,37 +65,6 @@ MIN_PREFILL_ROWS = 4  # smallest prefill batch (fewer compiled shapes)
 MIN_WIDTH = 8  # smallest page-table width (pages) of a program: fewer compiled shapes for short sequences
 
 # ----------------------------------------------------------------------------------------------- config
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """`sampling.engine.*` of the run config.
-
-    max_slots: decode slots, i.e. rows decoded together per step (the decode batch).
-    page_size: tokens per KV page (the unit of allocation and of prefix sharing).
-    num_pages: pages in the pool, page 0 reserved (trash); 0 = auto: max_slots x the pages of the longest
-      request of a call + the prefix staging pages (never preempts; set a smaller value to bound memory --
-      rows are then preempted and recomputed when the pool runs out).
-    decode_chunk: decode steps (K) per jitted decode program between host scheduling rounds.
-    prefill_chunk: prompt tokens per row written per round (chunked prefill).
-    share_prefix: the G samples of a prompt share its prefix pages (one prefill per prompt, not G).
-    """
-
-    max_slots: int = 64
-    page_size: int = 16
-    num_pages: int = 0
-    decode_chunk: int = 16
-    prefill_chunk: int = 256
-    share_prefix: bool = True
-
-    def __post_init__(self):
-        for name, lo in (("max_slots", 1), ("page_size", 1), ("num_pages", 0), ("decode_chunk", 1),
-                         ("prefill_chunk", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-                raise ValueError(f"sampling.engine.{name} must be an int >= {lo}, got {v!r}")
-        if self.num_pages == 1:
-            raise ValueError("sampling.engine.num_pages must be 0 (auto) or >= 2 (page 0 is the trash page), got 1")
-
 
 # ----------------------------------------------------------------------------------------------- programs
 

@@ -1,0 +1,30 @@
+"""EngineConfig: the rollout engine's options, defined once. It is the run config's `sampling.engine` section
+(stare_jax/config.py embeds it) and the engine's own config (stare_jax/sampling/engine.py). No jax here."""
+from __future__ import annotations
+
+import dataclasses
+
+from stare_jax.options import ConfigError, option, validate_fields
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Continuous batching over a paged KV cache (stare_jax.sampling.engine)."""
+
+    enabled: bool = option(False, "generate with the rollout engine (continuous batching, paged KV cache, one "
+                                  "prefill per prompt) instead of the static sampler; same samples")
+    max_slots: int = option(64, "decode slots: rows decoded together per step (the decode batch)", lo=1)
+    page_size: int = option(16, "tokens per KV page (the unit of allocation and of prefix sharing)", lo=1)
+    num_pages: int = option(0, "pages in the pool, page 0 reserved; 0 = auto (max_slots x the longest request's "
+                               "pages + prefix staging: never preempts); fewer bound memory, and rows are then "
+                               "preempted and recomputed when the pool runs out", lo=0)
+    decode_chunk: int = option(16, "decode steps (K) per jitted decode program between host scheduling rounds",
+                               lo=1)
+    prefill_chunk: int = option(256, "prompt tokens per row written per round (chunked prefill)", lo=1)
+    share_prefix: bool = option(True, "the G samples of a prompt share its prefix pages (one prefill per prompt)")
+
+    def __post_init__(self):
+        validate_fields(self, "sampling.engine")
+        if self.num_pages == 1:
+            raise ConfigError("sampling.engine: 'num_pages' = 1 is not accepted: 0 (auto) or >= 2 (page 0 is the "
+                              "trash page)")
