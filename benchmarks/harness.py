@@ -58,7 +58,7 @@ def thread_settings() -> dict:
 def machine_state() -> dict:
     """CPU count, usable CPUs, load average now and the thread settings."""
     return {"cpu_count": os.cpu_count(), "cpus_usable": usable_cpus(), "loadavg": load_average(),
-            "threads": thread_settings()}
+            "niceness": os.nice(0), "threads": thread_settings()}
 
 
 def _block(out):
@@ -132,7 +132,8 @@ def compare(fns: dict[str, Callable], repeats: int = 5, warmup: int = 1, referen
     sides = {}
     for name, r in runs.items():
         s = summarize(r["times_s"])
-        s.update(times_s=r["times_s"], cpu_s=r["cpu_s"], median_cpu_s=statistics.median(r["cpu_s"]))
+        s.update(times_s=r["times_s"], cpu_s=r["cpu_s"], median_cpu_s=statistics.median(r["cpu_s"]),
+                 median_cores_busy=statistics.median(c / max(t, 1e-9) for c, t in zip(r["cpu_s"], r["times_s"])))
         if units:
             s[f"{unit_name}_per_s"] = units / s["median_s"]
         sides[name] = s
@@ -140,7 +141,8 @@ def compare(fns: dict[str, Callable], repeats: int = 5, warmup: int = 1, referen
     res = {"label": label, "reference": reference, "repeats": repeats, "warmup": warmup, "sides": sides,
            "ratios": ratios(runs, reference), "loadavg_before": before, "loadavg_after": after,
            "loadavg_peak_1m": max(la[0] for la in [before, after] + loads), "cpu_count": os.cpu_count(),
-           "cpus_usable": cores, "threads": thread_settings(), "busy": is_busy([before, after] + loads, cores)}
+           "cpus_usable": cores, "niceness": os.nice(0), "threads": thread_settings(),
+           "busy": is_busy([before, after] + loads, cores)}
     if res["busy"]:
         warn_busy(res)
     return res
@@ -157,12 +159,14 @@ def format_comparison(res: dict) -> str:
     """Human-readable lines for one `compare` record."""
     lines = [f"[{res['label']}] {res['repeats']} interleaved rounds (+{res['warmup']} warm-up), load "
              f"{res['loadavg_before'][0]:.2f} before / {res['loadavg_after'][0]:.2f} after "
-             f"(peak {res['loadavg_peak_1m']:.2f}), {res['cpus_usable']}/{res['cpu_count']} CPUs"
+             f"(peak {res['loadavg_peak_1m']:.2f}), {res['cpus_usable']}/{res['cpu_count']} CPUs, "
+             f"nice {res['niceness']}"
              + ("  ** BUSY **" if res["busy"] else "")]
     for name, s in res["sides"].items():
         rate = next((f"  {v:10.1f} {k.replace('_', ' ')}" for k, v in s.items() if k.endswith("_per_s")), "")
         lines.append(f"  {name:22s} median {s['median_s'] * 1e3:9.1f} ms  (min {s['min_s'] * 1e3:.1f}, max "
-                     f"{s['max_s'] * 1e3:.1f}; CPU {s['median_cpu_s']:.2f} s){rate}")
+                     f"{s['max_s'] * 1e3:.1f}; CPU {s['median_cpu_s']:.2f} s, {s['median_cores_busy']:.2f} cores)"
+                     + rate)
     for name, r in res["ratios"].items():
         lines.append(f"  ratio {name} / {res['reference']} (speed): {r['ratio_of_medians']:.3f} of medians, "
                      f"{r['median_of_pair_ratios']:.3f} median of per-round ratios")
