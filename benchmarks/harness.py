@@ -104,14 +104,16 @@ def interleave(fns: dict[str, Callable], repeats: int, warmup: int = 1) -> tuple
 
 
 def ratios(runs: dict, reference: str) -> dict:
-    """Per side: the ratio of medians and the median of per-round ratios, both as reference time / side time."""
+    """Per side: the ratio of medians and the median (min, max) of per-round ratios, as reference time / side time."""
     ref_t = runs[reference]["times_s"]
     out = {}
     for name, r in runs.items():
         if name == reference:
             continue
+        pair = [a / b for a, b in zip(ref_t, r["times_s"])]
         out[name] = {"ratio_of_medians": statistics.median(ref_t) / statistics.median(r["times_s"]),
-                     "median_of_pair_ratios": statistics.median(a / b for a, b in zip(ref_t, r["times_s"]))}
+                     "median_of_pair_ratios": statistics.median(pair), "pair_ratio_min": min(pair),
+                     "pair_ratio_max": max(pair)}
     return out
 
 

@@ -27,6 +27,7 @@ def test_summarize_and_ratios():
     assert set(r) == {"fast"}
     assert r["fast"]["ratio_of_medians"] == pytest.approx(2.0)
     assert r["fast"]["median_of_pair_ratios"] == pytest.approx(2.0)  # per round 2, 1, 4
+    assert (r["fast"]["pair_ratio_min"], r["fast"]["pair_ratio_max"]) == (1.0, 4.0)
 
 
 def test_is_busy():
