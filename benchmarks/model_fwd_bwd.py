@@ -60,12 +60,18 @@ def torch_step_fn(model, ids_np, steps: int = 1):
     return step
 
 
-def cross_entropy(logits_BxTxV, targets_BxT):
-    """Mean token cross entropy as logsumexp - target logit (what optax / torch compute; no [B,T,V] log-probs)."""
+def cross_entropy(logits_BxTxV, targets_BxT, onehot: bool = False):
+    """Mean token cross entropy as logsumexp - target logit (what optax / torch compute; no [B,T,V] log-probs).
+    onehot: pick the target logit with an iota compare instead of a gather (its gradient is a select, not a
+    scatter into zeros)."""
     import jax
     import jax.numpy as jnp
 
-    target_logit = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
+    if onehot:
+        vocab_V = jnp.arange(logits_BxTxV.shape[-1], dtype=targets_BxT.dtype)
+        target_logit = jnp.sum(jnp.where(vocab_V == targets_BxT[..., None], logits_BxTxV, 0.0), axis=-1)
+    else:
+        target_logit = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
     return jnp.mean(jax.nn.logsumexp(logits_BxTxV, axis=-1) - target_logit)
 
 
@@ -75,17 +81,17 @@ def jax_loss_fn(graphdef, loss: str):
     import jax.numpy as jnp
     from flax import nnx
 
-    def lse_loss(state, ids):
+    def lse_loss(state, ids, onehot=False):
         model = nnx.merge(graphdef, state)
         logits = model.logits_from_hidden(model.hidden_states(ids)[:, :-1])
-        return cross_entropy(logits, ids[:, 1:])
+        return cross_entropy(logits, ids[:, 1:], onehot)
 
     def log_softmax_loss(state, ids):  # the formulation this benchmark used until issue 18
         logits = nnx.merge(graphdef, state)(ids)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
 
-    return {"lse": lse_loss, "log_softmax": log_softmax_loss}[loss]
+    return {"lse": lse_loss, "lse_onehot": lambda s, i: lse_loss(s, i, True), "log_softmax": log_softmax_loss}[loss]
 
 
 def parse_variant(spec: str) -> tuple[str, dict, dict, str]:
@@ -184,7 +190,8 @@ def _parse(argv):
     p.add_argument("--intermediate", type=int, default=1408)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--scan-layers", action="store_true", help="stare_jax with ModelConfig.scan_layers=True")
-    p.add_argument("--loss", default="lse", choices=("lse", "log_softmax"), help="the JAX loss formulation")
+    p.add_argument("--loss", default="lse", choices=("lse", "lse_onehot", "log_softmax"),
+                   help="the JAX loss formulation")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VAL,...",
                    help="an extra stare_jax side (ModelConfig overrides, loss=..., xla.FLAG=VALUE)")
     p.add_argument("--parts", action="store_true", help="also time the decoder body and the unembedding+loss alone")

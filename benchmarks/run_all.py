@@ -35,13 +35,23 @@ def run_one(name: str, timeout_s: float, extra: list[str]) -> dict:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"benchmark": name, "error": f"exit status {proc.returncode}", "wall_s": wall}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    try:
-        rec = json.loads(lines[-1]) if lines else json.loads(proc.stdout)
-    except json.JSONDecodeError as e:
-        return {"benchmark": name, "error": f"no JSON record ({e})", "wall_s": wall}
+    rec = parse_record(proc.stdout)
+    if rec is None:
+        return {"benchmark": name, "error": "no JSON record on stdout", "wall_s": wall}
     rec["wall_s"] = wall
     return rec
+
+
+def parse_record(stdout: str) -> dict | None:
+    """The benchmark's JSON record: the whole stdout, else its last line that parses as a JSON object."""
+    for text in [stdout] + stdout.splitlines()[::-1]:
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            return rec
+    return None
 
 
 def _threads(threads: dict) -> str:

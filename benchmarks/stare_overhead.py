@@ -4,7 +4,7 @@ surprisal selection itself at 1M and 16M tokens on a (2 x 4) mesh.
 Default: a small model/batch that runs on 2 CPU cores in a couple of minutes. `--preset issue` is the ~50M-param,
 64 x 512-token setting (use an accelerator). On CPU the selection part uses 8 fake host devices.
 
-    .venv/bin/python benchmarks/stare_overhead.py [--preset small|issue] [--repeats 7] [--json]
+    .venv/bin/python benchmarks/stare_overhead.py [--preset small|issue] [--repeats 5] [--json]
            [--selection-tokens 1048576,16777216] [--skip-step] [--skip-selection]
 
 Both parts time their sides interleaved through benchmarks/harness.py (an untimed warm-up call each, then A B A B
@@ -127,7 +127,7 @@ def main(argv=None):
     ap.add_argument("--selection-tokens", default="1048576,16777216")
     ap.add_argument("--skip-step", action="store_true")
     ap.add_argument("--skip-selection", action="store_true")
-    add_harness_args(ap, repeats=7)
+    add_harness_args(ap, repeats=5)
     args = ap.parse_args(argv)
     repeats = args.iters if args.iters is not None else args.repeats
     if args.json:  # progress lines to stderr, the JSON record alone on stdout

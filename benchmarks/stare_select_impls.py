@@ -7,7 +7,7 @@ hit both alike; reports min / median / max per call, the compiled program's temp
 count and the thread settings (`busy` when the load exceeded the core count). Log-probs are rounded to bfloat16 (as
 a bf16 trainer pass gives them), so ties are common. On CPU it uses 8 fake host devices.
 
-    .venv/bin/python benchmarks/stare_select_impls.py [--tokens 1048576,16777216] [--repeats 5] [--seq 4096] [--json]
+    .venv/bin/python benchmarks/stare_select_impls.py [--tokens 1048576,16777216] [--repeats 3] [--seq 4096] [--json]
            [--aot-topology v5e:2x4]   # also compile both (no run) for a TPU slice: its compiled temp memory
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from harness import add_harness_args, compare, thread_settings  # noqa: E402
+from harness import add_harness_args, compare, machine_state, thread_settings  # noqa: E402
 from stare_jax.rl.stare import StareConfig, StareState, stare_omega  # noqa: E402
 
 IMPLS = ("bisect", "jnp_quantile")
@@ -145,8 +145,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=4096, help="T of the [B, T] arrays")
     ap.add_argument("--aot-topology", default=None, help="also compile for this TPU slice, e.g. v5e:2x4 (libtpu)")
     ap.add_argument("--skip-run", action="store_true", help="only the --aot-topology compile")
-    ap.add_argument("--json", action="store_true", help="print the results as JSON (the table goes to stderr)")
-    add_harness_args(ap, repeats=5)
+    add_harness_args(ap, repeats=3)
     args = ap.parse_args(argv)
     iters = args.iters if args.iters is not None else args.repeats
 
@@ -159,7 +158,7 @@ def main(argv=None):
         res["aot"] = aot(args.aot_topology, tokens, args.seq, log=log)
     if args.json:
         print(table(res), file=sys.stderr)
-        print(json.dumps(res, indent=1))
+        print(json.dumps(dict(res, machine=machine_state()), default=float))
     else:
         print(table(res))
 
