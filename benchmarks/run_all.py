@@ -1,6 +1,7 @@
 """Run every peer-comparing benchmark (each in its own process, default settings, `--json`) and print one table.
 
     .venv/bin/python benchmarks/run_all.py [--json] [--only model_fwd_bwd,sampler_bench] [--out results.json]
+    .venv/bin/python benchmarks/run_all.py --from a.json b.json      # the table of records saved with --out
 
 One row per comparison: the speed ratio of a side against its reference (median time of the reference / median
 time of the side: > 1 means the side is faster), the ratio of medians and the median (min-max) of the per-round
@@ -98,7 +99,13 @@ def main(argv=None):
     ap.add_argument("--timeout-s", type=float, default=600, help="per benchmark")
     ap.add_argument("--json", action="store_true", help="print all records as one JSON object after the table")
     ap.add_argument("--out", default=None, help="also write all records as JSON to this file")
+    ap.add_argument("--from", dest="from_files", nargs="+", default=None, metavar="FILE",
+                    help="run nothing: print the table of records saved earlier with --out")
     args = ap.parse_args(argv)
+    if args.from_files:
+        records = [rec for f in args.from_files for rec in json.load(open(f))["records"]]
+        print(table(records))
+        return records
     names = [n for n in args.only.split(",") if n]
     unknown = set(names) - set(BENCHMARKS)
     if unknown:
@@ -108,15 +115,15 @@ def main(argv=None):
         print(f"=== {name} ===", file=sys.stderr, flush=True)
         records.append(run_one(name, args.timeout_s, []))
         print(f"=== {name}: {records[-1]['wall_s']:.0f} s ===", file=sys.stderr, flush=True)
+        if args.out:  # after each benchmark, so an interrupted run keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump({"records": records}, f, indent=1)
     text = table(records)
     busy = any(c.get("busy") for rec in records for c in rec.get("comparisons", []))
     if busy:
         text += ("\n\nWARNING: the load average exceeded the core count during at least one comparison (BUSY): "
                  "these are not quiet-machine figures.")
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"records": records}, f, indent=1)
     if args.json:
         print(json.dumps({"records": records}))
     return records

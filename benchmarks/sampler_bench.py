@@ -1,7 +1,8 @@
 """Sampler throughput: stare_jax vs transformers `generate`, same random Qwen2-shaped model, same CPU, one run.
 
-    .venv/bin/python benchmarks/sampler_bench.py                 # batch 64 x 128 new tokens, greedy + sampling
-    .venv/bin/python benchmarks/sampler_bench.py --mode greedy --batch 16 --new-tokens 32   # quick look
+    .venv/bin/python benchmarks/sampler_bench.py                 # batch 16 x 32 new tokens, greedy + sampling
+    .venv/bin/python benchmarks/sampler_bench.py --batch 64 --new-tokens 128   # the larger setting (many minutes
+                                                                              # on 2 cores: transformers' generate)
 
 The weights are made by transformers (torch, fp32), saved with save_pretrained and loaded by both sides.
 EOS is disabled on both sides so every sequence makes exactly --new-tokens tokens. The two sides run interleaved
@@ -28,8 +29,8 @@ from harness import add_harness_args, compare, emit  # noqa: E402
 
 def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=512)
