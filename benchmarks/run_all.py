@@ -96,7 +96,7 @@ def table(records: list[dict]) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(BENCHMARKS), help="comma-separated benchmark names")
-    ap.add_argument("--timeout-s", type=float, default=600, help="per benchmark")
+    ap.add_argument("--timeout-s", type=float, default=900, help="per benchmark")
     ap.add_argument("--json", action="store_true", help="print all records as one JSON object after the table")
     ap.add_argument("--out", default=None, help="also write all records as JSON to this file")
     ap.add_argument("--from", dest="from_files", nargs="+", default=None, metavar="FILE",
