@@ -5,8 +5,12 @@ answers rewritten in equivalent forms (\\dfrac, a/b, spacing, \\left( \\right), 
 answers, missing answers, `Final Answer:` lines and </think> tails.
 
     .venv/bin/python benchmarks/reward_throughput.py [--n 2000] [--workers 2] [--data ../shared/data/math]
+                                                     [--repeats 3] [--json]
 
-Prints items/s for the pool and for in-process scoring, and their ratio.
+Prints items/s for the pool and for in-process scoring, and their ratio (pool speed / in-process speed), the two
+timed interleaved through benchmarks/harness.py (an untimed warm-up batch each, then A B A B ...; load average
+before/after, thread settings, `busy` when the load exceeded the core count). The pool is started once, before
+the rounds (its start-up time is reported apart).
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import os
 import pathlib
 import random
 import re
+import sys
 import time
 
-from stare_jax.rewards.math import score
-from stare_jax.rewards.pool import RewardPool
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import add_harness_args, compare, emit  # noqa: E402
+from stare_jax.rewards.math import score  # noqa: E402
+from stare_jax.rewards.pool import RewardPool  # noqa: E402
 
 DEFAULT_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "math"
 FILLER = (
@@ -68,7 +75,7 @@ def make_mix(data_dir: pathlib.Path, n: int, group_size: int = 8, seed: int = 0)
     return responses, references
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--workers", type=int, default=2)
@@ -76,31 +83,38 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=5.0)
     ap.add_argument("--memory-mb", type=int, default=2048)
     ap.add_argument("--data", type=pathlib.Path, default=DEFAULT_DATA)
-    args = ap.parse_args()
+    add_harness_args(ap, repeats=3)
+    args = ap.parse_args(argv)
+    out = sys.stderr if args.json else sys.stdout
 
     responses, references = make_mix(args.data, args.n, args.group_size)
     mean_chars = sum(map(len, responses)) / len(responses)
     print(f"{args.n} responses ({args.group_size} per prompt) from math500 (mean {mean_chars:.0f} chars), "
-          f"{args.workers} workers, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+          f"{args.workers} workers, {os.cpu_count()} CPUs", file=out)
 
     t0 = time.perf_counter()
     with RewardPool(args.workers, timeout_s=args.timeout_s, memory_mb=args.memory_mb) as pool:
         t_start = time.perf_counter() - t0
-        pool_scores, stats = pool.score_batch(responses, references)
-    pool_ips = args.n / stats["wall_s"]
-    print(f"pool start-up: {t_start:.2f} s")
-    print(f"pool:       {pool_ips:8.1f} items/s  ({stats['wall_s']:.2f} s; accuracy {sum(pool_scores) / args.n:.3f}; "
-          f"timeouts {stats['n_timeout']}, crashes {stats['n_crash']}, errors {stats['n_error']})")
+        last = {}
 
-    t0 = time.perf_counter()
-    local_scores = [score(r, ref) for r, ref in zip(responses, references)]
-    t_local = time.perf_counter() - t0
-    local_ips = args.n / t_local
-    print(f"in-process: {local_ips:8.1f} items/s  ({t_local:.2f} s; accuracy {sum(local_scores) / args.n:.3f})")
-    print(f"ratio pool/in-process: {pool_ips / local_ips:.2f}x")
-    n_diff = sum(a != b for a, b in zip(pool_scores, local_scores))
-    print(f"score disagreements pool vs in-process: {n_diff}")
+        def run_pool():
+            last["pool"], last["stats"] = pool.score_batch(responses, references)
+
+        def run_local():
+            last["local"] = [score(r, ref) for r, ref in zip(responses, references)]
+
+        res = compare({"pool": run_pool, "in-process": run_local}, repeats=args.repeats,
+                      label=f"reward scoring ({args.workers} workers)", units=args.n, unit_name="items")
+    stats = last["stats"]
+    n_diff = sum(a != b for a, b in zip(last["pool"], last["local"]))
+    print(f"pool start-up: {t_start:.2f} s; pool accuracy {sum(last['pool']) / args.n:.3f} (timeouts "
+          f"{stats['n_timeout']}, crashes {stats['n_crash']}, errors {stats['n_error']}); in-process accuracy "
+          f"{sum(last['local']) / args.n:.3f}; score disagreements pool vs in-process: {n_diff}", file=out)
+    result = {"benchmark": "reward_throughput", "n": args.n, "workers": args.workers, "pool_startup_s": t_start,
+              "score_disagreements": n_diff, "pool_stats": {k: v for k, v in stats.items() if k.startswith("n_")},
+              "comparisons": [res]}
+    emit(result, args.json)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,30 +1,36 @@
 """Sampler throughput: stare_jax vs transformers `generate`, same random Qwen2-shaped model, same CPU, one run.
 
-    .venv/bin/python benchmarks/sampler_bench.py                 # batch 64 x 128 new tokens, greedy + sampling
-    .venv/bin/python benchmarks/sampler_bench.py --mode greedy --batch 16 --new-tokens 32   # quick look
+    .venv/bin/python benchmarks/sampler_bench.py                 # batch 16 x 32 new tokens, greedy + sampling
+    .venv/bin/python benchmarks/sampler_bench.py --batch 64 --new-tokens 128   # the larger setting (many minutes
+                                                                              # on 2 cores: transformers' generate)
 
 The weights are made by transformers (torch, fp32), saved with save_pretrained and loaded by both sides.
-EOS is disabled on both sides so every sequence makes exactly --new-tokens tokens. Each side gets a warm-up call
-(compilation for JAX, first-call overheads for torch), then --reps timed calls alternating the two sides; the
-best wall time of each is reported as generated tokens per second (batch * new_tokens / seconds), with the
-process CPU time of that call (both libraries use all cores) and the ratio stare_jax / transformers.
+EOS is disabled on both sides so every sequence makes exactly --new-tokens tokens. The two sides run interleaved
+in one process through benchmarks/harness.py (an untimed warm-up call each: compilation for JAX, first-call
+overheads for torch; then --repeats rounds A B A B ...): min/median/max wall time per side, generated tokens per
+second at the median (batch * new_tokens / seconds), the process CPU time, the ratio stare_jax / transformers of the
+medians, the load average before/after and the thread settings (--json for the record).
 On a machine shared with other jobs the ratio moves with the load (torch's OpenMP matmuls degrade more under
-oversubscription); compare the CPU seconds too.
+oversubscription; the harness flags `busy` when the load average exceeded the core count); compare the CPU seconds
+too.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
-import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import add_harness_args, compare, emit  # noqa: E402
 
-def _parse():
+
+def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=512)
@@ -34,9 +40,13 @@ def _parse():
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--mode", choices=("greedy", "sample", "both"), default="both")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=None, help="old name of --repeats")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args()
+    add_harness_args(ap, repeats=3)
+    args = ap.parse_args(argv)
+    if args.reps is not None:
+        args.repeats = args.reps
+    return args
 
 
 def _make_checkpoint(args, folder):
@@ -60,23 +70,8 @@ def _prompts(args):
     return [rng.integers(1, args.vocab, size=n).tolist() for n in lens]
 
 
-def _time_best(fns, reps):
-    """Warm each side up, then alternate them `reps` times (so a load spike on this shared machine hits both);
-    best wall time and the process CPU time of that run, per side."""
-    for fn in fns:
-        fn()  # warm-up (compile / first-call)
-    best = [(float("inf"), 0.0)] * len(fns)
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            best[i] = min(best[i], (wall, cpu))
-    return best
-
-
-def main():
-    args = _parse()
+def main(argv=None):
+    args = _parse(argv)
     import jax
     import torch
 
@@ -97,11 +92,13 @@ def main():
         ids[i, T - len(p):] = torch.tensor(p)
         mask[i, T - len(p):] = 1
 
+    out = sys.stderr if args.json else sys.stdout
     print(f"model: Qwen2-shaped hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv, "
           f"mlp {args.intermediate}, vocab {args.vocab}, fp32 | batch {args.batch} x {args.new_tokens} new tokens, "
           f"prompts {args.min_prompt}-{args.max_prompt} tokens | jax {jax.__version__} on "
           f"{jax.devices()[0].platform} ({len(jax.devices())} devices), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs")
+          f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs", file=out)
+    comparisons, agreement = [], {}
     modes = ("greedy", "sample") if args.mode == "both" else (args.mode,)
     for mode in modes:
         greedy = mode == "greedy"
@@ -122,16 +119,19 @@ def main():
             assert out.shape == (args.batch, T + args.new_tokens)
             return out
 
-        (t_jax, c_jax), (t_hf, c_hf) = _time_best([run_jax, run_hf], args.reps)
+        res = compare({"stare_jax": run_jax, "transformers": run_hf}, repeats=args.repeats, label=mode,
+                      units=n_tokens, unit_name="tokens")
+        comparisons.append(res)
         if greedy:
             ours, ref = run_jax().tokens, run_hf()[:, T:].tolist()
-            same = sum(a == b for a, b in zip(ours, ref))
-            agree = f" | greedy sequences identical to transformers: {same}/{args.batch}"
-        else:
-            agree = ""
-        print(f"[{mode}] stare_jax: {n_tokens / t_jax:8.1f} tok/s ({t_jax:.2f} s wall, {c_jax:.2f} s CPU) | "
-              f"transformers: {n_tokens / t_hf:8.1f} tok/s ({t_hf:.2f} s wall, {c_hf:.2f} s CPU) | "
-              f"ratio {t_hf / t_jax:.2f}x{agree}")
+            agreement["greedy_sequences_identical"] = sum(a == b for a, b in zip(ours, ref))
+            print(f"[greedy] sequences identical to transformers: {agreement['greedy_sequences_identical']}/"
+                  f"{args.batch}", file=out)
+    result = {"benchmark": "sampler_bench", "batch": args.batch, "new_tokens": args.new_tokens,
+              "comparisons": comparisons, **agreement}
+    emit(result, args.json)
+    return result
+
 
 if __name__ == "__main__":
     main()

@@ -4,12 +4,17 @@ surprisal selection itself at 1M and 16M tokens on a (2 x 4) mesh.
 Default: a small model/batch that runs on 2 CPU cores in a couple of minutes. `--preset issue` is the ~50M-param,
 64 x 512-token setting (use an accelerator). On CPU the selection part uses 8 fake host devices.
 
-    .venv/bin/python benchmarks/stare_overhead.py [--preset small|issue] [--iters 3]
+    .venv/bin/python benchmarks/stare_overhead.py [--preset small|issue] [--repeats 5] [--json]
            [--selection-tokens 1048576,16777216] [--skip-step] [--skip-selection]
+
+Both parts time their sides interleaved through benchmarks/harness.py (an untimed warm-up call each, then A B A B
+...; min/median/max, load average before/after, thread settings; `busy` when the load exceeded the core count).
+The step ratio is GRPO-ds time / STARE-O1 time (speed of STARE-O1 relative to GRPO-ds: 1.0 = no overhead).
 """
 from __future__ import annotations
 
 import argparse
+import builtins
 import os
 import sys
 import time
@@ -17,6 +22,7 @@ import time
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -26,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from harness import add_harness_args, compare, emit  # noqa: E402
 from stare_jax.models import ModelConfig, init_model  # noqa: E402
 from stare_jax.rl.stare import StareConfig, StareState, init_stare_state, stare_omega  # noqa: E402
 from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step  # noqa: E402
@@ -50,17 +57,6 @@ def _batch(rng, B, L, V):
     return dict(input_ids_BxT=ids, attention_mask_BxT=attn, response_mask_BxT=resp, advantages_B=adv)
 
 
-def _time(fn, iters):
-    out = fn()  # compile + warm-up
-    jax.block_until_ready(out)
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts)), ts
-
-
 def bench_step(preset, iters):
     mkw, B, L, n_micro = PRESETS[preset]
     mcfg = ModelConfig(**mkw, tie_word_embeddings=False, max_position_embeddings=max(L, 64),
@@ -83,18 +79,10 @@ def bench_step(preset, iters):
         jax.block_until_ready(step(ts, batch, ss))
         print(f"[step] {name:20s} first call incl. compile {time.perf_counter() - t0:.1f} s")
         steps[name] = (lambda step=step, ts=ts, ss=ss: step(ts, batch, ss))
-    times = {name: [] for name in steps}
-    for _ in range(iters):  # interleaved, so load changes on a shared machine hit both alike
-        for name, fn in steps.items():
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t)
-    results = {name: float(np.median(ts_)) for name, ts_ in times.items()}
-    for name, ts_ in times.items():
-        print(f"[step] {name:20s} median {results[name] * 1e3:9.1f} ms  (runs {[round(t * 1e3, 1) for t in ts_]})")
-    g, s = results["GRPO-ds"], results["STARE-O1 (gate on)"]
-    print(f"[step] STARE-O1 / GRPO-ds step time = {s / g:.4f}  (overhead {100 * (s / g - 1):+.2f}%)")
-    return results
+    res = compare(steps, repeats=iters, label=f"train step ({preset})", reference="GRPO-ds")
+    r = res["ratios"]["STARE-O1 (gate on)"]["ratio_of_medians"]
+    print(f"[step] STARE-O1 / GRPO-ds step time = {1 / r:.4f}  (overhead {100 * (1 / r - 1):+.2f}%)")
+    return res
 
 
 def bench_selection(tokens_list, iters, seq=4096):
@@ -105,7 +93,7 @@ def bench_selection(tokens_list, iters, seq=4096):
     sh2 = NamedSharding(mesh, P(("data", "fsdp"), None))
     sh1 = NamedSharding(mesh, P(("data", "fsdp")))
     print(f"[selection] mesh {dict(mesh.shape)} backend={jax.default_backend()}")
-    out = {}
+    out = []
     for n_tok in tokens_list:
         B = max(n_tok // seq, shape[0] * shape[1])
         T = n_tok // B
@@ -115,31 +103,43 @@ def bench_selection(tokens_list, iters, seq=4096):
                                 jax.random.normal(k2, (B,)), jnp.ones((B, T), jnp.float32)),
                        out_shardings=(sh2, sh1, sh2))
         lp, adv, mask = make()
+        fns = {}
         for rule in ("quantile", "exact_top_k"):
             cfg = StareConfig(enabled=True, variant="O1", rule=rule)
             state = StareState(gate_on=jnp.asarray(True), w=jnp.float32(cfg.w), m=jnp.float32(cfg.m),
                                last_entropy=jnp.float32(0.0))
             f = jax.jit(lambda a, b, c, cfg=cfg, state=state: stare_omega(a, b, c, state, cfg)[0],
                         out_shardings=sh2)
-            med, all_t = _time(lambda: f(lp, adv, mask), iters)
-            out[(n_tok, rule)] = med
-            print(f"[selection] {B * T / 2**20:5.1f}M tokens ({B}x{T}) rule={rule:11s} median {med * 1e3:9.1f} ms "
-                  f"(runs {[round(t * 1e3, 1) for t in all_t]})")
+            fns[rule] = (lambda f=f, xs=(lp, adv, mask): f(*xs))
+        out.append(compare(fns, repeats=iters, label=f"selection {B * T / 2**20:.0f}M tokens ({B}x{T})",
+                           reference="exact_top_k"))
+        print(f"[selection] {B * T / 2**20:5.1f}M tokens: quantile median "
+              f"{out[-1]['sides']['quantile']['median_s'] * 1e3:.1f} ms, exact_top_k "
+              f"{out[-1]['sides']['exact_top_k']['median_s'] * 1e3:.1f} ms")
+        del fns
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small", choices=sorted(PRESETS))
-    ap.add_argument("--iters", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=None, help="old name of --repeats")
     ap.add_argument("--selection-tokens", default="1048576,16777216")
     ap.add_argument("--skip-step", action="store_true")
     ap.add_argument("--skip-selection", action="store_true")
+    add_harness_args(ap, repeats=5)
     args = ap.parse_args(argv)
+    repeats = args.iters if args.iters is not None else args.repeats
+    if args.json:  # progress lines to stderr, the JSON record alone on stdout
+        globals()["print"] = functools.partial(builtins.print, flush=True, file=sys.stderr)
+    comparisons = []
     if not args.skip_step:
-        bench_step(args.preset, args.iters)
+        comparisons.append(bench_step(args.preset, repeats))
     if not args.skip_selection:
-        bench_selection([int(x) for x in args.selection_tokens.split(",")], args.iters)
+        comparisons += bench_selection([int(x) for x in args.selection_tokens.split(",")], repeats)
+    result = {"benchmark": "stare_overhead", "preset": args.preset, "comparisons": comparisons}
+    emit(result, args.json)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """STARE selection: select_impl "bisect" vs "jnp_quantile" on a (2 x 4) mesh at 1M and 16M tokens.
 
 Times one jitted stare_omega call (STARE-O1, rule quantile, gate on) on [B, T] arrays sharded over the 8 devices,
-the two implementations interleaved (A B A B ...) so load changes on a shared machine hit both alike; reports
-min / median / max per call, the compiled program's temp memory per device (memory_analysis().temp_size_in_bytes),
-whether the two omegas agree, and the load average before/after with the CPU count. Log-probs are rounded to
-bfloat16 (as a bf16 trainer pass gives them), so ties are common. On CPU it uses 8 fake host devices.
+the two implementations interleaved (A B A B ...) through benchmarks/harness.py so load changes on a shared machine
+hit both alike; reports min / median / max per call, the compiled program's temp memory per device
+(memory_analysis().temp_size_in_bytes), whether the two omegas agree, the load average before/after with the CPU
+count and the thread settings (`busy` when the load exceeded the core count). Log-probs are rounded to bfloat16 (as
+a bf16 trainer pass gives them), so ties are common. On CPU it uses 8 fake host devices.
 
-    .venv/bin/python benchmarks/stare_select_impls.py [--tokens 1048576,16777216] [--iters 5] [--seq 4096] [--json]
+    .venv/bin/python benchmarks/stare_select_impls.py [--tokens 1048576,16777216] [--repeats 3] [--seq 4096] [--json]
            [--aot-topology v5e:2x4]   # also compile both (no run) for a TPU slice: its compiled temp memory
 """
 from __future__ import annotations
@@ -20,12 +21,13 @@ import time
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from harness import add_harness_args, compare, machine_state, thread_settings  # noqa: E402
 from stare_jax.rl.stare import StareConfig, StareState, stare_omega  # noqa: E402
 
 IMPLS = ("bisect", "jnp_quantile")
@@ -62,7 +64,7 @@ def run(tokens_list, iters: int, seq: int, log=print) -> dict:
     meta = {"backend": jax.default_backend(), "devices": 8, "mesh": dict(mesh.shape), "jax": jax.__version__,
             "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
             "loadavg_before": os.getloadavg(), "iters": iters}
-    rows = []
+    rows, comparisons = [], []
     for n_tok in tokens_list:
         (lp, adv, mask), (B, T) = _inputs(n_tok, seq, sh2, sh1)
         fns, outs = {}, {}
@@ -78,19 +80,19 @@ def run(tokens_list, iters: int, seq: int, log=print) -> dict:
                          "temp_bytes": int(mem.temp_size_in_bytes) if mem is not None else None, "times_s": []})
         n_diff = int(jnp.sum(outs["bisect"] != outs["jnp_quantile"]))
         by_impl = {r["impl"]: r for r in rows[-len(IMPLS):]}
-        for _ in range(iters):  # A B A B ...
-            for impl in IMPLS:
-                t = time.perf_counter()
-                jax.block_until_ready(fns[impl](lp, adv, mask))
-                by_impl[impl]["times_s"].append(time.perf_counter() - t)
-        for r in by_impl.values():
-            ts = r["times_s"]
-            r.update(min_s=min(ts), median_s=float(np.median(ts)), max_s=max(ts), omega_tokens_differing=n_diff)
+        res = compare({impl: (lambda f=fns[impl], xs=(lp, adv, mask): f(*xs)) for impl in IMPLS}, repeats=iters,
+                      warmup=0, label=f"select_impl {B * T / 2**20:.0f}M tokens", reference="jnp_quantile")
+        comparisons.append(res)
+        for impl, r in by_impl.items():
+            side = res["sides"][impl]
+            r.update(times_s=side["times_s"], min_s=side["min_s"], median_s=side["median_s"], max_s=side["max_s"],
+                     omega_tokens_differing=n_diff)
             log(f"  {r['tokens'] / 2**20:5.1f}M tokens ({B}x{T}) {r['impl']:12s} median {r['median_s'] * 1e3:9.1f} ms"
                 f"  temp {r['temp_bytes'] / 2**20:8.1f} MiB/device")
         del lp, adv, mask, fns, outs
-    meta["loadavg_after"] = os.getloadavg()
-    return {"meta": meta, "rows": rows}
+    meta.update(loadavg_after=os.getloadavg(), threads=thread_settings(),
+                busy=any(c["busy"] for c in comparisons))
+    return {"benchmark": "stare_select_impls", "meta": meta, "rows": rows, "comparisons": comparisons}
 
 
 def aot(topology: str, tokens_list, seq: int, log=print) -> list[dict]:
@@ -122,7 +124,8 @@ def table(res: dict) -> str:
     if m:
         lines.append(f"fake {m['devices']}-device {m['backend']} mesh {m['mesh']}, {m['cpus_usable']} usable of "
                      f"{m['cpu_count']} CPUs, load average {m['loadavg_before'][0]:.2f} before / "
-                     f"{m['loadavg_after'][0]:.2f} after, {m['iters']} interleaved calls each")
+                     f"{m['loadavg_after'][0]:.2f} after, {m['iters']} interleaved calls each"
+                     + (" (BUSY: load above the core count)" if m.get("busy") else ""))
     lines += ["| tokens | select_impl | min ms | median ms | max ms | compiled temp MiB/device | omega differs |",
               "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in res["rows"]:
@@ -138,23 +141,24 @@ def table(res: dict) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1048576,16777216")
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=None, help="old name of --repeats")
     ap.add_argument("--seq", type=int, default=4096, help="T of the [B, T] arrays")
     ap.add_argument("--aot-topology", default=None, help="also compile for this TPU slice, e.g. v5e:2x4 (libtpu)")
     ap.add_argument("--skip-run", action="store_true", help="only the --aot-topology compile")
-    ap.add_argument("--json", action="store_true", help="print the results as JSON (the table goes to stderr)")
+    add_harness_args(ap, repeats=3)
     args = ap.parse_args(argv)
+    iters = args.iters if args.iters is not None else args.repeats
 
     def log(*a):
         print(*a, file=sys.stderr, flush=True)
 
     tokens = [int(x) for x in args.tokens.split(",")]
-    res = ({"meta": {}, "rows": []} if args.skip_run else run(tokens, args.iters, args.seq, log=log))
+    res = ({"meta": {}, "rows": []} if args.skip_run else run(tokens, iters, args.seq, log=log))
     if args.aot_topology:
         res["aot"] = aot(args.aot_topology, tokens, args.seq, log=log)
     if args.json:
         print(table(res), file=sys.stderr)
-        print(json.dumps(res, indent=1))
+        print(json.dumps(dict(res, machine=machine_state()), default=float))
     else:
         print(table(res))
 
