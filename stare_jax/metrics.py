@@ -29,7 +29,6 @@ from typing import Any, Iterable, Mapping
 
 import jax
 import numpy as np
-from tensorboardX import SummaryWriter
 from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
@@ -328,6 +327,8 @@ class MetricsWriter:
         self._fh = open(self.metrics_path, "a", encoding="utf-8")
         self._timing_fh = open(self.timing_path, "a", encoding="utf-8")
         if tensorboard:
+            from tensorboardX import SummaryWriter  # see tests/test_import_direction.py: it imports torch
+
             self._tb = SummaryWriter(logdir=str(tb_dir), purge_step=None if resume_step is None else resume_step + 1)
         if wandb_project:
             try:

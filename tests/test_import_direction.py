@@ -146,6 +146,8 @@ def test_only_the_entry_points_import_the_training_loop():
 # (module, imported module) pairs that are imported inside a function on purpose, each with its reason
 LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("stare_jax.metrics", "wandb"): "optional extra [wandb]: only logging.wandb_project needs it",
+    ("stare_jax.metrics", "tensorboardX"): "only with logging.tensorboard; it imports torch when torch is installed "
+                                           "(~2 s on every CLI start, --help included, otherwise)",
     ("stare_jax.aot", "libtpu"): "optional (test dependency): only `plan --compile` needs it; the import names "
                                  "the package to install when it is missing",
     ("stare_jax.models.gguf_convert", "torch"): "optional extra [convert]",
