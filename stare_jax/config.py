@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from stare_jax.models.config import AttentionImpl, RematPolicy
+from stare_jax.models.config import ModelConfig as ArchitectureConfig
 from stare_jax.options import ConfigError, check_range, coerce, option
 from stare_jax.rl.optimizer_config import OptimizerConfig
 from stare_jax.rl.policy_loss_config import TOKEN_LEVEL, PolicyLossConfig, TokenFilterConfig
@@ -43,10 +44,10 @@ class ModelConfig:
     tokenizer_path: str | None = option(None, doc="tokenizer folder or SentencePiece .model; defaults to path")
 
     def architecture_overrides(self) -> dict:
-        """The stare_jax.models.ModelConfig fields this section sets on top of the checkpoint's config.json (one
-        list for training, evaluation and the planner)."""
-        return {"dtype": self.dtype, "param_dtype": self.param_dtype, "attention_impl": self.attention_impl,
-                "remat_policy": self.remat_policy, "scan_layers": self.scan_layers}
+        """The stare_jax.models.ModelConfig fields this section sets on top of the checkpoint's config.json: every
+        field of this section that the architecture config also has, by name (numerics, kernels, remat, scan)."""
+        arch = {f.name for f in dataclasses.fields(ArchitectureConfig)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in arch}
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """Test session set-up: 8 fake CPU devices (for mesh tests), a persistent JAX compilation cache, and the tiers.
 
 Tiers (markers, one per test, from its module): `unit` - one module's functions against an independent reference,
-in-process; `integration` - whole programs as users run them (subprocesses, several processes, TPU compiles, the
-real SmolLM2, parity with transformers' generate); `slow` - opt-in (--runslow or STARE_JAX_RUN_SLOW=1). The default
-run is unit + integration; `-m unit` / `-m integration` select one tier, and every run ends with each tier's time."""
+in-process; `integration` - whole programs as users run them (subprocesses, the real SmolLM2, parity with
+transformers' generate); `system` - the pod and cluster machinery (TPU ahead-of-time compiles, the launch scripts,
+multi-process runs): opt-in with --system or STARE_JAX_RUN_SYSTEM=1, and always run by .ci/run after the default
+suite; `slow` - opt-in (--runslow or STARE_JAX_RUN_SLOW=1). The default run is unit + integration; `-m unit` /
+`-m integration` select one tier, and every run ends with each tier's time."""
 import os
 
 # Must happen before jax is imported anywhere: 8 host devices so mesh tests can build a (2, 4) mesh.
@@ -27,19 +29,23 @@ SHARED_DATA = _REPO.parent / "shared" / "data"
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+    parser.addoption("--system", action="store_true", default=False,
+                     help="run the system tier (TPU compiles, launch scripts, multi-process runs)")
 
 
-# test modules of the integration tier (the rest are unit tests)
-INTEGRATION = {"test_aot", "test_cli", "test_device_suite", "test_launch", "test_multihost", "test_sampling_parity",
-               "test_smollm2", "test_train", "test_train_stages", "test_gguf_convert", "test_paper_configs"}
-TIERS = ("unit", "integration", "slow")
+# test modules of the system and integration tiers (the rest are unit tests)
+SYSTEM = {"test_aot", "test_launch", "test_multihost"}
+INTEGRATION = {"test_cli", "test_device_suite", "test_sampling_parity", "test_smollm2", "test_train",
+               "test_train_stages", "test_gguf_convert", "test_paper_configs"}
+TIERS = ("unit", "integration", "system", "slow")
 _TIER_SECONDS = dict.fromkeys(TIERS, 0.0)
 
 
 def tier_of(item) -> str:
     if "slow" in item.keywords:
         return "slow"
-    return "integration" if item.module.__name__.rpartition(".")[2] in INTEGRATION else "unit"
+    module = item.module.__name__.rpartition(".")[2]
+    return "system" if module in SYSTEM else "integration" if module in INTEGRATION else "unit"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,12 +53,15 @@ def pytest_collection_modifyitems(config, items):
         tier = tier_of(item)
         if tier != "slow":
             item.add_marker(getattr(pytest.mark, tier))
-    if config.getoption("--runslow") or os.environ.get("STARE_JAX_RUN_SLOW") == "1":
-        return
-    skip = pytest.mark.skip(reason="slow: run with --runslow or STARE_JAX_RUN_SLOW=1")
+    run_slow = config.getoption("--runslow") or os.environ.get("STARE_JAX_RUN_SLOW") == "1"
+    run_system = config.getoption("--system") or os.environ.get("STARE_JAX_RUN_SYSTEM") == "1"
+    skip_slow = pytest.mark.skip(reason="slow: run with --runslow or STARE_JAX_RUN_SLOW=1")
+    skip_system = pytest.mark.skip(reason="system tier: run with --system or STARE_JAX_RUN_SYSTEM=1 (.ci/run does)")
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
+        elif tier_of(item) == "system" and not run_system:
+            item.add_marker(skip_system)
 
 
 def pytest_runtest_logreport(report):

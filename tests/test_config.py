@@ -170,3 +170,11 @@ def test_policy_loss_sections_reach_the_step_config():
                                        "micro_batch_size": 4}
     assert t.entropy_coeff == 0.001 and t.token_filter is cfg.rl.token_filter and t.token_filter.rho == 0.2
     assert train_step_config(load_config()).policy_loss.micro_batch_size is None  # vanilla: nothing filled in
+
+
+def test_model_section_overrides_the_architecture_by_field_name():
+    """The run's model section and the architecture config share exactly these fields (derived by name)."""
+    cfg = load_config(None, ["model.dtype=bfloat16", "model.scan_layers=true", "model.attention_impl=dot_product"])
+    assert cfg.model.architecture_overrides() == {"dtype": "bfloat16", "param_dtype": "float32",
+                                                  "attention_impl": "dot_product", "remat_policy": "none",
+                                                  "scan_layers": True}
