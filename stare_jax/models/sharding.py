@@ -195,6 +195,17 @@ def activation_rules(rules: Rules | None):
         _ctx.rules = prev
 
 
+def program_context(mesh: jax.sharding.Mesh | None, rules: Rules | None = None):
+    """What every sharded program (train step, sampler, engine) is traced and run under: `jax.set_mesh(mesh)` and
+    activation_rules(rules, default DEFAULT_RULES); nothing without a mesh."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(mesh))
+    stack.enter_context(activation_rules(DEFAULT_RULES if rules is None else rules))
+    return stack
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """with_sharding_constraint by logical names, a no-op unless both an ambient mesh (jax.set_mesh) and
     activation_rules(...) are active. Dimensions the mesh does not divide are left replicated."""

@@ -30,7 +30,6 @@ Data flow (STARE-semantics.md, "Closed-loop gate"):
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Any, Callable
@@ -41,7 +40,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from stare_jax.models.sharding import BATCH_AXES, DEFAULT_RULES, activation_rules, batch_sharding
+from stare_jax.models.sharding import BATCH_AXES, DEFAULT_RULES, batch_sharding, program_context
 from stare_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
 from stare_jax.rl.loss_terms import entropy_bonus, high_entropy_mask
 from stare_jax.rl.losses import (AGG_MODES, LOSS_OPTIONS, clip_cov_key, compute_policy_loss, loss_normalizer,
@@ -440,12 +439,9 @@ class ShardedStep:
     def batch_shardings(self) -> dict:
         return batch_shardings(self.mesh, self.batch_axes)
 
-    def context(self) -> contextlib.ExitStack:
+    def context(self):
         """The mesh and activation rules the step is traced under."""
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(activation_rules(self.rules))
-        return stack
+        return program_context(self.mesh, self.rules)
 
     def __call__(self, train_state, batch, stare_state):
         batch = {k: batch[k] for k in BATCH_KEYS}

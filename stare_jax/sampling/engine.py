@@ -39,7 +39,6 @@ Design (host scheduler + three jitted programs):
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -259,12 +258,7 @@ class Engine:
 
     def program_context(self):
         """The mesh and its activation rules around the jitted programs (nothing without a mesh)."""
-        if self.mesh is None:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(model_sharding.activation_rules(model_sharding.DEFAULT_RULES))
-        return stack
+        return model_sharding.program_context(self.mesh)
 
     def generate_arrays(self, prompt_ids_PxT, prompt_mask_PxT, *, max_new_tokens: int, num_samples: int = 1,
                         temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None,

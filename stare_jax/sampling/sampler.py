@@ -26,7 +26,6 @@ Layout and choices (why):
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -328,12 +327,7 @@ class Sampler:
 
     def program_context(self):
         """The mesh and its activation rules around the jitted program (nothing without a mesh)."""
-        if self.mesh is None:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(jax.set_mesh(self.mesh))
-        stack.enter_context(model_sharding.activation_rules(model_sharding.DEFAULT_RULES))
-        return stack
+        return model_sharding.program_context(self.mesh)
 
     def trace(self, num_prompts: int, prompt_len: int, *, max_new_tokens: int, num_samples: int = 1):
         """The jax `Traced` sampling program (its .jaxpr; .lower() it under program_context()) for `num_prompts`
