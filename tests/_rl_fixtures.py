@@ -19,3 +19,16 @@ def random_train_batch(vocab_size: int, B: int, L: int, seed: int = 0) -> dict:
     acc[:, 0], acc[:, 1] = 1, 0
     adv = ((acc - acc.mean(1, keepdims=True)) / (acc.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
     return dict(input_ids_BxT=ids, attention_mask_BxT=attn, response_mask_BxT=resp, advantages_B=adv.astype(np.float32))
+
+
+def np_agg(tok, mask, mode):
+    """NumPy re-derivation of the four loss aggregation modes, per sequence (rows without valid tokens skipped)."""
+    v = mask > 0
+    rows = [i for i in range(len(tok)) if v[i].any()]
+    if mode == "token-mean":
+        return sum(tok[i][v[i]].sum() for i in rows) / max(v.sum(), 1)
+    if mode == "seq-mean-token-sum":
+        return np.mean([tok[i][v[i]].sum() for i in rows]) if rows else 0.0
+    if mode == "seq-mean-token-mean":
+        return np.mean([tok[i][v[i]].mean() for i in rows]) if rows else 0.0
+    return sum(tok[i][v[i]].sum() for i in rows) / tok.shape[1]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from _rl_fixtures import np_agg
 from stare_jax.rl.advantages import entropy_advantage, grpo_advantages, w_reinforce_advantages
 from stare_jax.rl.loss_terms import (KL_ESTIMATORS, entropy_bonus, high_entropy_mask, kl_loss, kl_penalty,
                                      kl_reward_penalty)
@@ -25,18 +26,6 @@ def _batch(seed, b=B, t=T):
     mask = (np.arange(t)[None] < lengths[:, None]).astype(np.float32)
     ent = np.where(mask > 0, ent, 99.0)  # padding garbage: must never be selected or counted
     return [x.astype(np.float32) for x in (lp, ref, ent, mask)]
-
-
-def _np_agg(tok, mask, mode):
-    v = mask > 0
-    rows = [i for i in range(len(tok)) if v[i].any()]
-    if mode == "token-mean":
-        return sum(tok[i][v[i]].sum() for i in rows) / max(v.sum(), 1)
-    if mode == "seq-mean-token-sum":
-        return np.mean([tok[i][v[i]].sum() for i in rows])
-    if mode == "seq-mean-token-mean":
-        return np.mean([tok[i][v[i]].mean() for i in rows])
-    return sum(tok[i][v[i]].sum() for i in rows) / tok.shape[1]
 
 
 def _t_agg(mat, m, mode):  # verl agg_loss without global_batch_info
@@ -71,7 +60,7 @@ def _np_kl(lp, ref, kind):
 def test_entropy_bonus_matches_numpy_and_verl(mode):
     _, _, ent, mask = _batch(0)
     term, h = entropy_bonus(ent, mask, 0.003, loss_agg_mode=mode)
-    np.testing.assert_allclose(float(h), _np_agg(ent.astype(np.float64), mask, mode), rtol=1e-5)
+    np.testing.assert_allclose(float(h), np_agg(ent.astype(np.float64), mask, mode), rtol=1e-5)
     x = torch.tensor(ent, requires_grad=True)
     want = -0.003 * _t_agg(x, torch.tensor(mask), mode)
     want.backward()

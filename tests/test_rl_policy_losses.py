@@ -9,6 +9,7 @@ import pytest
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from _rl_fixtures import np_agg
 from stare_jax.rl.losses import (AGG_MODES, POLICY_LOSSES, clip_cov_key, clip_cov_mask, compute_policy_loss,
                                  kl_cov_mask, policy_loss_normalizer)
 
@@ -50,18 +51,6 @@ def _batch(seed, b=B, t=T, gspo_scale=False):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Independent NumPy re-derivation (float64, per sequence)
-
-
-def _np_agg(tok, mask, mode):
-    v = mask > 0
-    rows = [i for i in range(len(tok)) if v[i].any()]
-    if mode == "token-mean":
-        return sum(tok[i][v[i]].sum() for i in rows) / max(v.sum(), 1)
-    if mode == "seq-mean-token-sum":
-        return np.mean([tok[i][v[i]].sum() for i in rows]) if rows else 0.0
-    if mode == "seq-mean-token-mean":
-        return np.mean([tok[i][v[i]].mean() for i in rows]) if rows else 0.0
-    return sum(tok[i][v[i]].sum() for i in rows) / tok.shape[1]
 
 
 def _np_cov(lp, adv, v):
@@ -138,7 +127,7 @@ def _np_loss(name, lp, old, adv, mask, mode, o, omega=None, detach=None):
         n = max(v.sum(), 1)
         return np.mean(per_seq), (cl & (adv > 0) & v).sum() / n, (cl & (adv < 0) & v).sum() / n, (-nk)[v].sum() / n
     n = max(v.sum(), 1)
-    return _np_agg(tok, mask, mode), (clip & v).sum() / n, (lower & v).sum() / n, kl[v].sum() / n
+    return np_agg(tok, mask, mode), (clip & v).sum() / n, (lower & v).sum() / n, kl[v].sum() / n
 
 
 def _key():
