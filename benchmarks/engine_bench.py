@@ -7,21 +7,26 @@ Workload: --prompts prompts (lengths uniform in [--min-prompt, --max-prompt]) x 
 the same random stare_jax Qwen2-shaped model (small initializer_range: near-uniform next-token distribution)
 for both. --eos-ids (8) token ids end a row, so each step ends a row with probability ~8/vocab: response lengths
 are geometric (long-tailed: median ~ vocab/8 * ln 2, a few rows run to --max-new). Both engines draw the same
-keys, so they produce exactly the same tokens (checked). Useful tokens = the generated tokens (EOS included),
-not padding. Timing: one warm-up call each (compilation), then --reps interleaved calls A B A B ...; median /
-min / max wall time per side, tokens/s from the median. The load average is printed before and after (this
-machine is shared). kv_bytes_static is the static sampler's preallocated cache (batch x (prompt bucket +
-new-token bucket) slots), kv_bytes_engine the engine's page pool and kv_peak_bytes_engine its peak pages in use.
+keys, so they produce exactly the same tokens (checked on a first call of each, which also compiles). Useful
+tokens = the generated tokens (EOS included), not padding. Timing: benchmarks/harness.py, --reps interleaved
+calls A B A B ... after that first call; min / median / max per side, tokens/s from the median, the load average,
+CPU count and thread settings, `busy` when the machine was oversubscribed. kv_bytes_static is the static
+sampler's preallocated cache (batch x (prompt bucket + new-token bucket) slots), kv_bytes_engine the engine's page
+pool and kv_peak_bytes_engine its peak pages in use.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
+import pathlib
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from harness import compare, format_comparison  # noqa: E402
 
 
 def _parse():
@@ -64,7 +69,6 @@ def main():
     from stare_jax.sampling.engine import Engine, EngineConfig, kv_bytes
     from stare_jax.sampling.sampler import new_token_bucket, next_bucket
 
-    load_before = os.getloadavg()
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
                       num_kv_heads=args.kv_heads, intermediate_size=args.intermediate, qkv_bias=True,
                       max_position_embeddings=4096, initializer_range=0.02, pad_token_id=0)
@@ -84,19 +88,16 @@ def main():
     if ref.tokens != out.tokens:
         raise SystemExit("engine and static sampler produced different tokens")
     useful = sum(out.lengths)
-    walls = {name: [] for name in sides}
-    for _ in range(args.reps):
-        for name, fn in sides.items():
-            walls[name].append(_timed(fn)[0])
-    load_after = os.getloadavg()
-    med = {n: statistics.median(w) for n, w in walls.items()}
+    cmp = compare(sides, repeats=args.reps, warmup=0, reference="static", label="engine / static sampler",
+                  units=useful, unit_name="tokens")
+    med = {n: cmp["sides"][n]["median_s"] for n in sides}
     kv_item = jnp.dtype(static.cache_dtype).itemsize
     slots_static = next_bucket(max(lens), static.min_prompt_bucket) + new_token_bucket(args.max_new, 16)
     rows_static = static.batch_bucket(args.prompts) * args.group
     kv_static = slots_static * rows_static * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_item
     page_bytes = kv_bytes(engine) // engine.pool.num_pages
     result = {
-        "cpu_count": os.cpu_count(), "load_before": load_before, "load_after": load_after,
+        "comparison": cmp,
         "workload": {"prompts": args.prompts, "group": args.group, "max_new": args.max_new,
                      "prompt_lens": [int(min(lens)), int(max(lens))], "useful_tokens": useful,
                      "lengths_median": float(np.median(out.lengths)), "lengths_max": int(max(out.lengths)),
@@ -105,7 +106,6 @@ def main():
         "engine_config": {"max_slots": args.slots, "page_size": args.page_size, "num_pages": engine.pool.num_pages,
                           "decode_chunk": args.chunk, "prefill_chunk": args.prefill_chunk},
         "compile_s": {n: round(w[0], 2) for n, w in warm.items()},
-        "wall_s": {n: {"median": med[n], "min": min(w), "max": max(w)} for n, w in walls.items()},
         "tokens_per_s_engine": useful / med["engine"], "tokens_per_s_static": useful / med["static"],
         "speedup": med["static"] / med["engine"],
         "kv_bytes_static": int(kv_static), "kv_bytes_engine": kv_bytes(engine),
@@ -115,12 +115,8 @@ def main():
     if args.json:
         print(json.dumps(result))
         return
-    print(f"cpus {result['cpu_count']}  load before {load_before}  after {load_after}")
-    print(f"workload {result['workload']}")
-    for n in sides:
-        w = result["wall_s"][n]
-        print(f"{n:7s} {useful / w['median']:9.1f} tok/s   wall median {w['median']:.3f}s  min {w['min']:.3f}s  "
-              f"max {w['max']:.3f}s  (compile+first {result['compile_s'][n]}s)")
+    print(format_comparison(cmp))
+    print(f"workload {result['workload']}  (compile + first call: {result['compile_s']})")
     print(f"speedup engine/static {result['speedup']:.2f}x   kv bytes static {kv_static:,}  engine pool "
           f"{result['kv_bytes_engine']:,}  engine peak {result['kv_peak_bytes_engine']:,}")
     print(f"engine stats {engine.stats}")
