@@ -1,5 +1,6 @@
-"""The sandbox's launcher: run as a script (`python -I -S _sandbox_init.py SPEC_JSON`) by `sandbox.run_python`,
-never imported by the trainer. Standard library only, so it starts in a few milliseconds and does all the
+"""The sandbox's launcher: its own process, started by `sandbox.run_python` as `python -I -S -c "import
+_sandbox_init; _sandbox_init.main()" SPEC` (SPEC a hex-encoded marshal dict); the trainer never runs any of it in
+its own process. Standard library only, so it starts in a few milliseconds and does all the
 privileged set-up in its own process, not in the (threaded) trainer: a fork in a process running JAX threads is
 unsafe, and `preexec_fn` is a fork.
 
@@ -24,17 +25,19 @@ rlimits (the fallback: no namespaces): launcher forks the user process directly 
   that uid) before it reports; without one, it kills what is left in its process group (itself last).
 
 Either way the launcher enforces the wall deadline itself as well (deadline_s: kills the user process or init),
-so a call cannot run on if the trainer dies. Status lines on fd `status_fd`: {"status": wait status} or
-{"error": "..."} (JSON, one per line).
+so a call cannot run on if the trainer dies. Status lines on fd `status_fd`: "status <wait status>" or
+"error <text>". Start-up is on every tool call's path, so the launcher imports little: marshal and plain lines
+rather than json (which imports re), os.uname rather than platform, _signal rather than signal (enum), and it
+leaves by os._exit (no interpreter finalisation). It is imported by `-c` (not run as a script) so its bytecode is
+cached in __pycache__ instead of compiled on every call.
 """
 from __future__ import annotations
 
+import _signal as signal  # type: ignore[import-not-found]  # C module; `signal` imports enum, functools, ...
 import ctypes
-import json
+import marshal
 import os
-import platform
 import resource
-import signal
 import sys
 
 CLONE_NEWNS = 0x00020000
@@ -77,15 +80,16 @@ def prctl(option: int, arg: int) -> None:
 
 
 def pivot_root(new_root: str, put_old: str) -> None:
-    nr = SYS_PIVOT_ROOT.get(platform.machine())
+    nr = SYS_PIVOT_ROOT.get(os.uname().machine)
     if nr is None:
-        raise OSError(f"pivot_root: unknown syscall number on {platform.machine()}")
+        raise OSError(f"pivot_root: unknown syscall number on {os.uname().machine}")
     _check(_libc.syscall(ctypes.c_long(nr), _b(new_root), _b(put_old)), "pivot_root")
 
 
-def _report(fd: int, **msg) -> None:
+def _report(fd: int, kind: str, value) -> None:
+    """One status line: "status <int>" or "error <text on one line>"."""
     try:
-        os.write(fd, (json.dumps(msg) + "\n").encode())
+        os.write(fd, f"{kind} {str(value).replace(chr(10), ' ')}\n".encode("utf-8", "replace"))
     except OSError:
         pass
 
@@ -178,7 +182,7 @@ def exec_user(spec: dict, status_fd: int) -> None:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
         os.execve(spec["argv"][0], spec["argv"], spec["env"])
     except BaseException as e:  # noqa: BLE001 - reported, then this child exits
-        _report(status_fd, error=f"sandbox: could not start the code: {type(e).__name__}: {e}")
+        _report(status_fd, "error", f"sandbox: could not start the code: {type(e).__name__}: {e}")
     os._exit(127)
 
 
@@ -209,9 +213,9 @@ def run_init(spec: dict, status_fd: int) -> None:
             done, status = os.waitpid(-1, 0)
             if done == pid:
                 break
-        _report(status_fd, status=status)
+        _report(status_fd, "status", status)
     except BaseException as e:  # noqa: BLE001
-        _report(status_fd, error=f"sandbox: namespace set-up failed: {type(e).__name__}: {e}")
+        _report(status_fd, "error", f"sandbox: namespace set-up failed: {type(e).__name__}: {e}")
         os._exit(125)
     os._exit(0)  # init exits: the kernel kills every process left in the namespace
 
@@ -235,7 +239,7 @@ def sweep_uid(uid: int) -> None:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
+    spec = marshal.loads(bytes.fromhex(sys.argv[1]))
     if spec["mode"] == "sweep":  # the trainer's clean-up after it killed a fallback-mode call
         sweep_uid(spec["uid"])
         return
@@ -245,20 +249,20 @@ def main() -> None:
         try:
             unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
         except OSError as e:
-            _report(status_fd, error=f"sandbox: unshare failed: {e}")
-            sys.exit(125)
+            _report(status_fd, "error", f"sandbox: unshare failed: {e}")
+            os._exit(125)
         pid = os.fork()
         if pid == 0:
             run_init(spec, status_fd)
         status = _wait_with_deadline(pid, spec["deadline_s"], lambda: os.kill(pid, signal.SIGKILL))
-        sys.exit(0 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else 1)
+        os._exit(0 if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else 1)
     pid = os.fork()
     if pid == 0:
         exec_user(spec, status_fd)
     status = _wait_with_deadline(pid, spec["deadline_s"], lambda: os.kill(pid, signal.SIGKILL))
     if spec["uid"] is not None and os.geteuid() == 0:
         sweep_uid(spec["uid"])  # whatever the code left running under the call's uid, in the group or not
-    _report(status_fd, status=status)
+    _report(status_fd, "status", status)
     if spec["uid"] is None:
         os.killpg(0, signal.SIGKILL)  # no uid of its own: at least what is left in this process group (us too)
 

@@ -28,6 +28,7 @@ Every failure of the code (exception, timeout, memory, output flood, crash, kill
 from __future__ import annotations
 
 import json
+import marshal
 import os
 import random
 import selectors
@@ -43,7 +44,9 @@ from typing import Literal
 
 __all__ = ["ExecResult", "run_python", "sandbox_capabilities", "default_python", "SANDBOX_UID_RANGE"]
 
-LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_init.py")
+# the launcher (_sandbox_init.py) is imported by -c, not run as a script, so its bytecode comes from __pycache__
+_LAUNCH = ["-I", "-S", "-c", f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+           "import _sandbox_init; _sandbox_init.main()"]
 Isolation = Literal["auto", "namespaces", "rlimits"]
 
 # Each in-flight call runs under a uid of its own from this range (unused by any account), so RLIMIT_NPROC (a
@@ -312,7 +315,7 @@ def _run(code: str, *, timeout_s: float, memory_mb: int, max_output_bytes: int, 
                        "fsize_bytes": int(max_file_mb) * 1024 * 1024, "nproc": int(max_processes), "nofile": 256},
         }
         try:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", LAUNCHER, json.dumps(spec)], stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen([sys.executable, *_LAUNCH, _encode(spec)], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
                                     start_new_session=True, env={"PATH": env["PATH"], "LANG": "C.UTF-8"},
                                     cwd=host_dir)
@@ -332,6 +335,11 @@ def _run(code: str, *, timeout_s: float, memory_mb: int, max_output_bytes: int, 
         shutil.rmtree(host_dir, ignore_errors=True)
         if uid is not None:
             _UIDS.release(uid)
+
+
+def _encode(spec: dict) -> str:
+    """The launcher's argument: the spec as hex-encoded marshal (the launcher then needs no json import)."""
+    return marshal.dumps(spec).hex()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -357,7 +365,7 @@ def _sweep(uid: int) -> None:
         loop = "i=0; while kill -s KILL -- -1 2>/dev/null && [ $i -lt 10000 ]; do i=$((i+1)); done"
         cmd = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "/bin/sh", "-c", loop]
     else:
-        cmd = [sys.executable, "-I", "-S", LAUNCHER, json.dumps({"mode": "sweep", "uid": uid})]
+        cmd = [sys.executable, *_LAUNCH, _encode({"mode": "sweep", "uid": uid})]
     subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, timeout=30, env={"PATH": "/usr/bin:/bin"})
 
 
@@ -416,14 +424,11 @@ def _collect(proc: subprocess.Popen, status_r: int, deadline: float, cap: int) -
 def _result(out: dict, mode: str, wall_s: float) -> ExecResult:
     status, error = None, None
     for line in out["status"].decode("utf-8", "replace").splitlines():
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            continue
-        if "error" in msg:
-            error = error or str(msg["error"])
-        if "status" in msg:
-            status = int(msg["status"])
+        kind, _, value = line.partition(" ")
+        if kind == "error":
+            error = error or value
+        elif kind == "status" and value.lstrip("-").isdigit():
+            status = int(value)
     killed_by = out["killed_by"]
     exit_code: int | None = None
     if status is not None:
