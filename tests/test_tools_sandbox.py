@@ -14,6 +14,8 @@ import json
 import os
 import pathlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -159,11 +161,29 @@ def test_numpy_and_sympy_are_importable(ns):
     assert res.stdout == "10 {2: 3, 3: 2, 5: 1}\n"
 
 
+def _in_tmp(caps) -> list[str]:
+    """Top-level names under /tmp that the sandbox's /tmp shows besides the code: the mount points of an
+    interpreter that lives under the host's /tmp (a checkout there), none otherwise."""
+    return sorted({b.split("/")[2] for b in caps["binds"] if b.startswith("/tmp/")})
+
+
 def test_fresh_empty_directory_per_call(ns):
     res = run("import os\nprint(os.getcwd(), sorted(os.listdir('.')))\nopen('state.txt', 'w').write('1')")
-    assert res.ok and res.stdout == "/tmp ['main.py']\n"
+    assert res.ok and res.stdout == f"/tmp {sorted(['main.py'] + _in_tmp(ns))}\n"
     res = run("import os\nprint(sorted(os.listdir('.')))")
-    assert res.stdout == "['main.py']\n"  # the last call's file is gone
+    assert res.stdout == f"{sorted(['main.py'] + _in_tmp(ns))}\n"  # the last call's file is gone
+
+
+def test_interpreter_under_the_hosts_tmp(ns, tmp_path):
+    """A venv that lives under the host's /tmp (a checkout there) is mounted over the call's private /tmp."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    caps = sandbox_capabilities(python)
+    assert caps["isolation"] == "namespaces", caps["reasons"]
+    res = run("import os, sys\nprint(sys.prefix)\nprint(sorted(os.listdir('/tmp')))", python=python)
+    assert res.ok, res
+    assert res.stdout == f"{venv.resolve()}\n{sorted(['main.py'] + _in_tmp(caps))}\n"
 
 
 # ------------------------------------------------------------------------------------------------ attacks
@@ -292,7 +312,8 @@ def test_calls_cannot_see_each_other(ns):
     assert a.ok and b.ok
     uid_a, uid_b = a.stdout.split()[0], b.stdout.split()[0]
     assert uid_a != uid_b
-    assert a.stdout.split(" ", 1)[1] == b.stdout.split(" ", 1)[1] == "['2'] ['main.py', 'mine']\n"
+    expected = f"['2'] {sorted(['main.py', 'mine'] + _in_tmp(ns))}\n"
+    assert a.stdout.split(" ", 1)[1] == b.stdout.split(" ", 1)[1] == expected
 
 
 def test_pool_runs_every_attack_at_once(ns, listener):

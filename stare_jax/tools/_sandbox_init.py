@@ -118,6 +118,10 @@ def build_root(spec: dict) -> None:
     mb = int(spec["tmpfs_mb"])
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing done here propagates back to the host
     mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
+    # the call's own directory: a private, size-capped tmpfs at /tmp (cwd, HOME, TMPDIR); mounted before the
+    # binds, so an interpreter that lives under the host's /tmp (a venv in a checkout there) is bound on top
+    os.makedirs(new + "/tmp")
+    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={mb}m,mode=1777")
     for path in spec["binds"]:
         target = new + path
         if os.path.islink(path) and os.path.dirname(path) == "/":
@@ -146,9 +150,6 @@ def build_root(spec: dict) -> None:
         mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
     except OSError:
         mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    # the call's own directory: a private, size-capped tmpfs at /tmp (cwd, HOME, TMPDIR); the code in it
-    os.makedirs(new + "/tmp")
-    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={mb}m,mode=1777")
     with open(os.path.join(spec["host_dir"], "main.py"), "rb") as src, open(new + "/tmp/main.py", "wb") as dst:
         dst.write(src.read())
     os.chmod(new + "/tmp/main.py", 0o644)
