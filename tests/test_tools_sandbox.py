@@ -510,7 +510,7 @@ def test_tool_config(fake_sandbox_fusion):
     assert (cfg.backend, cfg.timeout_s, cfg.max_workers, cfg.isolation) == ("local", 5.0, 4, "auto")
     backend = make_backend(ToolConfig(timeout_s=2.0, memory_mb=512, max_output_bytes=100))
     assert isinstance(backend, LocalBackend)
-    assert backend.kwargs["timeout_s"] == 2.0 and backend.kwargs["memory_mb"] == 512
+    assert (backend.timeout_s, backend.memory_mb, backend.max_output_bytes) == (2.0, 512, 100)
     sf = make_backend(ToolConfig(backend="sandbox_fusion", sandbox_fusion_url=fake_sandbox_fusion, timeout_s=2.0))
     assert isinstance(sf, SandboxFusionBackend) and sf.endpoint == fake_sandbox_fusion + "/run_code"
     pool = make_pool(ToolConfig(backend="sandbox_fusion", sandbox_fusion_url=fake_sandbox_fusion, max_workers=3))

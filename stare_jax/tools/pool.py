@@ -35,11 +35,14 @@ class LocalBackend:
     def __init__(self, *, timeout_s: float = 5.0, memory_mb: int = 1024, max_output_bytes: int = 16384,
                  max_file_mb: int = 16, max_processes: int = 32, python: str | None = None,
                  isolation: Isolation = "auto"):
-        self.kwargs = dict(timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
-                           max_file_mb=max_file_mb, max_processes=max_processes, python=python, isolation=isolation)
+        self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
+        self.max_file_mb, self.max_processes = max_file_mb, max_processes
+        self.python, self.isolation = python, isolation
 
     def run(self, code: str) -> ExecResult:
-        return run_python(code, **self.kwargs)  # type: ignore[arg-type]
+        return run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                          max_output_bytes=self.max_output_bytes, max_file_mb=self.max_file_mb,
+                          max_processes=self.max_processes, python=self.python, isolation=self.isolation)
 
 
 class SandboxPool:

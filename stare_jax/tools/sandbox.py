@@ -17,7 +17,7 @@ Isolation (`sandbox_capabilities()` says which applies on this machine; the READ
   device but a down loopback, no host file (the repository, the data, /root: not mounted), no host process
   (the trainer's pid and /proc/<pid>/environ do not exist in its namespace), can signal no process but its own,
   and when its main process exits the namespace's init exits and the kernel kills whatever it left running.
-- rlimits (the fallback where namespaces are refused): the same limits, scrubbed environment, closed stdin and a
+- rlimits (the fallback where namespaces are refused): the same limits, scrubbed environment, stdin at /dev/null and a
   fresh temp dir as cwd; as root also the uid drop (when that uid can run the interpreter) and a kill of every
   process of that uid after the call. It does NOT block the network, nor reads of world-readable files, nor
   writes to world-writable places (/tmp, /dev/shm) - see the README.
@@ -168,7 +168,7 @@ _BLOCKS = {
     ],
     "rlimits": [
         "resources: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC, RLIMIT_NOFILE, no core dumps; wall timeout",
-        "environment: scrubbed (the trainer's variables are not passed), stdin closed, fresh temp dir as cwd",
+        "environment: scrubbed (the trainer's variables are not passed), stdin /dev/null, fresh temp dir as cwd",
         "leftovers: its process group is killed after the call (and, with a uid of its own, every process of it)",
     ],
 }
