@@ -13,6 +13,7 @@ import http.server
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -82,6 +83,12 @@ def listener():
 
 def sandbox_processes() -> list[tuple[int, int, str]]:
     """(pid, uid, state) of every live (non-zombie) process whose real uid is a sandbox uid."""
+    return _processes_of(SANDBOX_UID_RANGE)
+
+
+def _processes_of(uids) -> list[tuple[int, int, str]]:
+    """(pid, uid, state) of every live (non-zombie) process whose real uid is in `uids` (a range or one uid)."""
+    uids = uids if isinstance(uids, range) else range(uids, uids + 1)
     out = []
     for d in pathlib.Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -93,7 +100,7 @@ def sandbox_processes() -> list[tuple[int, int, str]]:
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
         uid = int(fields["Uid"].split()[0])
         state = fields["State"].split()[0]
-        if uid in SANDBOX_UID_RANGE and state != "Z":
+        if uid in uids and state != "Z":
             out.append((int(d.name), uid, state))
     return out
 
@@ -414,6 +421,72 @@ def test_root_never_runs_code_unsandboxed(caps):
         pytest.skip("only where the fallback cannot drop privileges for this interpreter (root, venv under /root)")
     res = run_python("import os\nprint(os.getuid())", timeout_s=TIMEOUT_S, isolation="rlimits")
     assert res.error is not None and "refusing" in res.error and res.stdout == "" and res.exit_code is None
+
+
+_UNPRIVILEGED_SCRIPT = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+from stare_jax.tools import run_python, sandbox_capabilities
+port, trainer_pid = int(sys.argv[2]), int(sys.argv[3])
+caps = sandbox_capabilities()
+print(json.dumps({k: caps[k] for k in ("isolation", "root", "user_namespace", "uid_drop", "reasons")}))
+codes = {
+    "whoami": "import os\nprint(os.getuid(), open('/proc/self/status').read().split('CapEff:')[1].split()[0])",
+    "network": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=0.5)",
+    "write": "for p in ['/usr/x', '/etc/x', '/x']:\n    try:\n        open(p, 'w')\n        print(p, 'WROTE')\n"
+             "    except OSError as e:\n        print(p, e.strerror)",
+    "remount": "import os\nos.system('mount -o remount,rw /usr; unshare -Urm sh -c \"mount -o remount,rw /usr\"')\n"
+               "try:\n    open('/usr/x', 'w')\n    print('WROTE')\nexcept OSError as e:\n    print(e.strerror)",
+    "env": f"import os\nprint(sorted(os.environ))\nprint(open('/proc/{trainer_pid}/environ').read())",
+    "kill": f"import os\nos.kill({trainer_pid}, 9)",
+    "loop": "while True:\n    pass",
+    "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+    "memory": "x = bytearray(10 * 1024 ** 3)",
+    "background": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\nprint('bye')",
+}
+for name, code in codes.items():
+    r = run_python(code, timeout_s=1.0, memory_mb=512, max_processes=16)
+    print(json.dumps({"name": name, "stdout": r.stdout, "stderr": r.stderr[-400:], "exit_code": r.exit_code,
+                      "timed_out": r.timed_out, "error": r.error}))
+"""
+
+
+def test_user_namespace_mode_without_root(listener):
+    """Not root: the namespaces mode inside a new user namespace (the caller's uid, no capabilities). Run as the
+    unprivileged uid 65534 (setpriv) with the system interpreter, the same attacks, checked from outside."""
+    port, connected = listener
+    if os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON) or not shutil.which("setpriv"):
+        pytest.skip("needs root (to become an unprivileged user), setpriv and /usr/bin/python3")
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    check = subprocess.run(nobody + [SYSTEM_PYTHON, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+                                     "import stare_jax.tools"], capture_output=True, text=True, timeout=60)
+    if check.returncode != 0:
+        pytest.skip(f"uid 65534 cannot import stare_jax from {REPO}: {check.stderr.strip()[-200:]}")
+    secret = f"s3cret-{uuid.uuid4().hex}"
+    before = {p for p, uid, _ in _processes_of(65534)}
+    out = subprocess.run(nobody + [SYSTEM_PYTHON, "-c", _UNPRIVILEGED_SCRIPT, str(REPO), str(port), str(os.getpid())],
+                         capture_output=True, text=True, timeout=120, cwd="/",
+                         env={"PATH": "/usr/bin:/bin", "STARE_SANDBOX_TEST_SECRET": secret})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    caps, r = lines[0], {d["name"]: d for d in lines[1:]}
+    if caps["isolation"] != "namespaces":
+        pytest.skip("the kernel refuses unprivileged user namespaces here: " + "; ".join(caps["reasons"]))
+    assert caps["user_namespace"] and not caps["root"] and not caps["uid_drop"]
+    assert all(d["error"] is None for d in r.values()), r
+    assert r["whoami"]["stdout"] == "65534 0000000000000000\n"  # the caller's uid, no capability at all
+    assert "Network is unreachable" in r["network"]["stderr"] and not connected()
+    assert r["write"]["stdout"] == ("/usr/x Read-only file system\n/etc/x Read-only file system\n"
+                                    "/x Read-only file system\n")
+    # neither mount(8) nor a nested user namespace can make the read-only mounts writable again
+    assert r["remount"]["stdout"].endswith("Read-only file system\n") and "WROTE" not in r["remount"]["stdout"]
+    assert secret not in r["env"]["stdout"] + r["env"]["stderr"] and "FileNotFoundError" in r["env"]["stderr"]
+    assert r["kill"]["exit_code"] == 1 and "ProcessLookupError" in r["kill"]["stderr"]
+    assert r["loop"]["timed_out"] and r["fork_bomb"]["timed_out"]
+    assert r["memory"]["exit_code"] == 1 and "MemoryError" in r["memory"]["stderr"]
+    assert r["background"]["exit_code"] == 0 and r["background"]["stdout"] == "bye\n"
+    time.sleep(0.2)
+    assert {p for p, _, _ in _processes_of(65534)} <= before, "a process of the unprivileged user survived"
 
 
 # ------------------------------------------------------------------------------------------------ SandboxFusion

@@ -6,17 +6,18 @@ unsafe, and `preexec_fn` is a fork.
 
 Two modes (the spec's "mode"):
 
-namespaces (root, the default where the kernel allows it):
+namespaces (the default where the kernel allows it; as root, or else inside a new user namespace as well):
   launcher  (pid N in the host's pid namespace, own session: the trainer kills it and its group on a timeout)
-    unshare(mount, pid, net, ipc, uts) then fork:
-    init    (pid 1 of the new pid namespace; root; PR_SET_PDEATHSIG=SIGKILL so it dies with the launcher)
+    unshare(mount, pid, net, ipc, uts; and user, mapping only the caller's own uid, when not root) then fork:
+    init    (pid 1 of the new pid namespace; privileged in it; PR_SET_PDEATHSIG=SIGKILL: dies with the launcher)
       builds a fresh root: a small tmpfs with read-only bind mounts of the interpreter's directories only
       (/usr, /etc, the Python prefix, the venv), a private /tmp (the call's temp dir, size-capped tmpfs), a
       private /dev/shm, a minimal /dev (null, zero, full, random, urandom) and a /proc of the new pid namespace;
       pivot_root into it, detach the host's tree, remount the root read-only; then fork:
-      user  (pid 2; new session; rlimits CPU/AS/FSIZE/NPROC/NOFILE/CORE; no_new_privs; setgroups([]), gid/uid
-             dropped to the call's own unprivileged uid, so no capability is left; cwd /tmp; execs Python on
-             /tmp/main.py with the scrubbed environment)
+      user  (pid 2; rlimits CPU/AS/FSIZE/NPROC/NOFILE/CORE; no_new_privs; as root: setgroups([]) and gid/uid
+             dropped to the call's own unprivileged uid; in a user namespace: the caller's own (non-zero) uid,
+             whose capabilities go at exec; either way none is left; cwd /tmp; execs Python on /tmp/main.py
+             with the scrubbed environment)
     init reports the user process's wait status on the status pipe and exits; the kernel then SIGKILLs every
     other process of the namespace (a daemonised grandchild cannot outlive the call), and the mount namespace
     with its tmpfs goes with them.
@@ -43,10 +44,16 @@ import sys
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+# statvfs f_flag bit -> the mount flag that keeps it (in a user namespace the source's flags are locked: a
+# remount must repeat them)
+_KEEP = ((os.ST_NOEXEC, MS_NOEXEC), (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME),
+         (os.ST_RELATIME, MS_RELATIME))
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
@@ -106,10 +113,13 @@ def _mount_points_under(path: str) -> list[str]:
 
 
 def _bind_readonly(src: str, dst: str) -> None:
-    """Bind `src` (recursively) at `dst` and make every mount under it read-only and nosuid."""
+    """Bind `src` (recursively) at `dst` and make every mount under it read-only, nosuid and nodev (keeping its
+    noexec and atime flags)."""
     mount(src, dst, None, MS_BIND | MS_REC)
     for mp in _mount_points_under(dst):
-        mount(None, mp, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        f_flag = os.statvfs(mp).f_flag
+        keep = sum(ms for st, ms in _KEEP if f_flag & st)
+        mount(None, mp, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep)
 
 
 def build_root(spec: dict) -> None:
@@ -239,6 +249,21 @@ def sweep_uid(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
+def enter_namespaces(userns: bool) -> None:
+    """New mount, pid, network, IPC and UTS namespaces; without root also a new user namespace first, with the
+    caller's own uid and gid mapped to themselves (so the code, exec'd under that non-zero uid, holds no
+    capability in it; the launcher and init keep the ones unshare gave them, for the mounts)."""
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+    if not userns:
+        unshare(flags)
+        return
+    uid, gid = os.getuid(), os.getgid()
+    unshare(CLONE_NEWUSER | flags)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
 def main() -> None:
     spec = marshal.loads(bytes.fromhex(sys.argv[1]))
     if spec["mode"] == "sweep":  # the trainer's clean-up after it killed a fallback-mode call
@@ -248,7 +273,7 @@ def main() -> None:
     os.set_inheritable(status_fd, False)  # the code's process must not get it (closed on its exec)
     if spec["mode"] == "namespaces":
         try:
-            unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+            enter_namespaces(spec["userns"])
         except OSError as e:
             _report(status_fd, "error", f"sandbox: unshare failed: {e}")
             os._exit(125)
@@ -266,6 +291,7 @@ def main() -> None:
     _report(status_fd, "status", status)
     if spec["uid"] is None:
         os.killpg(0, signal.SIGKILL)  # no uid of its own: at least what is left in this process group (us too)
+
 
 if __name__ == "__main__":
     main()

@@ -9,16 +9,18 @@ file and run by a separate interpreter launched through `_sandbox_init.py` (whic
 its own process, so the trainer never forks).
 
 Isolation (`sandbox_capabilities()` says which applies on this machine; the README's "Sandbox" section too):
-- namespaces (running as root with a kernel that allows unshare; the default here and in CI): new mount, pid,
-  network, IPC and UTS namespaces; a fresh root filesystem holding only the interpreter's directories (read-only
-  bind mounts), a private size-capped tmpfs at /tmp (the call's directory: cwd, HOME, TMPDIR) and /dev/shm, a
-  minimal /dev and the namespace's own /proc; the code runs as an unprivileged uid of its own (setgroups([]),
-  no capabilities, no_new_privs) with RLIMIT_CPU / AS / FSIZE / NPROC / NOFILE / CORE. It sees no network
-  device but a down loopback, no host file (the repository, the data, /root: not mounted), no host process
-  (the trainer's pid and /proc/<pid>/environ do not exist in its namespace), can signal no process but its own,
-  and when its main process exits the namespace's init exits and the kernel kills whatever it left running.
-- rlimits (the fallback where namespaces are refused): the same limits, scrubbed environment, stdin at /dev/null and a
-  fresh temp dir as cwd; as root also the uid drop (when that uid can run the interpreter) and a kill of every
+- namespaces (where the kernel allows unshare; the default here and in CI, which run as root; without root
+  inside a new user namespace too, where the kernel allows unprivileged ones): new mount, pid, network, IPC and
+  UTS namespaces; a fresh root filesystem holding only the interpreter's directories (read-only bind mounts), a
+  private size-capped tmpfs at /tmp (the call's directory: cwd, HOME, TMPDIR) and /dev/shm, a minimal /dev and
+  the namespace's own /proc; the code runs as an unprivileged uid of its own (setgroups([]), no capabilities,
+  no_new_privs; without root: the caller's own uid, no capabilities after exec) with RLIMIT_CPU / AS / FSIZE /
+  NPROC / NOFILE / CORE. It sees no network device but a down loopback, no host file (the repository, the data,
+  /root: not mounted), no host process (the trainer's pid and /proc/<pid>/environ do not exist in its
+  namespace), can signal no process but its own, and when its main process exits the namespace's init exits and
+  the kernel kills whatever it left running.
+- rlimits (the fallback where namespaces are refused): the same limits, scrubbed environment, stdin at /dev/null
+  and a fresh temp dir as cwd; as root also the uid drop (when that uid can run the interpreter) and a kill of every
   process of that uid after the call. It does NOT block the network, nor reads of world-readable files, nor
   writes to world-writable places (/tmp, /dev/shm) - see the README.
 
@@ -172,6 +174,13 @@ _BLOCKS = {
         "leftovers: its process group is killed after the call (and, with a uid of its own, every process of it)",
     ],
 }
+# the namespaces mode without root: a user namespace maps only the caller's uid, so there is no uid to drop to
+_USERNS_BLOCKS = [
+    "signals: runs under the caller's own uid inside a new user namespace, with no capability left after exec; "
+    "the pid namespace leaves it no process outside the call to signal",
+    "privilege: no_new_privs; the read-only mounts were made by the namespace's init and cannot be undone without "
+    "capabilities",
+]
 _DOES_NOT_BLOCK = {
     "namespaces": ["kernel attack surface: same kernel, no seccomp filter (this is not a VM)",
                    "reads of the mounted system directories, /etc and the interpreter's installed packages"],
@@ -189,8 +198,9 @@ def sandbox_capabilities(python: str | None = None, refresh: bool = False) -> di
     """What isolation `run_python` gets on this machine for `python` (probed once per interpreter, by real calls):
 
     {"isolation": "namespaces" | "rlimits" | "refused" (what "auto" uses), "root": bool, "pid_namespace",
-     "net_namespace", "mount_namespace": bool, "fallback_uid_drop": bool (the rlimits mode runs the code under a
-     uid of its own), "python": path, "binds": [...], "blocks": [...], "does_not_block": [...],
+     "net_namespace", "mount_namespace": bool, "user_namespace": bool (namespaces without root), "uid_drop": bool
+     (namespaces as root: the code runs under a uid of its own), "fallback_uid_drop": bool (the same for the
+     rlimits mode), "python": path, "binds": [...], "blocks": [...], "does_not_block": [...],
      "reasons": [why a stronger level was not taken]}
 
     "refused": no namespaces, running as root, and the sandbox uid cannot run the interpreter (e.g. it lives
@@ -204,12 +214,13 @@ def sandbox_capabilities(python: str | None = None, refresh: bool = False) -> di
         return caps
 
 
-def _probe_uid(python: str, mode: str, binds: list[str]) -> tuple[bool, str]:
-    """Run a real call in `mode`; True when it ran under a sandbox uid."""
+def _probe_run(python: str, mode: str, binds: list[str], uid_drop: bool) -> tuple[bool, str]:
+    """Run a real call in `mode`; True when it ran under the expected uid (a sandbox uid when uid_drop, else ours)."""
     res = _run("import os; print(os.getuid())", timeout_s=20.0, memory_mb=1024, max_output_bytes=4096, max_file_mb=8,
-               max_processes=16, python=python, mode=mode, uid_drop=True, binds=binds)
-    ok = res.ok and res.stdout.strip().isdigit() and int(res.stdout) in SANDBOX_UID_RANGE
-    return ok, (res.error or res.stderr.strip()[-300:] or f"exit code {res.exit_code}")
+               max_processes=16, python=python, mode=mode, uid_drop=uid_drop, binds=binds)
+    uid = int(res.stdout) if res.ok and res.stdout.strip().isdigit() else None
+    ok = uid is not None and (uid in SANDBOX_UID_RANGE if uid_drop else uid == os.getuid())
+    return ok, (res.error or res.stderr.strip()[-300:] or f"exit code {res.exit_code}, uid {uid}")
 
 
 def _probe(python: str) -> dict:
@@ -217,28 +228,30 @@ def _probe(python: str) -> dict:
     reasons: list[str] = []
     binds: list[str] = []
     ns_ok = fallback_uid_drop = False
-    if not root:
-        reasons.append("namespaces: not running as root (the mount and pid namespaces and the uid drop need it)")
-    elif sys.platform != "linux":
+    if sys.platform != "linux":
         reasons.append(f"namespaces: not Linux ({sys.platform})")
     else:
         try:
             binds = _interpreter_binds(python)
-            ns_ok, why = _probe_uid(python, "namespaces", binds)
+            ns_ok, why = _probe_run(python, "namespaces", binds, uid_drop=root)
             if not ns_ok:
-                reasons.append(f"namespaces: probe failed: {why}")
+                what = "" if root else " (not root: in a new user namespace, which the kernel may refuse)"
+                reasons.append(f"namespaces{what}: probe failed: {why}")
         except Exception as e:  # noqa: BLE001 - any failure means: fall back, and say why
             reasons.append(f"namespaces: probe failed: {type(e).__name__}: {e}")
     if root:
-        fallback_uid_drop, why = _probe_uid(python, "rlimits", [])
+        fallback_uid_drop, why = _probe_run(python, "rlimits", [], uid_drop=True)
         if not fallback_uid_drop:
             reasons.append(f"rlimits: the sandbox uid cannot run {python} outside a namespace ({why}); as root the "
                            f"fallback is refused")
     mode = "namespaces" if ns_ok else "rlimits" if (fallback_uid_drop or not root) else "refused"
-    return {"isolation": mode, "root": root, "fallback_uid_drop": fallback_uid_drop, "pid_namespace": ns_ok,
-            "net_namespace": ns_ok, "mount_namespace": ns_ok, "python": python, "binds": binds,
-            "blocks": list(_BLOCKS.get(mode, [])), "does_not_block": list(_DOES_NOT_BLOCK.get(mode, [])),
-            "reasons": reasons}
+    blocks = list(_BLOCKS.get(mode, []))
+    if mode == "namespaces" and not root:
+        blocks = [b for b in blocks if not b.startswith(("signals", "privilege"))] + _USERNS_BLOCKS
+    return {"isolation": mode, "root": root, "user_namespace": ns_ok and not root, "uid_drop": ns_ok and root,
+            "fallback_uid_drop": fallback_uid_drop, "pid_namespace": ns_ok, "net_namespace": ns_ok,
+            "mount_namespace": ns_ok, "python": python, "binds": binds, "blocks": blocks,
+            "does_not_block": list(_DOES_NOT_BLOCK.get(mode, [])), "reasons": reasons}
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -277,7 +290,7 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 1024, max_
                        isolation=mode)
     return _run(code, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
                 max_file_mb=max_file_mb, max_processes=max_processes, python=python, mode=mode,
-                uid_drop=mode == "namespaces" or caps["fallback_uid_drop"], binds=caps["binds"])
+                uid_drop=caps["uid_drop"] if mode == "namespaces" else caps["fallback_uid_drop"], binds=caps["binds"])
 
 
 def _run(code: str, *, timeout_s: float, memory_mb: int, max_output_bytes: int, max_file_mb: int,
@@ -308,7 +321,8 @@ def _run(code: str, *, timeout_s: float, memory_mb: int, max_output_bytes: int, 
             env.update(HOME=cwd, TMPDIR=cwd)
         status_r, status_w = os.pipe()
         spec = {
-            "mode": mode, "host_dir": host_dir, "cwd": cwd, "status_fd": status_w, "binds": binds,
+            "mode": mode, "userns": os.geteuid() != 0, "host_dir": host_dir, "cwd": cwd, "status_fd": status_w,
+            "binds": binds,
             "tmpfs_mb": max_file_mb, "uid": uid, "gid": uid, "deadline_s": timeout_s + 1.0, "env": env,
             "argv": [python, "-E", "-s", "-u", "-X", "utf8", "-B", "/tmp/main.py" if mode == "namespaces" else script],
             "limits": {"cpu_s": int(timeout_s) + 1, "as_bytes": int(memory_mb) * 1024 * 1024,
