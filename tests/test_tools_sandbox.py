@@ -490,6 +490,10 @@ def test_user_namespace_mode_without_root(listener):
 
 
 # ------------------------------------------------------------------------------------------------ SandboxFusion
+_CANNED_STDOUT = {"print(6 * 7)": "42\n", "print('é' * 20)": "é" * 20 + "\n", "print(1)": "1\n", "print(2)": "2\n",
+                  "print(5)": "5\n"}
+
+
 class _FakeSandboxFusion(http.server.BaseHTTPRequestHandler):
     """Answers POST /run_code the way SandboxFusion documents it (a fake server; the client under test is real)."""
 
@@ -522,8 +526,8 @@ class _FakeSandboxFusion(http.server.BaseHTTPRequestHandler):
             time.sleep(2.0)
         run = {"status": "Finished", "execution_time": 0.01, "return_code": 0, "stdout": "", "stderr": ""}
         status = "Success"
-        if code.startswith("print("):
-            run["stdout"] = str(eval(code[6:-1])) + "\n"  # noqa: S307 - the fake server's own literal test inputs
+        if code in _CANNED_STDOUT:
+            run["stdout"] = _CANNED_STDOUT[code]
         elif code == "raise":
             run.update(status="Error", return_code=1, stderr="Traceback ...\nValueError: x\n")
             status = "Failed"
