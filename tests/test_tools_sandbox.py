@@ -5,11 +5,10 @@ sandbox uid is left, and the result says what happened.
 Most attacks need the namespaces mode (root, and a kernel that allows unshare; the case on the development
 machines and in CI): where it is not available they are skipped with the probe's reasons. The fallback (rlimits)
 mode is tested too, with the system interpreter (/usr/bin/python3, which the sandbox uid can run outside a
-namespace), for what it claims to block. The SandboxFusion client is real; its server here is a fake: a tiny local
-HTTP server answering in SandboxFusion's documented /run_code format."""
+namespace), for what it claims to block, and the user-namespace variant as an unprivileged user. (The SandboxFusion
+backend and ToolConfig have their own modules: tests/test_tools_sandbox_fusion.py, tests/test_tools_config.py.)"""
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import pathlib
@@ -17,17 +16,13 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import tracemalloc
 import uuid
 
 import pytest
 
-from stare_jax.options import ConfigError
-from stare_jax.tools import (ExecResult, SandboxFusionBackend, SandboxPool, ToolConfig, make_backend, make_pool,
-                             run_python, sandbox_capabilities)
-from stare_jax.tools.pool import LocalBackend
+from stare_jax.tools import ExecResult, SandboxPool, run_python, sandbox_capabilities
 from stare_jax.tools.sandbox import SANDBOX_UID_RANGE, default_python
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -487,120 +482,6 @@ def test_user_namespace_mode_without_root(listener):
     assert r["background"]["exit_code"] == 0 and r["background"]["stdout"] == "bye\n"
     time.sleep(0.2)
     assert {p for p, _, _ in _processes_of(65534)} <= before, "a process of the unprivileged user survived"
-
-
-# ------------------------------------------------------------------------------------------------ SandboxFusion
-_CANNED_STDOUT = {"print(6 * 7)": "42\n", "print('é' * 20)": "é" * 20 + "\n", "print(1)": "1\n", "print(2)": "2\n",
-                  "print(5)": "5\n"}
-
-
-class _FakeSandboxFusion(http.server.BaseHTTPRequestHandler):
-    """Answers POST /run_code the way SandboxFusion documents it (a fake server; the client under test is real)."""
-
-    requests: list[dict] = []
-
-    def log_message(self, *args):
-        pass
-
-    def _send(self, code: int, body: bytes) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        type(self).requests.append({"path": self.path, **req})
-        code = req["code"]
-        if self.path != "/run_code":
-            return self._send(404, b'{"detail": "Not Found"}')
-        if code == "http500":
-            return self._send(500, b"Internal Server Error")
-        if code == "garbage":
-            return self._send(200, b"<html>not json</html>")
-        if code == "sandbox_error":
-            return self._send(200, json.dumps({"status": "SandboxError", "message": "no executor",
-                                               "run_result": None}).encode())
-        if code == "slow":
-            time.sleep(2.0)
-        run = {"status": "Finished", "execution_time": 0.01, "return_code": 0, "stdout": "", "stderr": ""}
-        status = "Success"
-        if code in _CANNED_STDOUT:
-            run["stdout"] = _CANNED_STDOUT[code]
-        elif code == "raise":
-            run.update(status="Error", return_code=1, stderr="Traceback ...\nValueError: x\n")
-            status = "Failed"
-        elif code == "loop":
-            run.update(status="TimeLimitExceeded", return_code=None, stdout="partial")
-            status = "Failed"
-        self._send(200, json.dumps({"status": status, "message": "", "compile_result": None, "run_result": run,
-                                    "executor_pod_name": None, "files": {}}).encode())
-
-
-@pytest.fixture
-def fake_sandbox_fusion():
-    _FakeSandboxFusion.requests = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeSandboxFusion)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
-
-
-def test_sandbox_fusion_backend(fake_sandbox_fusion):
-    backend = SandboxFusionBackend(fake_sandbox_fusion, timeout_s=3.0, memory_mb=256, max_output_bytes=1000,
-                                   request_timeout_s=1.0)
-    res = backend.run("print(6 * 7)")
-    assert (res.stdout, res.stderr, res.exit_code, res.timed_out, res.truncated) == ("42\n", "", 0, False, False)
-    assert res.ok and res.isolation == "sandbox_fusion"
-    sent = _FakeSandboxFusion.requests[-1]
-    assert sent["path"] == "/run_code" and sent["code"] == "print(6 * 7)" and sent["language"] == "python"
-    assert sent["run_timeout"] == 3.0 and sent["memory_limit_MB"] == 256
-    long = SandboxFusionBackend(fake_sandbox_fusion, max_output_bytes=8).run("print('é' * 20)")
-    assert long.truncated and long.stdout == "é" * 4  # 8 bytes of UTF-8, not cut inside a character
-    err = backend.run("raise")
-    assert err.exit_code == 1 and "ValueError" in err.stderr and err.error is None
-    loop = backend.run("loop")
-    assert loop.timed_out and loop.killed_by == "timeout" and loop.exit_code == -9 and loop.stdout == "partial"
-    for code, words in (("sandbox_error", "SandboxError: no executor"), ("http500", "HTTP 500"),
-                        ("garbage", "not a run_code response"), ("slow", "request to")):
-        res = backend.run(code)
-        assert res.error is not None and words in res.error and res.exit_code is None, (code, res)
-    # the /run_code URL itself is accepted too; a server that is not there is a failed call, not an exception
-    assert SandboxFusionBackend(fake_sandbox_fusion + "/run_code/").run("print(1)").stdout == "1\n"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        closed_port = s.getsockname()[1]
-    gone = SandboxFusionBackend(f"http://127.0.0.1:{closed_port}", request_timeout_s=1.0).run("print(1)")
-    assert gone.error is not None and "refused" in gone.error.lower()
-    with SandboxPool(2, backend=backend) as pool:
-        assert [r.stdout for r in pool.map(["print(1)", "print(2)"])] == ["1\n", "2\n"]
-    with pytest.raises(ValueError, match="http"):
-        SandboxFusionBackend("localhost:8080")
-
-
-# ------------------------------------------------------------------------------------------------ config
-def test_tool_config(fake_sandbox_fusion):
-    cfg = ToolConfig()
-    assert (cfg.backend, cfg.timeout_s, cfg.max_workers, cfg.isolation) == ("local", 5.0, 4, "auto")
-    backend = make_backend(ToolConfig(timeout_s=2.0, memory_mb=512, max_output_bytes=100))
-    assert isinstance(backend, LocalBackend)
-    assert (backend.timeout_s, backend.memory_mb, backend.max_output_bytes) == (2.0, 512, 100)
-    sf = make_backend(ToolConfig(backend="sandbox_fusion", sandbox_fusion_url=fake_sandbox_fusion, timeout_s=2.0))
-    assert isinstance(sf, SandboxFusionBackend) and sf.endpoint == fake_sandbox_fusion + "/run_code"
-    pool = make_pool(ToolConfig(backend="sandbox_fusion", sandbox_fusion_url=fake_sandbox_fusion, max_workers=3))
-    with pool:
-        assert pool.max_workers == 3 and pool.submit("print(5)").result().stdout == "5\n"
-    for bad, words in ((dict(timeout_s=0), "'timeout_s' = 0 is out of range"),
-                       (dict(max_workers=0), "'max_workers' = 0 is out of range"),
-                       (dict(backend="docker"), "'backend' = 'docker' is not accepted"),
-                       (dict(backend="sandbox_fusion"), "needs 'sandbox_fusion_url'"),
-                       (dict(sandbox_fusion_url="localhost:8080"), "not an http(s) URL"),
-                       (dict(memory_mb="1G"), "'memory_mb' = '1G' has the wrong type")):
-        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
-            ToolConfig(**bad)
 
 
 def test_bad_arguments_are_the_callers_errors():
