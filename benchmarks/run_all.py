@@ -20,7 +20,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS = ("model_fwd_bwd", "sampler_bench", "stare_overhead", "stare_select_impls", "reward_throughput",
-              "logprob_memory")
+              "sandbox_throughput", "logprob_memory")
 
 
 def run_one(name: str, timeout_s: float, extra: list[str]) -> dict:

@@ -1,7 +1,7 @@
 """Imports point down (../shared/design/DESIGN.md: "no module reaching back up the chain"), checked on the source
 with `ast`, so function-local imports count as much as module-level ones.
 
-The lower layers (rewards, sampling, tasks, data, rl, models, and rollouts, which train and eval use) import
+The lower layers (rewards, sampling, tasks, data, rl, models, tools, and rollouts, which train and eval use) import
 nothing from the top of the package: the training loop and its entry points (train, toy, plan, cli, policy, demo,
 sft).  The pieces a reward or a sampler
 needs are lower still: rewards, sampling and tasks also stay off the checkpoint import/export (models.hf_io).
@@ -16,7 +16,7 @@ import pytest
 
 PKG_DIR = pathlib.Path(__file__).resolve().parent.parent / "stare_jax"
 
-LOWER = ("rewards", "sampling", "tasks", "data", "rl", "models", "rollouts")
+LOWER = ("rewards", "sampling", "tasks", "data", "rl", "models", "rollouts", "tools")
 TOP = ("train", "toy", "plan", "cli", "policy", "demo", "sft")
 # extra modules a layer must not import, on top of TOP
 EXTRA = {"rewards": ("models.hf_io",), "sampling": ("models.hf_io",), "tasks": ("models.hf_io",)}
