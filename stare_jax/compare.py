@@ -111,7 +111,7 @@ def run_compare(run_dir: str | pathlib.Path, methods: Sequence[str] = DEFAULT_ME
     methods = parse_methods(methods)
     if not seeds or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
         raise TrainingError(f"compare: seeds {list(seeds)} must be distinct integers >= 0")
-    if not jax.config.jax_compilation_cache_dir:  # the arms compile the same sampler and eval programs: compile once
+    if not getattr(jax.config, "jax_compilation_cache_dir"):  # the arms share the sampler and eval programs
         jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(".cache") / "jax"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     t0 = time.time()

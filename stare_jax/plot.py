@@ -169,10 +169,11 @@ def build_figure(
     groups = list(colour_groups) if colour_groups is not None else list(range(len(runs)))
     group_index = {g: i for i, g in enumerate(dict.fromkeys(groups))}
 
+    ax_gate: Any = None  # gate and W/M panels: not in the compact form
+    ax_w: Any = None
     if compact:
         fig = Figure(figsize=(13, 9), layout="constrained")
         ax_h, ax_r, ax_acc, ax_len = fig.subplots(2, 2).ravel()
-        ax_gate = ax_w = None
     else:
         fig = Figure(figsize=(12, 11.5), layout="constrained")
         ax_h, ax_r, ax_acc, ax_len, ax_gate, ax_w = fig.subplots(3, 2).ravel()

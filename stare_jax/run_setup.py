@@ -171,9 +171,11 @@ def reference_params(cfg: Config, params, mesh=None, *, log: Callable[[str], Non
         raise TrainingError(f"rl.kl.reference = {ref!r} is neither 'initial' nor a Hugging Face folder (no "
                             f"config.json there)")
     _, loaded, _ = split_model(models.from_pretrained(path, mesh=mesh, **cfg.model.architecture_overrides()))
-    want = jax.tree.map(lambda x: (x.shape, x.dtype), params)
-    got = jax.tree.map(lambda x: (x.shape, x.dtype), loaded)
-    if jax.tree.structure(loaded) != jax.tree.structure(params) or jax.tree.leaves(got) != jax.tree.leaves(want):
+
+    def layout(tree):
+        return [(jax.tree_util.keystr(k), x.shape, x.dtype) for k, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+    if layout(loaded) != layout(params):
         raise TrainingError(f"rl.kl.reference = {ref!r}: its parameters differ from the policy's (another "
                             f"architecture or size); the reference must be the policy's architecture")
     log(f"rl.kl.reference: frozen reference policy loaded from {ref}")

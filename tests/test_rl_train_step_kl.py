@@ -167,3 +167,30 @@ def test_entropy_advantage_through_the_step(setup):
     np.testing.assert_allclose(float(met["loss"]), np_agg(-tok_adv * lm, lm, "token-mean"), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(met["entropy_adv/bonus_mean"]), ((tok_adv - adv) * lm).sum() / lm.sum(),
                                rtol=1e-5)
+
+
+def test_reference_from_a_folder_or_initial_and_bad_references(tmp_path):
+    """run_setup.reference_params: 'initial' = a copy of the given (starting) params; a Hugging Face folder = its
+    weights on the policy's shardings; another architecture or a missing folder is a TrainingError naming
+    rl.kl.reference."""
+    from stare_jax import models
+    from stare_jax.config import load_config
+    from stare_jax.run_setup import TrainingError, reference_params
+
+    models.save_pretrained(init_model(MODEL, seed=1), tmp_path / "ref")
+    models.save_pretrained(init_model(MODEL.replace(hidden_size=16), seed=1),
+                           tmp_path / "other")
+    params = split_model(init_model(MODEL, seed=0))[1]
+    init = reference_params(load_config(None, ["rl.kl.reference=initial"]), params)
+    for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a is not b  # a copy: the train state's params are donated to the step
+    folder = reference_params(load_config(None, [f"rl.kl.reference={tmp_path / 'ref'}"]), params, log=print)
+    want = split_model(models.from_pretrained(tmp_path / "ref"))[1]
+    for a, b in zip(jax.tree.leaves(folder), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert reference_params(load_config(None), params) is None
+    with pytest.raises(TrainingError, match=r"rl.kl.reference = '.*other': its parameters differ"):
+        reference_params(load_config(None, [f"rl.kl.reference={tmp_path / 'other'}"]), params)
+    with pytest.raises(TrainingError, match=r"rl.kl.reference = '.*nowhere' is neither 'initial' nor"):
+        reference_params(load_config(None, [f"rl.kl.reference={tmp_path / 'nowhere'}"]), params)
