@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from stare_jax.config import Config, ConfigError, config_from_dict, load_config, parse_override, save_config, to_dict
+from stare_jax.run_setup import train_step_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -196,8 +197,6 @@ def test_kl_and_advantage_errors_name_key_and_source(overrides, fragment):
 
 
 def test_kl_and_advantage_sections_reach_the_step_config():
-    from stare_jax.run_setup import train_step_config
-
     cfg = load_config(None, ["rl.kl.coef=0.001", "rl.kl.reference=initial", "rl.advantage.entropy_adv=true",
                              "rl.group_size=4", "rl.norm_adv_by_std=false"])
     t = train_step_config(cfg)

@@ -15,6 +15,7 @@ import yaml
 
 from stare_jax.config import load_config, to_dict
 from stare_jax.models import PRESETS
+from stare_jax.plan import estimate, phase_peaks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAPER = ROOT / "configs" / "paper"
@@ -61,8 +62,6 @@ def test_grpo_kl_arm_is_grpo_ds_with_verls_grpo_recipe(cfgs, model):
 def test_grpo_kl_plan_counts_the_reference_and_fits(model):
     """The estimate with the reference minus the same config without it is exactly the reference's bytes (the
     policy's parameters, sharded like them) in both phases, and the arm still fits its slice and GPU alternative."""
-    from stare_jax.plan import estimate, phase_peaks
-
     with_ref = estimate(load_config(_path(model, KL_ARM)))
     without = estimate(load_config(_path(model, KL_ARM), ["rl.kl.coef=0", "rl.kl.reference=null"]))
     ref = with_ref["memory_bytes"]["train/reference_params"]

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from stare_jax import models
+from stare_jax.config import load_config
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.rl.advantage_config import AdvantageConfig
@@ -18,6 +20,7 @@ from stare_jax.rl.kl_config import KLConfig
 from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.train_step import (OptimizerConfig, TrainStepConfig, init_train_state, make_train_step,
                                      place_train_state, shift_batch, split_model)
+from stare_jax.run_setup import TrainingError, reference_params
 
 from _rl_fixtures import np_agg, random_train_batch
 
@@ -173,10 +176,6 @@ def test_reference_from_a_folder_or_initial_and_bad_references(tmp_path):
     """run_setup.reference_params: 'initial' = a copy of the given (starting) params; a Hugging Face folder = its
     weights on the policy's shardings; another architecture or a missing folder is a TrainingError naming
     rl.kl.reference."""
-    from stare_jax import models
-    from stare_jax.config import load_config
-    from stare_jax.run_setup import TrainingError, reference_params
-
     models.save_pretrained(init_model(MODEL, seed=1), tmp_path / "ref")
     models.save_pretrained(init_model(MODEL.replace(hidden_size=16), seed=1),
                            tmp_path / "other")
