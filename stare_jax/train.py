@@ -4,8 +4,9 @@ One RL step (the paper's Algorithm 1; DESIGN.md's data flow), each a named stage
     collect   (rollouts.collect_batch)  PromptStream -> Sampler: G rollouts per prompt -> verifier: rewards
                                         -> dynamic sampling (top up from further generation batches) -> advantages
                                         -> train batch
-    update    (Run.update)              the jitted step: no-grad pass (old log-probs, entropy) -> gate/W/M -> omega
-                                        -> micro-batch scan -> AdamW
+    update    (Run.update)              the jitted step: no-grad pass (old log-probs, entropy; the frozen
+                                        reference's log-probs with rl.kl) -> gate/W/M -> omega -> micro-batch scan
+                                        -> AdamW
     record    (step_record)             one flat metrics record per step
     evaluate  (Run.evaluate)            periodic avg@N on the eval sets
     checkpoint (Run.save)               orbax checkpoints with the data iterator state

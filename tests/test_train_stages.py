@@ -136,7 +136,8 @@ def test_kl_reference_is_the_starting_policy_also_after_resume(toy_cache, tmp_pa
     over = [f"toy.cache_dir={toy_cache}", *TINY, "rl.kl.reference=initial", "rl.kl.coef=0.01",
             "checkpoint.every_steps=1", "total_steps=2", "logging.eval_every_steps=0"]
     cfg = load_config("configs/tiny_cpu_grpo_kl.yaml", over)
-    run_training(cfg, tmp_path / "run", log=lambda *_: None)
+    summary = run_training(cfg, tmp_path / "run", log=lambda *_: None)
+    assert summary["new_compiles_per_step"][1:] == [0]  # the step with the reference: no recompile after warm-up
     recs = read_metrics(tmp_path / "run")
     assert recs[0]["kl"] == 0.0 and recs[1]["kl"] > 0  # the reference is the policy before the first update
     r = open_run(cfg, tmp_path / "run", resume=True, log=lambda *_: None)
