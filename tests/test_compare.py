@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from stare_jax import cli
 from stare_jax.compare import DEFAULT_METHODS, JSON_NAME, METHODS, PLOT_NAME, TABLE_COLUMNS, TABLE_NAME, run_compare
 from stare_jax.config import load_config
 from stare_jax.demo import CONFIGS
@@ -45,6 +46,9 @@ def test_two_methods_one_seed(tmp_path):
     again = run_compare(run, ["grpo_ds", "grpo_kl"], [0], over, log=logs.append)
     assert json.loads((run / JSON_NAME).read_text())["reused"] == ["grpo_ds-seed0", "grpo_kl-seed0"]
     assert again["wall_s"] < out["wall_s"]
+    # another setting on the same folder is refused with the changed key (demo.train_arm, shared with the demo)
+    with pytest.raises(TrainingError, match=r"grpo_ds-seed0 was trained with other settings.*rl.clip_high"):
+        run_compare(run, ["grpo_ds"], [0], [*over, "rl.clip_high=0.3"], log=logs.append)
 
 
 def test_bad_input(tmp_path):
@@ -55,3 +59,14 @@ def test_bad_input(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(TrainingError, match="is a file"):
         run_compare(tmp_path / "file", ["grpo_ds"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--methods", "grpo,stare_o1"], "unknown method(s) ['grpo']"),
+    (["--seeds", "0,x"], "--seeds '0,x': expected comma-separated integers"),
+    (["--config", "configs/tiny_cpu_stare.yaml"], "--config is not used"),
+])
+def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path):
+    code = cli.main(["compare", "--run-dir", str(tmp_path / "cmp"), *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
