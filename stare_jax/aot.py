@@ -16,9 +16,10 @@ Nothing here is a copy of a program: the run's own code paths are given abstract
   (our per-device FLOPs / XLA's body-once FLOPs): an approximation, labelled as such.
 - Collectives are read from the optimized HLO text (count and output bytes by kind, as they appear in the
   program: a collective inside a loop body is listed once).
-- Phases: sampling = the sampler program + the train state (params + AdamW moments) that stays resident; the
-  weight reshard = its program + the optimizer moments; training = the train step (its arguments are the train
-  state and batch; the sampler's copy is released before it, see Sampler.release).
+- Phases: sampling = the sampler program + the train state (params + AdamW moments) and the frozen reference policy
+  (rl.kl; the policy's shapes and shardings) that stay resident; the weight reshard = its program + the optimizer
+  moments + the reference; training = the train step (its arguments are the train state, the batch and the
+  reference; the sampler's copy is released before it, see Sampler.release).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from stare_jax import models
 from stare_jax.models.sharding import make_mesh, mesh_for_config
 from stare_jax.plan import GiB, estimate, parse_accelerator, phase_peaks, run_model_config
 from stare_jax.rl.stare import init_stare_state
-from stare_jax.rl.train_step import BATCH_KEYS, ShardedStep, init_train_state, make_train_step
+from stare_jax.rl.train_step import ShardedStep, init_train_state, make_train_step
 from stare_jax.run_setup import train_step_config
 from stare_jax.sampling import Sampler, next_bucket
 from stare_jax.sampling.sharding import reshard_program, sampler_param_sharding
@@ -280,12 +281,14 @@ def compile_train_step(cfg, tcfg, model, mesh) -> tuple[Any, Program]:
     step = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
     assert isinstance(step, ShardedStep)  # a mesh is given
     B, L = train_batch_shape(cfg)
-    batch = {k: jax.ShapeDtypeStruct((B,) if k == "advantages_B" else (B, L),
-                                     jnp.float32 if k == "advantages_B" else jnp.int32,
+    batch = {k: jax.ShapeDtypeStruct((B,) if k.endswith("_B") else (B, L),
+                                     jnp.float32 if k.endswith("_B") else jnp.int32,
                                      sharding=step.batch_shardings[k])
-             for k in BATCH_KEYS}
+             for k in step.keys}
     stare_state = jax.tree.map(lambda x: _abstract(x, rep), jax.eval_shape(lambda: init_stare_state(tcfg.stare)))
-    traced = step.trace(train_state, batch, stare_state)
+    # the frozen reference policy (rl.kl): abstract parameters with the policy's shapes, dtypes and shardings
+    ref = (train_state.params,) if step.with_ref else ()
+    traced = step.trace(train_state, batch, stare_state, *ref)
     return train_state, Program.compile("train_step", traced, step.context, mesh.size)
 
 
@@ -363,12 +366,13 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
 
     params_b = tree_bytes_per_device(train_state.params)
     opt_b = tree_bytes_per_device(train_state.opt_state)
-    resident_train = params_b + opt_b
+    ref_b = params_b if tcfg.kl.enabled else 0  # the reference: the policy's shapes and shardings, no optimizer state
+    resident_train = params_b + opt_b + ref_b
     t, r, s = programs["train_step"], programs["weight_reshard"], programs["sampler"]
     phases = {
-        "sampling": {"peak_bytes": max(s.peak_bytes + resident_train, r.peak_bytes + opt_b),
+        "sampling": {"peak_bytes": max(s.peak_bytes + resident_train, r.peak_bytes + opt_b + ref_b),
                      "program_peak_bytes": s.peak_bytes, "resident_bytes": resident_train,
-                     "reshard_peak_bytes": r.peak_bytes + opt_b},
+                     "reshard_peak_bytes": r.peak_bytes + opt_b + ref_b},
         "training": {"peak_bytes": t.peak_bytes, "program_peak_bytes": t.peak_bytes, "resident_bytes": 0},
     }
     hbm = hbm_bytes_per_device(topology, devices)
@@ -382,7 +386,8 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
         "hbm_bytes_per_device": hbm, "sampler_key": key,
         "sampler_reused": reuse_sampler is not None,
         "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
-        "state_bytes_per_device": {"params": params_b, "optimizer": opt_b, "sampler_weights": sampler_weights_b},
+        "state_bytes_per_device": {"params": params_b, "optimizer": opt_b, "reference_params": ref_b,
+                                   "sampler_weights": sampler_weights_b},
         "phases": phases, "peak_bytes": peak,
         "fits": None if hbm is None else bool(peak <= (1 - HEADROOM) * hbm),
         "estimate": est,

@@ -1,6 +1,8 @@
 """The `stare-jax` command line: one entry point with subcommands.
 
   stare-jax demo     [--run-dir DIR] [KEY=VALUE ...]  the README's main job: both arms of the embedded CPU default
+  stare-jax compare  [--run-dir DIR] [--methods a,b] [--seeds 0,1] [KEY=VALUE ...]  the entropy-control methods on
+                     the embedded CPU default: one plot, one table
   stare-jax eval     --checkpoint DIR --benchmarks a,b [--limit N] [--n N]   avg@N / pass@k per benchmark
   stare-jax export   RUN_DIR OUT_DIR [--step S]      a training checkpoint as a Hugging Face folder
   stare-jax plot     RUN_DIR [RUN_DIR ...] [--out PNG]  overlaid curves + summary table (a folder of runs: its runs)
@@ -35,6 +37,7 @@ import yaml
 from tokenizers import Tokenizer, decoders, models as tok_models, pre_tokenizers
 
 from stare_jax import aot, models
+from stare_jax.compare import DEFAULT_METHODS, METHODS, parse_methods, run_compare
 from stare_jax.checkpoint import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from stare_jax.config import ConfigError, load_config, save_config, to_dict
 from stare_jax.data.prompts import DataError, format_prompt
@@ -275,6 +278,21 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_compare(args) -> int:
+    """The entropy-control methods on the embedded CPU default: compare.png + compare.md/json in the run folder."""
+    if args.config:
+        raise UsageError("--config is not used (compare runs configs/tiny_cpu_<method>.yaml); pass KEY=VALUE "
+                         "overrides instead")
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. 0,1,2") from None
+    result = run_compare(args.run_dir, parse_methods(args.methods), seeds, args.overrides)
+    if result["stopped"]:
+        print(f"compare: stopped during {result['stopped']}; run the same command again to continue")
+    return 0
+
+
 def _cmd_plot(args) -> int:
     run_dirs = expand_run_dirs(args.run_dirs)
     for d in run_dirs:
@@ -364,6 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default="runs/demo")
     _add_config_args(p)
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("compare", help="entropy-control methods side by side on the embedded CPU default: plot + "
+                                       "table")
+    p.add_argument("--run-dir", default="runs/compare")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated, from: {', '.join(METHODS)} (default: %(default)s)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (default: %(default)s)")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("eval", help="avg@N / pass@k on math benchmarks (the paper's protocol)")
     p.add_argument("--checkpoint", required=True, help="HF folder or training run folder")

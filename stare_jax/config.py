@@ -19,6 +19,8 @@ import yaml
 from stare_jax.models.config import AttentionImpl, RematPolicy
 from stare_jax.models.config import ModelConfig as ArchitectureConfig
 from stare_jax.options import ConfigError, check_range, coerce, option
+from stare_jax.rl.advantage_config import AdvantageConfig
+from stare_jax.rl.kl_config import KLConfig
 from stare_jax.rl.optimizer_config import OptimizerConfig
 from stare_jax.rl.policy_loss_config import TOKEN_LEVEL, PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare_config import StareConfig
@@ -124,10 +126,29 @@ class RLConfig:
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     entropy_coeff: float = option(0.0, lo=0.0, doc="entropy bonus (verl): loss -= entropy_coeff * agg(entropy)")
     token_filter: TokenFilterConfig = field(default_factory=TokenFilterConfig)
+    kl: KLConfig = field(default_factory=KLConfig)  # frozen reference policy + KL penalty (stare_jax/rl/kl_config.py)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)  # W-REINF, EntroAdv
 
     def __post_init__(self):
         """Combinations of the sections that are rejected (ConfigError naming the keys)."""
         name = self.policy_loss.name
+        adv = self.advantage
+        if adv.entropy_adv and self.stare.enabled:
+            raise ConfigError("rl.advantage.entropy_adv: true cannot be combined with rl.stare.enabled: true: both "
+                              "reshape the advantage of high-entropy / high-surprisal tokens to control entropy; "
+                              "compare them as separate arms")
+        if adv.entropy_adv and name not in TOKEN_LEVEL:
+            raise ConfigError(f"rl.advantage.entropy_adv: true needs a token-level loss; rl.policy_loss.name = "
+                              f"{name!r} is sequence-level (token-level: {', '.join(TOKEN_LEVEL)})")
+        if adv.estimator == "w_reinforce":
+            if self.kl.as_reward:
+                raise ConfigError("rl.kl.use_as = 'reward' cannot be combined with rl.advantage.estimator = "
+                                  "'w_reinforce': W-REINF's advantage comes from correctness alone (lambda / -1), "
+                                  "there is no reward for the KL penalty to enter; use rl.kl.use_as: loss")
+            if self.overlong_buffer:
+                raise ConfigError(f"rl.overlong_buffer = {self.overlong_buffer} cannot be combined with "
+                                  f"rl.advantage.estimator = 'w_reinforce' (its advantage ignores reward shaping); "
+                                  f"set rl.overlong_buffer: 0")
         if name == "stare" and not self.stare.enabled:
             raise ConfigError("rl.policy_loss.name = 'stare' needs rl.stare.enabled: true (STARE is the vanilla "
                               "loss weighted by omega; name 'vanilla' with rl.stare.enabled is the same)")

@@ -8,6 +8,7 @@ the overlaid curves, a summary table and the checks of the paper's central pictu
 """
 from __future__ import annotations
 
+import json
 import pathlib
 import time
 from typing import Callable, Sequence
@@ -69,6 +70,38 @@ def _checkpoint_steps(arm_dir: pathlib.Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
 
 
+def train_arm(arm: str, cfg, arm_dir: pathlib.Path, *, what: str = "demo",
+              log: Callable[[str], None] = print) -> dict:
+    """Train one arm into arm_dir, continuing it from its checkpoint when interrupted and reusing it when finished
+    (the same config is required: a changed setting stops with the changed keys). Returns {"reused": bool,
+    "stopped": None or where a stop signal ended it, "wall_s": the arm's training wall time (a reused arm: the
+    time its summary.json recorded)}."""
+    done = _checkpoint_steps(arm_dir)
+    if done:
+        try:
+            check_resume_config(arm_dir, cfg, allow=False, run_dir=str(arm_dir))
+        except ConfigChangeError as e:
+            raise TrainingError(f"{what}: {arm_dir} was trained with other settings ({e.summary()}); run the "
+                                f"{what} with the overrides it was started with, or pass a new --run-dir") from None
+    elif (arm_dir / "metrics.jsonl").exists():
+        raise TrainingError(f"{what}: {arm_dir} holds an arm that stopped before its first checkpoint; delete "
+                            f"{arm_dir} or pass a new --run-dir")
+    if done and done[-1] >= cfg.total_steps:
+        log(f"{what}: arm {arm} already finished in {arm_dir} ({done[-1]} steps), reusing it")
+        summary = json.loads((arm_dir / "summary.json").read_text()) if (arm_dir / "summary.json").exists() else {}
+        return {"reused": True, "stopped": None, "wall_s": summary.get("wall_s")}
+    log(f"{what}: training arm {arm} -> {arm_dir}" if not done else
+        f"{what}: continuing arm {arm} in {arm_dir} from its checkpoint at step {done[-1]}")
+    summary = run_training(cfg, arm_dir, resume=bool(done), log=log)
+    stopped = None
+    if summary["stopped"]:
+        step = (summary.get("last") or {}).get("step", "?")
+        stopped = f"{arm} after step {step}"
+        log(f"{what}: stopped by a signal during arm {arm} after step {step} (saved); run the same command again "
+            f"to continue from there")
+    return {"reused": False, "stopped": stopped, "wall_s": summary["wall_s"]}
+
+
 def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *,
              log: Callable[[str], None] = print) -> dict:
     """Train both arms into run_dir/<arm>, then write run_dir/curves.png and run_dir/summary.md.
@@ -83,31 +116,13 @@ def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *,
     dirs: list[pathlib.Path] = []
     reused: list[str] = []
     for arm, cfg_file in ARMS:
-        cfg = load_config(CONFIGS / cfg_file, overrides)
         arm_dir = run_dir / arm
-        done = _checkpoint_steps(arm_dir)
-        if done:
-            try:
-                check_resume_config(arm_dir, cfg, allow=False, run_dir=str(arm_dir))
-            except ConfigChangeError as e:
-                raise TrainingError(f"demo: {arm_dir} was trained with other settings ({e.summary()}); run the demo "
-                                    f"with the overrides it was started with, or pass a new --run-dir") from None
-        elif (arm_dir / "metrics.jsonl").exists():
-            raise TrainingError(f"demo: {arm_dir} holds an arm that stopped before its first checkpoint; delete "
-                                f"{arm_dir} or pass a new --run-dir")
-        if done and done[-1] >= cfg.total_steps:
-            log(f"demo: arm {arm} already finished in {arm_dir} ({done[-1]} steps), reusing it")
+        result = train_arm(arm, load_config(CONFIGS / cfg_file, overrides), arm_dir, log=log)
+        if result["stopped"]:
+            return {"run_dirs": [str(d) for d in dirs + [arm_dir]], "stopped": result["stopped"],
+                    "wall_s": time.time() - t0}
+        if result["reused"]:
             reused.append(arm)
-        else:
-            log(f"demo: training arm {arm} ({cfg_file}) -> {arm_dir}" if not done else
-                f"demo: continuing arm {arm} in {arm_dir} from its checkpoint at step {done[-1]}")
-            summary = run_training(cfg, arm_dir, resume=bool(done), log=log)
-            if summary["stopped"]:
-                step = (summary.get("last") or {}).get("step", "?")
-                log(f"demo: stopped by a signal during arm {arm} after step {step} (saved); run the same command "
-                    f"again to continue from there")
-                return {"run_dirs": [str(d) for d in dirs + [arm_dir]], "stopped": f"{arm} after step {step}",
-                        "wall_s": time.time() - t0}
         dirs.append(arm_dir)
     plot = plot_runs(dirs, run_dir / "curves.png", title="embedded CPU default: GRPO-ds vs STARE-O1")
     checks = demo_checks(*dirs)

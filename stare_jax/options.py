@@ -51,6 +51,9 @@ def coerce(value: Any, tp, key: str, where: str) -> Any:
     ConfigError names `where` (file, override or class) and the dotted `key`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
+        alts = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is not None and len(alts) == 1:  # Optional[X]: X's own message (choices, closest match)
+            return coerce(value, alts[0], key, where)
         for alt in typing.get_args(tp):
             try:
                 return coerce(value, alt, key, where)

@@ -172,6 +172,8 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "logits_chunks": mb_seqs_dev * min(cfg.rl.logprob_chunk_size, seq_len) * (V / tensor) * 4 * 3,
         "vocab_tables": V * d * (4 + 3 * cb) / tensor,
     }
+    if cfg.rl.kl.enabled:  # the frozen reference policy: the policy's parameters and shardings, no optimizer state
+        mem["reference_params"] = P * pb / shard
     # one sampler call holds sampling.max_prompts_per_call prompts (0: the whole generation batch), padded as the
     # sampler pads them (Sampler.batch_bucket)
     call_prompts = min(cfg.rl.gen_batch_size, cfg.sampling.max_prompts_per_call or cfg.rl.gen_batch_size)
@@ -183,7 +185,7 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         / min(tensor, model_cfg.num_kv_heads),
         "sampler_logits": gen_seqs_dev * (V / tensor) * 4 * 2,
     }
-    resident = mem["params"] + mem["optimizer"]
+    resident = mem["params"] + mem["optimizer"] + mem.get("reference_params", 0.0)
     train_peak = sum(mem.values())
     sample_peak = resident + sum(sampling.values())
     peak = max(train_peak, sample_peak)
@@ -194,7 +196,7 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     recompute = 2 if model_cfg.remat_policy == "full" else 0
     flops = {
         "generation": gen_tokens * (2 * P + attn),
-        "old_logprob_pass": train_tokens * (2 * P + attn),
+        "old_logprob_pass": train_tokens * (2 * P + attn) * (2 if cfg.rl.kl.enabled else 1),  # + the reference
         "train_fwd_bwd": cfg.rl.ppo_epochs * train_tokens * ((6 + recompute) * P + 3 * attn),
     }
     total_flops = sum(flops.values())
@@ -231,7 +233,7 @@ def phase_peaks(plan: dict) -> dict[str, float]:
     """Per-phase peak bytes per device of an `estimate` result, as stare_jax.aot defines the phases: sampling =
     the sampler's buffers + the params and AdamW moments that stay resident; training = the train step."""
     mem = plan["memory_bytes"]
-    return {"sampling": mem["train/params"] + mem["train/optimizer"]
+    return {"sampling": mem["train/params"] + mem["train/optimizer"] + mem.get("train/reference_params", 0.0)
             + sum(v for k, v in mem.items() if k.startswith("sample/")),
             "training": sum(v for k, v in mem.items() if k.startswith("train/"))}
 

@@ -126,15 +126,20 @@ def plot_runs(
     *,
     target_entropy: float | None = None,
     title: str | None = None,
+    labels: Sequence[str] | None = None,
+    colour_groups: Sequence[str] | None = None,
+    compact: bool = False,
 ) -> pathlib.Path:
     """Write the curves PNG for the given runs (overlaid) and return its path.
 
     out_path: default RUN_DIR/curves.png for one run, ./curves.png for several.
     target_entropy: the band's centre; default each run's own target (metrics, then config.yaml).
+    labels, colour_groups, compact: see build_figure (`stare-jax compare` draws many methods with them).
     """
     if not run_dirs:
         raise ValueError("plot_runs needs at least one run directory")
-    fig = build_figure(run_dirs, target_entropy=target_entropy, title=title)
+    fig = build_figure(run_dirs, target_entropy=target_entropy, title=title, labels=labels,
+                       colour_groups=colour_groups, compact=compact)
     out_path = pathlib.Path(out_path) if out_path is not None else default_plot_path(run_dirs)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp.png")
@@ -144,21 +149,37 @@ def plot_runs(
 
 
 def build_figure(
-    run_dirs: Sequence[str | os.PathLike], *, target_entropy: float | None = None, title: str | None = None
+    run_dirs: Sequence[str | os.PathLike], *, target_entropy: float | None = None, title: str | None = None,
+    labels: Sequence[str] | None = None, colour_groups: Sequence[str] | None = None, compact: bool = False,
 ):
     """The matplotlib Figure plot_runs saves (panels in reading order: entropy, reward, accuracy, length,
-    gate, W/M)."""
+    gate, W/M).
+
+    labels: the legend name of each run (default: folder names). colour_groups: runs with the same group share a
+    colour (e.g. the seeds of one method), one colour per group. compact: many overlaid runs (`stare-jax compare`):
+    the first four panels only, equal line widths without markers, and the accuracy panel shows the held-out
+    evaluations (step 0: before RL) as lines."""
     if not run_dirs:
         raise ValueError("build_figure needs at least one run directory")
     runs = [load_run(d) for d in run_dirs]
-    labels = run_labels(run_dirs)
+    labels = list(labels) if labels is not None else run_labels(run_dirs)
     targets = [
         target_entropy if target_entropy is not None else run_target_entropy(d, r) for d, r in zip(run_dirs, runs)
     ]
+    groups = list(colour_groups) if colour_groups is not None else list(range(len(runs)))
+    group_index = {g: i for i, g in enumerate(dict.fromkeys(groups))}
 
-    fig = Figure(figsize=(12, 11.5), layout="constrained")
-    ax_h, ax_r, ax_acc, ax_len, ax_gate, ax_w = fig.subplots(3, 2).ravel()
+    ax_gate: Any = None  # gate and W/M panels: not in the compact form
+    ax_w: Any = None
+    if compact:
+        fig = Figure(figsize=(13, 9), layout="constrained")
+        ax_h, ax_r, ax_acc, ax_len = fig.subplots(2, 2).ravel()
+    else:
+        fig = Figure(figsize=(12, 11.5), layout="constrained")
+        ax_h, ax_r, ax_acc, ax_len, ax_gate, ax_w = fig.subplots(3, 2).ravel()
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    if len(group_index) > len(colors):
+        colors = [matplotlib.colormaps["tab20"](i) for i in range(20)]
     n_runs = len(runs)
     n_steps = max((len(r) for r in runs), default=1)
     window = max(1, round(n_steps / 8))  # the gate panel's rolling window, in steps
@@ -168,7 +189,10 @@ def build_figure(
     every = max(1, n_steps // 10)
 
     def style(i: int) -> dict:
-        return {"color": colors[i % len(colors)], "lw": 1.3 + 1.6 * (n_runs - 1 - i),
+        c = colors[group_index[groups[i]] % len(colors)]
+        if compact:
+            return {"color": c, "lw": 1.6, "alpha": 0.9}
+        return {"color": c, "lw": 1.3 + 1.6 * (n_runs - 1 - i),
                 "alpha": 0.55 if i < n_runs - 1 else 1.0, "marker": MARKERS[i % len(MARKERS)], "ms": 5,
                 "markevery": (min(i * max(1, every // n_runs), every - 1) if every > 1 else 0, every)}
 
@@ -189,12 +213,17 @@ def build_figure(
                          alpha=0.15, label=band_label)
             ax_h.axhline(target, color="k" if len(set(targets)) == 1 else c, ls="--", lw=1)
         _line(ax_r, *series(records, "reward_mean"), label=label, **st)
-        _line(ax_acc, *series(records, "accuracy"), label=f"{label}: training rollouts", **st)
+        if not compact:
+            _line(ax_acc, *series(records, "accuracy"), label=f"{label}: training rollouts", **st)
         # held-out accuracy: the evaluation before any RL update (eval_start/, drawn at step 0) and the periodic ones
         es, ev = series(records, "eval/accuracy")
         start = [r["eval_start/accuracy"] for r in records if _finite(r.get("eval_start/accuracy"))]
         if start:
             es, ev = [0] + es, start[:1] + ev
+        if compact:
+            _line(ax_acc, es, ev, label=label, **st)
+            _line(ax_len, *series(records, "response_len_mean"), label=label, **st)
+            continue
         _line(ax_acc, es, ev, color=c, marker="o", ls="--", ms=6 - i, lw=0.9, label=f"{label}: held-out eval")
         if start and all(abs(start[0] - v) > 0.005 for v in starts_drawn):
             starts_drawn.append(start[0])
@@ -218,21 +247,24 @@ def build_figure(
     panels = [
         (ax_h, "policy entropy (nats/token, mean over response tokens)", "entropy"),
         (ax_r, "reward (mean over the rollouts trained on)", "reward_mean"),
-        (ax_acc, "accuracy: training rollouts (lines), held-out eval (dots; step 0 = before RL)", "accuracy"),
+        (ax_acc, "held-out accuracy (step 0 = before RL)" if compact else
+         "accuracy: training rollouts (lines), held-out eval (dots; step 0 = before RL)", "accuracy"),
         (ax_len, "response length (tokens, mean over all rollouts)", "tokens"),
-        (ax_gate, gate_title, "fraction of steps"),
-        (ax_w, "STARE token weights: W amplifies (solid), M attenuates (dashed)", "weight (1 = unweighted)"),
     ]
+    if not compact:
+        panels += [(ax_gate, gate_title, "fraction of steps"),
+                   (ax_w, "STARE token weights: W amplifies (solid), M attenuates (dashed)", "weight (1 = unweighted)")]
     for ax, name, ylabel in panels:
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("RL step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="best")
+            ax.legend(fontsize=7, loc="best", ncol=2 if compact and n_runs > 6 else 1)
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
-    ax_gate.set_ylim(-0.05, 1.05)
+    if ax_gate is not None:
+        ax_gate.set_ylim(-0.05, 1.05)
     if title:
         fig.suptitle(title)
     return fig
@@ -252,6 +284,7 @@ def run_summary(run_dir: str | os.PathLike, *, target_entropy: float | None = No
     if target is not None and quarter:
         in_band = sum(abs(x - target) <= BAND * target for x in quarter) / len(quarter)
     _, ev = series(records, "eval/accuracy")
+    _, ev0 = series(records, "eval_start/accuracy")
     return {
         "run": str(run_dir),
         "steps": len(records),
@@ -261,6 +294,7 @@ def run_summary(run_dir: str | os.PathLike, *, target_entropy: float | None = No
         "last10_entropy": _mean(h[-10:]),
         "last_quarter_entropy": _mean(quarter),
         "last_quarter_in_band": in_band,
+        "start_eval_accuracy": ev0[0] if ev0 else None,  # before any RL update
         "final_eval_accuracy": ev[-1] if ev else None,
     }
 

@@ -17,7 +17,7 @@ from stare_jax import distributed
 from stare_jax.config import RLConfig, SamplingConfig
 from stare_jax.rewards import rollout_rewards
 from stare_jax.rewards.reward_fn import RewardFn
-from stare_jax.rl.advantages import DynamicSamplingAccumulator, dynamic_sampling_keep_mask, grpo_advantages
+from stare_jax.rl.advantages import DynamicSamplingAccumulator, dynamic_sampling_keep_mask, outcome_advantages
 
 __all__ = ["REWARD_COUNTERS", "CollectedBatch", "RewardFn", "Rollouts", "add_counts", "batch_seed", "collect_batch",
            "generate_rollouts", "left_pad", "train_batch_from_rollouts"]
@@ -190,7 +190,10 @@ def collect_batch(sampler, prompt_batches: Iterator[list], prompt_ids: Callable[
     kept = Rollouts(**acc.result())
     rewards = rollout_rewards(kept.correct_PxG, kept.lengths_PxG, mode=rl.reward, max_length=sampling.max_new_tokens,
                               overlong_buffer=rl.overlong_buffer, overlong_penalty_factor=rl.overlong_penalty)
-    adv = np.asarray(grpo_advantages(jnp.asarray(rewards), norm_by_std=rl.norm_adv_by_std))
-    return CollectedBatch(train_batch_from_rollouts(kept, adv), kept, rewards, np.concatenate(correct),
-                          np.concatenate(lengths), reward_stats, acc.num_kept, acc.num_prompts_seen, j,
-                          time.time() - t0)
+    adv = np.asarray(outcome_advantages(jnp.asarray(rewards), kept.correct_PxG, estimator=rl.advantage.estimator,
+                                        norm_by_std=rl.norm_adv_by_std,
+                                        w_reinforce_lambda=rl.advantage.w_reinforce_lambda))
+    batch = train_batch_from_rollouts(kept, adv)
+    batch["rewards_B"] = rewards.reshape(-1).astype(np.float32)  # the step's KL-in-reward advantage starts from it
+    return CollectedBatch(batch, kept, rewards, np.concatenate(correct), np.concatenate(lengths), reward_stats,
+                          acc.num_kept, acc.num_prompts_seen, j, time.time() - t0)

@@ -10,16 +10,17 @@ import pathlib
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stare_jax import distributed as dist
-from stare_jax import toy
+from stare_jax import models, toy
 from stare_jax.config import Config
 from stare_jax.data.prompts import PromptRow, format_prompt
 from stare_jax.models.sharding import batch_shards
 from stare_jax.rl.stare import StareState, init_stare_state
-from stare_jax.rl.train_step import TrainState, TrainStepConfig, init_train_state, place_train_state
+from stare_jax.rl.train_step import TrainState, TrainStepConfig, init_train_state, place_train_state, split_model
 from stare_jax.run_dir import is_remote, local_copy
 from stare_jax.sampling import Engine, Sampler
 
@@ -151,6 +152,34 @@ def init_run_state(model, tcfg: TrainStepConfig, mesh=None) -> tuple[nnx.GraphDe
     # created replicated by a jitted init: device_put would compare the NaN last_entropy across processes
     stare_state = jax.jit(lambda: init_stare_state(tcfg.stare), out_shardings=NamedSharding(mesh, PartitionSpec()))()
     return graphdef, train_state, stare_state
+
+
+def reference_params(cfg: Config, params, mesh=None, *, log: Callable[[str], None] = print):
+    """The frozen reference policy of rl.kl.reference, sharded like the policy's `params` (same shardings and dtypes;
+    no optimizer state), or None without one. "initial": a copy of `params`, which must be the run's starting weights
+    (open_run calls this before a checkpoint is restored, so on resume the reference is re-derived from model.path,
+    never taken from the restored policy). A Hugging Face folder: its weights, which must have the policy's
+    parameter shapes. The reference is not checkpointed: it is derived again whenever a run opens."""
+    ref = cfg.rl.kl.reference
+    if ref is None:
+        return None
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    if ref == "initial":  # a copy: the train state (and so `params`) is donated to the step
+        return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
+    path = local_copy(ref, log=log) if is_remote(ref) else pathlib.Path(ref)
+    if not (path / "config.json").is_file():
+        raise TrainingError(f"rl.kl.reference = {ref!r} is neither 'initial' nor a Hugging Face folder (no "
+                            f"config.json there)")
+    _, loaded, _ = split_model(models.from_pretrained(path, mesh=mesh, **cfg.model.architecture_overrides()))
+
+    def layout(tree):
+        return [(jax.tree_util.keystr(k), x.shape, x.dtype) for k, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+    if layout(loaded) != layout(params):
+        raise TrainingError(f"rl.kl.reference = {ref!r}: its parameters differ from the policy's (another "
+                            f"architecture or size); the reference must be the policy's architecture")
+    log(f"rl.kl.reference: frozen reference policy loaded from {ref}")
+    return jax.device_put(loaded, shardings)
 
 
 def make_sampler(model, cfg: Config, mesh, pad_id: int | None) -> Sampler | Engine:

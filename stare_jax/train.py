@@ -4,8 +4,9 @@ One RL step (the paper's Algorithm 1; DESIGN.md's data flow), each a named stage
     collect   (rollouts.collect_batch)  PromptStream -> Sampler: G rollouts per prompt -> verifier: rewards
                                         -> dynamic sampling (top up from further generation batches) -> advantages
                                         -> train batch
-    update    (Run.update)              the jitted step: no-grad pass (old log-probs, entropy) -> gate/W/M -> omega
-                                        -> micro-batch scan -> AdamW
+    update    (Run.update)              the jitted step: no-grad pass (old log-probs, entropy; the frozen
+                                        reference's log-probs with rl.kl) -> gate/W/M -> omega -> micro-batch scan
+                                        -> AdamW
     record    (step_record)             one flat metrics record per step
     evaluate  (Run.evaluate)            periodic avg@N on the eval sets
     checkpoint (Run.save)               orbax checkpoints with the data iterator state
@@ -22,7 +23,7 @@ import json
 import math
 import pathlib
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 from flax import nnx
@@ -41,7 +42,7 @@ from stare_jax.rl.train_step import TrainState, make_train_step
 from stare_jax.rollouts import CollectedBatch, RewardFn, batch_seed, collect_batch
 from stare_jax.run_dir import RunDir
 from stare_jax.run_setup import (RunInputs, TrainingError, abstract_like, encode_rows, init_distributed,
-                                 init_run_state, make_sampler, resolve_inputs, train_step_config)
+                                 init_run_state, make_sampler, reference_params, resolve_inputs, train_step_config)
 from stare_jax.sampling import Engine, Sampler, next_bucket
 from stare_jax.tokenizer import load_tokenizer
 
@@ -94,7 +95,7 @@ def step_record(cfg: Config, collected: CollectedBatch, m: dict, *, step_time_s:
         **{k: float(m[k]) for k in ("clipfrac", "clipfrac_lower", "approx_kl", "loss", "grad_norm",
                                     "skipped_updates")},
         **{f"stare/{k[6:]}": float(v) for k, v in m.items() if k.startswith("stare/")},
-        **{k: float(v) for k, v in m.items() if k.startswith(("theory/", "token_filter/"))},
+        **{k: float(v) for k, v in m.items() if k.startswith(("theory/", "token_filter/", "kl", "entropy_adv/"))},
         "step_time_s": step_time_s, "train_time_s": train_time_s,
     }
 
@@ -128,6 +129,7 @@ class Run:
     preempt: PreemptionHandler
     bar: ProgressBar
     start_step: int
+    ref_params: Any = None  # the frozen reference policy (rl.kl.reference), never updated nor checkpointed
 
     def refresh_sampler(self) -> None:
         """The sampler decodes with the current policy."""
@@ -147,7 +149,8 @@ class Run:
             batch = dist.global_batch(batch, self.sampler.mesh)
         self.sampler.release()  # the sampler's weight copy is not alive during the train step
         t0 = time.time()
-        self.train_state, self.stare_state, m = self.step_fn(self.train_state, batch, self.stare_state)
+        self.train_state, self.stare_state, m = self.step_fn(self.train_state, batch, self.stare_state,
+                                                             self.ref_params)
         return jax.device_get(m), time.time() - t0
 
     def evaluate(self, step: int) -> dict:
@@ -316,6 +319,8 @@ def open_run(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool, require_
                              16)
     tcfg = train_step_config(cfg, mesh)
     graphdef, train_state, stare_state = init_run_state(model, tcfg, mesh)
+    # before any restore: "initial" is the run's starting weights (model.path), on resume too
+    ref_params = reference_params(cfg, train_state.params, mesh, log=log)
     step_fn = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
     sampler = make_sampler(model, cfg, mesh, tokenizer.pad_id)
     ckpt = Checkpointer(rd.checkpoints, keep=cfg.checkpoint.keep, every_steps=cfg.checkpoint.every_steps,
@@ -340,7 +345,7 @@ def open_run(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool, require_
                       enabled=cfg.logging.progress_bar and jax.process_index() == 0)
     return Run(cfg, rd, tokenizer, stream, prompt_of, eval_sets, prompt_len, graphdef, train_state,
                stare_state, step_fn, sampler, RewardFn(cfg.data.task), ckpt, writer, install_preemption_handler(),
-               bar, start_step)
+               bar, start_step, ref_params=ref_params)
 
 
 def _prompt_stream(cfg: Config, rows: list, tokenizer, inputs: RunInputs,

@@ -52,6 +52,7 @@ def test_tiny_config_state_is_sharded(tiny_report):
     assert s["optimizer"] - 2 * s["params"] == 8
     assert s["sampler_weights"] * 2 >= s["params"]  # bf16 copy, replicated over the 4 data shards
     assert tiny_report["phases"]["sampling"]["resident_bytes"] == s["params"] + s["optimizer"]
+    assert s["reference_params"] == 0  # no rl.kl: no reference policy
 
 
 def test_another_arm_reuses_the_sampler_programs(tiny_report):
@@ -67,6 +68,22 @@ def test_another_arm_reuses_the_sampler_programs(tiny_report):
     other = load_config("configs/tiny_cpu_grpo_ds.yaml", [*TINY, "sampling.max_new_tokens=40"])
     with pytest.raises(aot.CompileError, match="sampler_key differs"):
         aot.compile_run(other, topology="v5p:2x2x1", reuse_sampler=tiny_report, log=lambda _: None)
+
+
+def test_kl_reference_is_an_argument_of_the_train_step_sharded_like_the_params(tiny_report):
+    """With rl.kl the compiled step takes the frozen reference's parameters, sharded like the params: its argument
+    bytes grow by the params' per-device bytes as the compiler lays them out (TPU tiling pads the tiny model's small
+    arrays: 1413632 bytes for 800256 logical on v5p:2x2x1), and the sampling phase keeps them resident."""
+    if tiny_report["topology"] != "v5p:2x2x1":
+        pytest.skip("one topology is enough")
+    cfg = load_config("configs/tiny_cpu_stare.yaml", [*TINY, "rl.kl.coef=0.001", "rl.kl.reference=initial"])
+    r = aot.compile_run(cfg, topology="v5p:2x2x1", reuse_sampler=tiny_report, log=lambda _: None)
+    s = r["state_bytes_per_device"]
+    assert s["reference_params"] == s["params"]
+    grown = r["compiled"]["train_step"]["argument_bytes"] - tiny_report["compiled"]["train_step"]["argument_bytes"]
+    assert s["params"] <= grown < 2 * s["params"]
+    assert r["phases"]["sampling"]["resident_bytes"] == s["params"] + s["optimizer"] + s["reference_params"]
+    assert r["fits"] is True
 
 
 def test_flops_count_loop_trips(tiny_report):

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from stare_jax.config import Config, ConfigError, config_from_dict, load_config, parse_override, save_config, to_dict
+from stare_jax.run_setup import train_step_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -170,6 +171,39 @@ def test_policy_loss_sections_reach_the_step_config():
                                        "micro_batch_size": 4}
     assert t.entropy_coeff == 0.001 and t.token_filter is cfg.rl.token_filter and t.token_filter.rho == 0.2
     assert train_step_config(load_config()).policy_loss.micro_batch_size is None  # vanilla: nothing filled in
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["rl.kl.coef=0.001"], r"rl.kl.coef = 0.001 needs a reference policy: set rl.kl.reference"),
+    (["rl.kl.estimator=low_var"], r"'rl.kl.estimator' = 'low_var' is not accepted.*did you mean 'low_var_kl'"),
+    (["rl.kl.use_as=advantage"], r"'rl.kl.use_as' = 'advantage' is not accepted"),
+    (["rl.kl.coef=-1", "rl.kl.reference=initial"], r"'rl.kl.coef' = -1.0 is out of range"),
+    (["rl.advantage.estimator=w_reinforce", "rl.kl.coef=0.001", "rl.kl.reference=initial", "rl.kl.use_as=reward"],
+     r"rl.kl.use_as = 'reward' cannot be combined with rl.advantage.estimator = 'w_reinforce'"),
+    (["rl.advantage.estimator=w_reinforce", "rl.overlong_buffer=4"], r"rl.overlong_buffer = 4 cannot be combined"),
+    (["rl.advantage.w_reinforce_lambda=0.5"], r"rl.advantage.w_reinforce_lambda = 0.5 belongs to "
+                                              r"rl.advantage.estimator = 'w_reinforce'"),
+    (["rl.advantage.entropy_adv_kappa=3"], r"rl.advantage.entropy_adv_kappa only apply with "
+                                           r"rl.advantage.entropy_adv: true"),
+    (["rl.advantage.entropy_adv=true", "rl.stare.enabled=true"], r"rl.advantage.entropy_adv: true cannot be "
+                                                                 r"combined with rl.stare.enabled: true"),
+    (["rl.advantage.entropy_adv=true", "rl.policy_loss.name=geo_mean"], r"entropy_adv: true needs a token-level"),
+    (["rl.advantage.estimator=reinforce"], r"'rl.advantage.estimator' = 'reinforce' is not accepted"),
+])
+def test_kl_and_advantage_errors_name_key_and_source(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment) as e:
+        load_config(None, overrides)
+    assert "command-line override 'rl." in str(e.value)
+
+
+def test_kl_and_advantage_sections_reach_the_step_config():
+    cfg = load_config(None, ["rl.kl.coef=0.001", "rl.kl.reference=initial", "rl.advantage.entropy_adv=true",
+                             "rl.group_size=4", "rl.norm_adv_by_std=false"])
+    t = train_step_config(cfg)
+    assert t.kl is cfg.rl.kl and t.kl.as_loss and t.kl.kind == "low_var_kl"  # verl's kl_loss_type default
+    assert t.advantage is cfg.rl.advantage and t.group_size == 4 and t.norm_adv_by_std is False
+    monitor = load_config(None, ["rl.kl.reference=/some/hf/folder"]).rl.kl  # coef 0: only the KL is logged
+    assert monitor.enabled and not monitor.as_loss and not monitor.as_reward
 
 
 def test_model_section_overrides_the_architecture_by_field_name():

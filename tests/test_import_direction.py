@@ -17,7 +17,7 @@ import pytest
 PKG_DIR = pathlib.Path(__file__).resolve().parent.parent / "stare_jax"
 
 LOWER = ("rewards", "sampling", "tasks", "data", "rl", "models", "rollouts", "tools")
-TOP = ("train", "toy", "plan", "cli", "policy", "demo", "sft")
+TOP = ("train", "toy", "plan", "cli", "policy", "demo", "compare", "sft")
 # extra modules a layer must not import, on top of TOP
 EXTRA = {"rewards": ("models.hf_io",), "sampling": ("models.hf_io",), "tasks": ("models.hf_io",)}
 # (importer, imported) pairs that are allowed anyway, each with its reason.  Keep this empty unless truly needed.

@@ -1,6 +1,8 @@
 """The paper's run configs (configs/paper/): 5 models x 3 arms load, differ only under rl.stare, carry the paper's
 hyper-parameters (STARE-semantics.md, "The paper's run settings") and fit the model's context; their named TPU
-slice (the `launch.accelerator:` comment) is one launch/tpu_vm.sh accepts and the mesh fits it."""
+slice (the `launch.accelerator:` comment) is one launch/tpu_vm.sh accepts and the mesh fits it. A fourth arm per
+model, grpo_kl (the paper's "GRPO" baseline), differs from grpo_ds exactly in verl's GRPO recipe: KL loss to the
+starting policy, symmetric clip, no dynamic sampling; its reference policy is in `stare-jax plan`'s estimate."""
 from __future__ import annotations
 
 import math
@@ -13,11 +15,13 @@ import yaml
 
 from stare_jax.config import load_config, to_dict
 from stare_jax.models import PRESETS
+from stare_jax.plan import estimate, phase_peaks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAPER = ROOT / "configs" / "paper"
 MODELS = ["qwen2.5-math-7b", "qwen2.5-14b-instruct", "qwen2.5-32b", "r1-distill-qwen-1.5b", "qwen3-8b-base"]
 ARMS = ["grpo_ds", "stare_o1", "stare_c2"]
+KL_ARM = "grpo_kl"  # the paper's "GRPO": verl's GRPO recipe (KL loss), beside GRPO-ds and STARE
 # Fallback context table (the public config.json values); presets in stare_jax.models win when they exist.
 MAX_POSITIONS = {"qwen2.5-math-7b": 4096, "qwen2.5-14b-instruct": 32768, "qwen2.5-32b": 32768,
                  "r1-distill-qwen-1.5b": 131072, "qwen3-8b-base": 32768}
@@ -36,9 +40,40 @@ def cfgs():
     return {(m, a): load_config(_path(m, a)) for m in MODELS for a in ARMS}
 
 
-def test_exactly_the_fifteen_run_files():
+def test_exactly_the_twenty_run_files():
     names = sorted(p.name for p in PAPER.glob("*.yaml") if not p.name.startswith("_"))
-    assert names == sorted(f"{m}_{a}.yaml" for m in MODELS for a in ARMS)
+    assert names == sorted(f"{m}_{a}.yaml" for m in MODELS for a in ARMS + [KL_ARM])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_grpo_kl_arm_is_grpo_ds_with_verls_grpo_recipe(cfgs, model):
+    kl_cfg = load_config(_path(model, KL_ARM))
+    ds, kl = to_dict(cfgs[(model, "grpo_ds")]), to_dict(kl_cfg)
+    assert kl["rl"].pop("kl") == {"coef": 0.001, "estimator": "low_var_kl", "use_as": "loss", "reference": "initial"}
+    assert ds["rl"].pop("kl")["reference"] is None
+    changed = {k: (ds["rl"][k], v) for k, v in kl["rl"].items() if ds["rl"][k] != v}
+    assert changed == {"gen_batch_size": (192, 64), "dynamic_sampling": (True, False), "clip_high": (0.28, 0.2)}
+    ds.pop("rl"), kl.pop("rl")
+    assert ds == kl  # model, data, sampling, optimizer, mesh, launch: the same as the other arms
+    assert kl_cfg.rl.gen_batch_size == kl_cfg.rl.train_batch_size  # no dynamic sampling: no extra prompts drawn
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_grpo_kl_plan_counts_the_reference_and_fits(model):
+    """The estimate with the reference minus the same config without it is exactly the reference's bytes (the
+    policy's parameters, sharded like them) in both phases, and the arm still fits its slice and GPU alternative."""
+    with_ref = estimate(load_config(_path(model, KL_ARM)))
+    without = estimate(load_config(_path(model, KL_ARM), ["rl.kl.coef=0", "rl.kl.reference=null"]))
+    ref = with_ref["memory_bytes"]["train/reference_params"]
+    assert ref == with_ref["model"]["params"] * 4 / (with_ref["devices"] // with_ref["mesh"]["data"])  # fp32 master
+    assert "train/reference_params" not in without["memory_bytes"]
+    a, b = phase_peaks(with_ref), phase_peaks(without)
+    for phase in ("sampling", "training"):
+        assert a[phase] - b[phase] == pytest.approx(ref, rel=1e-9)
+    assert with_ref["peak_bytes_per_device"] - without["peak_bytes_per_device"] == pytest.approx(ref, rel=1e-9)
+    assert with_ref["fits"]
+    cfg = load_config(_path(model, KL_ARM), GPU_OVERRIDES)
+    assert estimate(cfg, cfg.launch.gpu_alternative)["fits"]
 
 
 @pytest.mark.parametrize("model", MODELS)

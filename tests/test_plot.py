@@ -161,3 +161,16 @@ def test_bad_runs_name_the_run_and_line(tmp_path):
         PL.summary_table([bad])
     with pytest.raises(ValueError, match="at least one"):
         PL.plot_runs([])
+
+
+def test_compact_figure_for_many_methods_one_colour_per_group(runs):
+    """`stare-jax compare`'s form: four panels, runs of one colour group (the seeds of a method) share a colour, a
+    label starting with '_' stays out of the legend, the accuracy panel is the held-out evaluations."""
+    dirs = [runs["grpo"], runs["stare"], runs["stare"]]
+    fig = PL.build_figure(dirs, labels=["grpo", "stare", "_stare"], colour_groups=["g", "s", "s"], compact=True)
+    ax_h, ax_r, ax_acc, ax_len = fig.axes
+    lines = [ln for ln in ax_h.get_lines() if ln.get_linestyle() != "--"]
+    assert len(lines) == 3 and lines[1].get_color() == lines[2].get_color() != lines[0].get_color()
+    assert [t.get_text() for t in ax_h.get_legend().get_texts()] == ["grpo", "STARE target 0.3 ±30%", "stare"]
+    np.testing.assert_array_equal(ax_acc.get_lines()[0].get_xdata(), [8, 16, 24])  # stare's evals (grpo has none)
+    assert ax_acc.get_title() == "held-out accuracy (step 0 = before RL)"

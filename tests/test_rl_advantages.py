@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from stare_jax.rl.advantages import (DynamicSamplingAccumulator, DynamicSamplingError, dynamic_sampling_keep_mask,
+                                     outcome_advantages,
                                      grpo_advantages)
 
 
@@ -87,3 +88,19 @@ def test_accumulator_rejects_mismatched_leading_axis():
     acc = DynamicSamplingAccumulator(train_batch_size=2)
     with pytest.raises(ValueError, match="leading prompt axis"):
         acc.add({"x": np.zeros((3, 2))}, np.ones(4, bool))
+
+
+def test_outcome_advantages_of_each_estimator():
+    """rl.advantage.estimator: grpo = grpo_advantages of the shaped rewards (Dr.GRPO: no std); w_reinforce = lambda for
+    a correct response, -1 for a wrong one, whatever the rewards (Zhu et al. 2025)."""
+    rewards = np.array([[1.0, 0.0, 0.0, 1.0], [0.5, 0.0, 1.0, 1.0]], np.float32)
+    correct = (rewards == 1.0).astype(np.float32)
+    g = np.asarray(outcome_advantages(rewards, correct))
+    np.testing.assert_allclose(g, (rewards - rewards.mean(1, keepdims=True))
+                               / (rewards.std(1, ddof=1, keepdims=True) + 1e-6), rtol=1e-6)
+    dr = np.asarray(outcome_advantages(rewards, correct, norm_by_std=False))
+    np.testing.assert_allclose(dr, rewards - rewards.mean(1, keepdims=True), rtol=1e-6)
+    w = np.asarray(outcome_advantages(rewards, correct, estimator="w_reinforce", w_reinforce_lambda=0.1))
+    np.testing.assert_allclose(w, np.where(correct > 0, 0.1, -1.0))
+    with pytest.raises(ValueError, match="advantage estimator 'ppo' unknown"):
+        outcome_advantages(rewards, correct, estimator="ppo")

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from stare_jax import models, toy
 from stare_jax.config import load_config
-from stare_jax.rl.train_step import TrainStepConfig
+from stare_jax.metrics import read_metrics
+from stare_jax.rl.train_step import TrainStepConfig, split_model
 from stare_jax.rollouts import CollectedBatch, Rollouts, train_batch_from_rollouts
 from stare_jax.run_setup import DERIVED_STEP_FIELDS, TrainingError, make_sampler, train_step_config
 from stare_jax.sampling import Engine
-from stare_jax.train import open_run, step_record, update_was_finite
+from stare_jax.train import open_run, run_training, step_record, update_was_finite
 
 # 4 prompts x 4 responses on the 8-device test mesh (fsdp=8): micro-batches of 2 sequences per device
 TINY = [
@@ -41,9 +43,14 @@ def test_every_step_field_is_an_rl_option_of_the_same_name_or_derived():
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    cache, run_dir = tmp_path_factory.mktemp("toycache"), tmp_path_factory.mktemp("stages") / "run"
-    cfg = load_config("configs/tiny_cpu_stare.yaml", [f"toy.cache_dir={cache}", *TINY])
+def toy_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("toycache")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, toy_cache):
+    run_dir = tmp_path_factory.mktemp("stages") / "run"
+    cfg = load_config("configs/tiny_cpu_stare.yaml", [f"toy.cache_dir={toy_cache}", *TINY])
     r = open_run(cfg, run_dir, resume=False, log=lambda *_: None)
     yield r
     r.close()
@@ -121,3 +128,29 @@ def test_collect_with_the_rollout_engine_draws_the_same_samples(run):
         run.sampler = static_sampler
     for k in static.batch:
         np.testing.assert_array_equal(paged.batch[k], static.batch[k])
+
+
+def test_kl_reference_is_the_starting_policy_also_after_resume(toy_cache, tmp_path):
+    """rl.kl.reference 'initial' is re-derived from model.path when a run opens: on resume it is still the run's
+    starting weights, not the restored (trained) policy; it is not in the checkpoint."""
+    over = [f"toy.cache_dir={toy_cache}", *TINY, "rl.kl.reference=initial", "rl.kl.coef=0.01",
+            "checkpoint.every_steps=1", "total_steps=2", "logging.eval_every_steps=0"]
+    cfg = load_config("configs/tiny_cpu_grpo_kl.yaml", over)
+    summary = run_training(cfg, tmp_path / "run", log=lambda *_: None)
+    assert summary["new_compiles_per_step"][1:] == [0]  # the step with the reference: no recompile after warm-up
+    recs = read_metrics(tmp_path / "run")
+    assert recs[0]["kl"] == 0.0 and recs[1]["kl"] > 0  # the reference is the policy before the first update
+    r = open_run(cfg, tmp_path / "run", resume=True, log=lambda *_: None)
+    try:
+        assert r.start_step == 2
+        model_dir = toy.prepare(toy.asset_config(cfg.toy), toy_cache, log=lambda *_: None).model_dir
+        initial = split_model(models.from_pretrained(model_dir, mesh=r.sampler.mesh))[1]
+        for ref, init, now in zip(jax.tree.leaves(r.ref_params), jax.tree.leaves(initial),
+                                  jax.tree.leaves(r.train_state.params)):
+            np.testing.assert_array_equal(np.asarray(ref), np.asarray(init))
+        assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+                   for a, b in zip(jax.tree.leaves(r.ref_params), jax.tree.leaves(r.train_state.params)))
+        saved = r.ckpt.restore(abstract_state=None)
+        assert set(saved.state) == {"train_state", "stare_state"}  # the reference is not checkpointed
+    finally:
+        r.close()

@@ -128,6 +128,18 @@ def w_reinforce_advantages(correct_B, lam: float = 0.1):
     return jnp.where(correct_B > 0, jnp.float32(lam), jnp.float32(-1.0))
 
 
+def outcome_advantages(rewards_PxG, correct_PxG, *, estimator: str = "grpo", norm_by_std: bool = True,
+                       w_reinforce_lambda: float = 0.1):
+    """Per-response advantages [P, G] of rl.advantage.estimator: "grpo" (grpo_advantages of the shaped rewards) or
+    "w_reinforce" (w_reinforce_advantages of the correctness)."""
+    if estimator == "grpo":
+        return grpo_advantages(rewards_PxG, norm_by_std=norm_by_std)
+    if estimator == "w_reinforce":
+        correct = jnp.asarray(correct_PxG)
+        return w_reinforce_advantages(correct.reshape(-1), w_reinforce_lambda).reshape(correct.shape)
+    raise ValueError(f"advantage estimator {estimator!r} unknown; accepted: 'grpo', 'w_reinforce'")
+
+
 def entropy_advantage(advantages_BxT, entropy_BxT, mask_BxT, *, alpha: float = 0.4, kappa: float = 2.0):
     """EntroAdv (Cheng et al. 2025, "Reasoning with Exploration: An Entropy Perspective"): token-level
     A + min(alpha * sg(H), |A| / kappa); the clip keeps the entropy term from flipping the sign of a negative

@@ -7,6 +7,9 @@ Batch layout (a dict of arrays, leading axis B = responses):
 - response_mask_BxT  int   [B, L]  ALIGNED WITH input_ids: 1 where input_ids[b, t] is a response token whose
                                    log-prob counts in the loss (0 on prompt and padding).
 - advantages_B       float [B]     trajectory advantage (grpo_advantages, flattened in batch order).
+- rewards_B          float [B]     (only with rl.kl.use_as "reward") each response's shaped reward; the step adds the
+                                   KL penalty per token and recomputes the GRPO advantage over contiguous groups of
+                                   group_size responses (advantages_B is then not used).
 Shift: the model's hidden state at position t predicts input_ids[t + 1], so every per-token array the step
 computes (log-probs, entropy, omega) has shape [B, L - 1] with index t meaning "the token input_ids[:, t + 1]",
 and its loss mask is response_mask[:, 1:] * attention_mask[:, 1:].
@@ -25,6 +28,14 @@ Data flow (STARE-semantics.md, "Closed-loop gate"):
     -entropy_coeff * agg(entropy); the 80/20 filter multiplies omega by the global top-rho entropy mask of pass 1.
     Outside that path, as verl's dp_actor, a single update per batch (on-policy) uses old = stop_gradient(lp).
     clip_cov's key: fold_in(fold_in(key(seed), step), update * num_micro_batches + micro-batch).
+ KL to a frozen reference (cfg.kl, verl's use_kl_loss / use_kl_in_reward): the step takes the reference parameters
+    as a fourth argument (sharded like the policy's, never updated, not part of the train state or its checkpoint);
+    pass 1 runs the reference forward beside the policy's (no grad) for its per-token log-probs. use_as "loss": loss
+    += coef * agg(kl(lp, ref_lp)) with cfg.loss_agg (gradient through lp); use_as "reward": before step 2, the
+    advantage becomes grpo(rewards_B - coef * sum_t kl(old_lp, ref_lp)). metrics["kl"]: the token-mean of the
+    estimator on pass 1's log-probs.
+ EntroAdv (cfg.advantage.entropy_adv): after step 3, the loss sees the token-level advantage A + min(alpha sg(H),
+    |A| / kappa) with H from pass 1 (not combined with STARE).
  6. A non-finite loss or gradient norm skips that update (params and optimizer state unchanged) and is counted in
     metrics["skipped_updates"].
 """
@@ -41,8 +52,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from stare_jax.models.sharding import BATCH_AXES, DEFAULT_RULES, batch_sharding, program_context
+from stare_jax.rl.advantage_config import AdvantageConfig
+from stare_jax.rl.advantages import entropy_advantage, grpo_advantages
+from stare_jax.rl.kl_config import KLConfig
 from stare_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
-from stare_jax.rl.loss_terms import entropy_bonus, high_entropy_mask
+from stare_jax.rl.loss_terms import entropy_bonus, high_entropy_mask, kl_loss, kl_penalty, kl_reward_penalty
 from stare_jax.rl.losses import (AGG_MODES, LOSS_OPTIONS, clip_cov_key, compute_policy_loss, loss_normalizer,
                                  policy_loss, policy_loss_normalizer)
 from stare_jax.rl.optimizer_config import OptimizerConfig
@@ -51,6 +65,7 @@ from stare_jax.rl.stare import StareConfig, StareState, stare_omega, update_cont
 from stare_jax.rl.theory import batch_entropy_terms
 
 BATCH_KEYS = ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT", "advantages_B")
+REWARDS_KEY = "rewards_B"  # read by the step only with rl.kl.use_as "reward" (batch_keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +87,24 @@ class TrainStepConfig:
     entropy_coeff: float = 0.0  # entropy bonus: loss -= entropy_coeff * agg(entropy) (verl)
     token_filter: TokenFilterConfig = TokenFilterConfig()  # the 80/20 rule
     seed: int = 0  # clip_cov's random choice: key fold_in(fold_in(key(seed), step), update * micro-batches + micro)
+    kl: KLConfig = KLConfig()  # frozen reference policy + KL penalty (the step then takes ref_params)
+    advantage: AdvantageConfig = AdvantageConfig()  # EntroAdv's token-level term (the estimator is host-side)
+    group_size: int = 1  # responses per prompt (contiguous in the batch): the KL-in-reward GRPO advantage's groups
+    norm_adv_by_std: bool = True  # the KL-in-reward GRPO advantage
 
     def __post_init__(self):
         if self.loss_agg not in AGG_MODES:
             raise ValueError(f"loss_agg={self.loss_agg!r} unknown; accepted values: {list(AGG_MODES)}")
-        for name in ("num_micro_batches", "num_mini_batches", "ppo_epochs", "logprob_chunk_size"):
+        for name in ("num_micro_batches", "num_mini_batches", "ppo_epochs", "logprob_chunk_size", "group_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.advantage.entropy_adv and self.stare.enabled:
+            raise ValueError("advantage.entropy_adv is not combined with STARE (stare.enabled)")
+
+
+def batch_keys(cfg: TrainStepConfig) -> tuple[str, ...]:
+    """The batch keys the step reads: BATCH_KEYS, plus rewards_B when the KL penalty enters the reward."""
+    return BATCH_KEYS + ((REWARDS_KEY,) if cfg.kl.as_reward else ())
 
 
 @jax.tree_util.register_dataclass
@@ -220,9 +246,12 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
     chunk = cfg.logprob_chunk_size
     n_micro, n_mini, epochs = cfg.num_micro_batches, cfg.num_mini_batches, cfg.ppo_epochs
     per_micro_scope = scfg.enabled and scfg.scope == "micro_batch"
-    pl, tf = cfg.policy_loss, cfg.token_filter
-    # GRPO-ds / STARE as before (bit-identical) unless another loss, an entropy bonus or the 80/20 filter is asked for
-    plain = pl.name in ("vanilla", "stare") and cfg.entropy_coeff == 0.0 and not tf.enabled
+    pl, tf, kl = cfg.policy_loss, cfg.token_filter, cfg.kl
+    ent_adv = cfg.advantage.entropy_adv
+    # GRPO-ds / STARE as before (bit-identical) unless another loss, an entropy bonus, the 80/20 filter, a KL loss or
+    # EntroAdv is asked for
+    plain = (pl.name in ("vanilla", "stare") and cfg.entropy_coeff == 0.0 and not tf.enabled and not kl.as_loss
+             and not ent_adv)
     weighted = scfg.enabled or tf.enabled
     on_policy = n_mini == 1 and epochs == 1
     loss_name = ("stare" if weighted else "vanilla") if pl.name in ("vanilla", "stare") else pl.name
@@ -236,9 +265,14 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
     def forward(params, rest, ids, attn, tgt, lm, *, theory=False):
         return policy_forward(graphdef, params, rest, ids, attn, tgt, lm, chunk_size=chunk, theory=theory)
 
-    def step_fn(train_state: TrainState, batch, stare_state: StareState):
+    def step_fn(train_state: TrainState, batch, stare_state: StareState, ref_params=None):
         ids, attn, tgt, lm, adv = shift_batch(batch)
         B = ids.shape[0]
+        if kl.enabled and ref_params is None:
+            raise ValueError("rl.kl.reference is set: the step needs the reference parameters (ref_params)")
+        if kl.as_reward and (REWARDS_KEY not in batch or B % cfg.group_size):
+            raise ValueError(f"rl.kl.use_as='reward' needs batch[{REWARDS_KEY!r}] and a batch of whole groups of "
+                             f"group_size={cfg.group_size} responses (got {B} responses)")
         if B % (n_mini * n_micro):
             raise ValueError(f"batch size {B} must be divisible by num_mini_batches*num_micro_batches="
                              f"{n_mini}*{n_micro}")
@@ -253,9 +287,26 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
         # 1. no-grad pass over the whole batch, micro-batched (B / (n_mini*n_micro) sequences at a time).
         n_pass = n_mini * n_micro
         xs = tuple(_split_micro(a, n_pass, mesh, batch_axes) for a in (ids, attn, tgt, lm))
-        outs = jax.lax.map(lambda x: forward(jax.lax.stop_gradient(params), rest, *x, theory=theory), xs)
+
+        def no_grad_pass(x):
+            out = forward(jax.lax.stop_gradient(params), rest, *x, theory=theory)
+            if kl.enabled:  # the frozen reference in the same pass: its log-probs (one more forward, no grad)
+                out = (out, forward(jax.lax.stop_gradient(ref_params), rest, *x)[0])
+            return out
+
+        outs = jax.lax.map(no_grad_pass, xs)
         flat = jax.tree.map(lambda o: o.reshape((B,) + o.shape[2:]), outs)
+        if kl.enabled:
+            flat, ref_lp = flat[0], jax.lax.stop_gradient(flat[1])
         old_lp, ent = jax.lax.stop_gradient(flat[0]), jax.lax.stop_gradient(flat[1])
+        kl_metrics = {}
+        if kl.enabled:
+            kl_metrics["kl"] = _masked_mean(kl_penalty(old_lp, ref_lp, kl.kind), lm)
+        if kl.as_reward:  # verl apply_kl_penalty, then compute_grpo_outcome_advantage on the summed token rewards
+            tok_r, kl_metrics["kl/reward_penalty"] = kl_reward_penalty(jnp.zeros_like(old_lp), old_lp, ref_lp, lm,
+                                                                       kl.coef, kind=kl.kind)
+            seq_r = jnp.asarray(batch[REWARDS_KEY], jnp.float32) + jnp.sum(tok_r, axis=1)
+            adv = grpo_advantages(seq_r.reshape(-1, cfg.group_size), norm_by_std=cfg.norm_adv_by_std).reshape(B)
 
         # 2. controller from the batch entropy, 3. omega from the same pass (scope batch).
         batch_entropy = _masked_mean(ent, lm)
@@ -273,6 +324,12 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
                    "stare_w": stare_state.w, "stare_m": stare_state.m,
                    "response_tokens": jnp.sum(lm)}
         metrics.update({"stare/" + k: v for k, v in info["metrics"].items()})
+        metrics.update(kl_metrics)
+        loss_adv = adv
+        if ent_adv:  # EntroAdv: token-level A + min(alpha sg(H), |A| / kappa), H from pass 1
+            loss_adv = entropy_advantage(adv, ent, lm, alpha=cfg.advantage.entropy_adv_alpha,
+                                         kappa=cfg.advantage.entropy_adv_kappa)
+            metrics["entropy_adv/bonus_mean"] = _masked_mean(loss_adv - adv[:, None], lm)
         if tf.enabled:
             metrics["token_filter/frac_kept"] = jnp.sum(keep * lm) / jnp.maximum(jnp.sum(lm), 1.0)
         if theory:
@@ -291,6 +348,8 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
 
         def micro_loss(p, mb, normalizer, ent_normalizer, key):
             m_ids, m_attn, m_tgt, m_lm, m_adv, m_old, m_omega = mb[:7]
+            m_ref = mb[-1] if kl.as_loss else None
+            kl_agg = None
             lp, m_ent = forward(p, rest, m_ids, m_attn, m_tgt, m_lm)
             if per_micro_scope:
                 m_omega, _ = stare_omega(jax.lax.stop_gradient(lp), m_adv, m_lm, stare_state, scfg,
@@ -313,12 +372,19 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
                 if cfg.entropy_coeff:
                     loss = loss + entropy_bonus(m_ent, m_lm, cfg.entropy_coeff, loss_agg_mode=cfg.loss_agg,
                                                 normalizer=ent_normalizer)[0]
+                if kl.as_loss:  # verl use_kl_loss: + kl_loss_coef * agg_loss(kl_penalty(lp, ref_lp), loss_agg_mode)
+                    kl_term, kl_agg = kl_loss(lp, m_ref, m_lm, kl.coef, kind=kl.kind, loss_agg_mode=cfg.loss_agg,
+                                              normalizer=ent_normalizer)
+                    loss = loss + kl_term
             met = {k: met[k] for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum", "token_count")}
+            if kl.as_loss:
+                met["kl_agg"] = kl_agg
             met["omega_sum"] = jnp.sum(jnp.where(m_lm > 0, m_omega, 0.0))
             return loss, met
 
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-        per_tok = (ids, attn, tgt, lm, adv, old_lp, omega) + ((keep,) if tf.enabled else ())
+        per_tok = ((ids, attn, tgt, lm, loss_adv, old_lp, omega) + ((keep,) if tf.enabled else ())
+                   + ((ref_lp,) if kl.as_loss else ()))
         step_key = clip_cov_key(cfg.seed, train_state.step)
 
         def one_update(carry, u):
@@ -346,7 +412,7 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
 
             zeros_g = jax.tree.map(jnp.zeros_like, p)
             zeros_m = {k: jnp.float32(0.0) for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum",
-                                                      "token_count", "omega_sum")}
+                                                      "token_count", "omega_sum") + (("kl_agg",) if kl.as_loss else ())}
             (grads, loss, msum), _ = jax.lax.scan(acc, (zeros_g, jnp.float32(0.0), zeros_m),
                                                   (micro_xs, jnp.arange(n_micro)) if with_key else micro_xs)
             gnorm = optax.tree.norm(grads)
@@ -372,6 +438,8 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
             "omega_mean_used": jnp.sum(ups["omega_sum"]) / cnt,
             "skipped_updates": jnp.sum(ups["skipped"]), "num_updates": jnp.float32(epochs * n_mini),
         })
+        if kl.as_loss:
+            metrics["kl_loss"] = jnp.mean(ups["kl_agg"])  # agg(kl(lp, ref_lp)) before kl.coef (verl actor/kl_loss)
         if cfg.debug_outputs:
             metrics.update({"debug/omega": omega, "debug/old_logprobs": old_lp, "debug/entropy": ent,
                             "debug/loss_mask": lm, "debug/grads": jax.tree.map(lambda g: g[-1], ups["grads"])})
@@ -399,16 +467,17 @@ def place_train_state(train_state: TrainState, mesh):
     return jax.device_put(train_state, train_state_shardings(train_state, mesh))
 
 
-def batch_shardings(mesh, batch_axes=BATCH_AXES):
+def batch_shardings(mesh, batch_axes=BATCH_AXES, keys=BATCH_KEYS):
     """NamedSharding for each batch key: leading (batch) axis over batch_axes."""
-    return {k: batch_sharding(mesh, batch_axes) for k in BATCH_KEYS}
+    return {k: batch_sharding(mesh, batch_axes) for k in keys}
 
 
 def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: TrainState | None = None,
                     rules=None, batch_axes=BATCH_AXES, donate: bool = True) -> Callable:
     """jax.jit-compiled step. With a mesh: in/out shardings = the train_state's current shardings (pass the
     initialised train_state), batch sharded over batch_axes on its leading axis, controller state and metrics
-    replicated; the model's activation constraints use `rules` (default: stare_jax.models.sharding rules)."""
+    replicated, reference parameters (cfg.kl.enabled) sharded like the params and not donated; the model's
+    activation constraints use `rules` (default: stare_jax.models.sharding rules)."""
     step_fn = build_step_fn(graphdef, cfg, mesh=mesh, batch_axes=batch_axes if mesh is not None else ())
     donate_argnums = (0,) if donate else ()
     if mesh is None:
@@ -418,10 +487,11 @@ def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: T
     rules = DEFAULT_RULES if rules is None else rules
     rep = NamedSharding(mesh, P())
     state_sh = train_state_shardings(train_state, mesh)
-    jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(mesh, batch_axes), rep),
-                     out_shardings=(state_sh, rep, rep), donate_argnums=donate_argnums)
+    keys = batch_keys(cfg)
+    in_sh = (state_sh, batch_shardings(mesh, batch_axes, keys), rep) + ((state_sh.params,) if cfg.kl.enabled else ())
+    jitted = jax.jit(step_fn, in_shardings=in_sh, out_shardings=(state_sh, rep, rep), donate_argnums=donate_argnums)
 
-    return ShardedStep(jitted, mesh, rules, tuple(batch_axes))
+    return ShardedStep(jitted, mesh, rules, tuple(batch_axes), keys, cfg.kl.enabled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,23 +504,30 @@ class ShardedStep:
     mesh: Any
     rules: Any
     batch_axes: tuple
+    keys: tuple = BATCH_KEYS  # the batch keys the step reads (batch_keys)
+    with_ref: bool = False  # takes the frozen reference's parameters as a fourth argument
 
     @property
     def batch_shardings(self) -> dict:
-        return batch_shardings(self.mesh, self.batch_axes)
+        return batch_shardings(self.mesh, self.batch_axes, self.keys)
 
     def context(self):
         """The mesh and activation rules the step is traced under."""
         return program_context(self.mesh, self.rules)
 
-    def __call__(self, train_state, batch, stare_state):
-        batch = {k: batch[k] for k in BATCH_KEYS}
+    def __call__(self, train_state, batch, stare_state, ref_params=None):
+        missing = [k for k in self.keys if k not in batch]
+        if missing:
+            raise ValueError(f"train batch is missing keys {missing}; expected {list(self.keys)}")
+        if self.with_ref and ref_params is None:
+            raise ValueError("rl.kl.reference is set: the step needs the reference parameters (ref_params)")
+        batch = {k: batch[k] for k in self.keys}
         shards = math.prod(self.mesh.shape[a] for a in self.batch_axes)
         if jnp.shape(batch["input_ids_BxT"])[0] % shards:
             raise ValueError(f"batch size {jnp.shape(batch['input_ids_BxT'])[0]} must be divisible by the "
                              f"{shards} devices of mesh axes {self.batch_axes}")
         with self.context():
-            return self.jitted(train_state, batch, stare_state)
+            return self.jitted(train_state, batch, stare_state, *((ref_params,) if self.with_ref else ()))
 
     def trace(self, *args) -> jax.stages.Traced:
         with self.context():
