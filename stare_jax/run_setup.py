@@ -22,6 +22,8 @@ from stare_jax.rl.stare import StareState, init_stare_state
 from stare_jax.rl.train_step import TrainState, TrainStepConfig, init_train_state, place_train_state
 from stare_jax.run_dir import is_remote, local_copy
 from stare_jax.sampling import Engine, Sampler
+from stare_jax.tools.config import make_pool
+from stare_jax.tools.pool import SandboxPool
 
 
 class TrainingError(RuntimeError):
@@ -163,6 +165,17 @@ def make_sampler(model, cfg: Config, mesh, pad_id: int | None) -> Sampler | Engi
                             "multi-process runs use the static sampler (sampling.engine.enabled=false)")
     return Engine(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id,
                   config=cfg.sampling.engine)
+
+
+def make_tool_pool(cfg: Config, sampler: Sampler | Engine) -> SandboxPool | None:
+    """The code interpreter's sandbox pool when tool.enabled (the multi-turn rollouts need the rollout engine's
+    append-and-continue), else None."""
+    if not cfg.tool.enabled:
+        return None
+    if not isinstance(sampler, Engine):
+        raise TrainingError("tool.enabled: multi-turn tool rollouts need the rollout engine "
+                            "(set sampling.engine.enabled=true)")
+    return make_pool(cfg.tool)
 
 
 def abstract_like(tree):
