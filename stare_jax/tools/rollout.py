@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stare_jax.tools.calls import (CallFormat, CallStatus, ObservationFormat, ToolCall, observation, parse_call,
-                                   result_status, status_counts, stop_strings)
+from stare_jax.tools.calls import (CallFormat, CallStatus, ObservationFormat, ToolCall, ends_inside_call, observation,
+                                   parse_call, result_status, status_counts, stop_strings)
 from stare_jax.tools.config import ToolConfig
 from stare_jax.tools.pool import SandboxPool
 from stare_jax.tools.sandbox import ExecResult
@@ -86,6 +86,7 @@ class _RowState:
     statuses: list[CallStatus] = dataclasses.field(default_factory=list)
     turns: int = 0
     seg_start: int = 0  # response index after the last observation
+    lead: str = ""  # text before the first segment: a prompt that ends inside a call the model is to finish
     cut: list[int] = dataclasses.field(default_factory=list)  # observation tokens kept past the budget's end
     end: str = ""
 
@@ -111,9 +112,16 @@ def _turn_end(c: Conversation, end_ids: Sequence[int], call_ids: Sequence[int]) 
     return "length"
 
 
-def _segment_text(tokenizer, c: Conversation, seg_start: int) -> str:
-    """The model's text since the last observation, special tokens kept (the tags may be special tokens)."""
-    return tokenizer.decode(c.response_tokens[seg_start:], skip_special_tokens=False)
+def _segment_text(tokenizer, c: Conversation, st: _RowState) -> str:
+    """The model's text since the last observation (after the prompt's open call, if any), special tokens kept
+    (the tags may be special tokens)."""
+    return st.lead + tokenizer.decode(c.response_tokens[st.seg_start:], skip_special_tokens=False)
+
+
+def _prompt_lead(tokenizer, prompt: Sequence[int], fmt: CallFormat) -> str:
+    """The prompt's text when it ends inside an unclosed call (the model finishes that call), else ""."""
+    text = tokenizer.decode(list(prompt), skip_special_tokens=False)
+    return text if ends_inside_call(text, fmt) else ""
 
 
 def _observation_ids(tokenizer, call: ToolCall, result: ExecResult | None, cfg: ToolConfig,
@@ -138,7 +146,8 @@ def tool_rollouts(engine, prompts: Sequence[Sequence[int]], *, group_size: int, 
                               seed=seed)
     convs = engine.start(prompts, max_new_tokens=max_new_tokens, num_samples=group_size, keep=True,
                          prompt_index=prompt_index, **kw)
-    states = [_RowState() for _ in convs]
+    leads = [_prompt_lead(tokenizer, p, tool_cfg.format) for p in prompts]
+    states = [_RowState(lead=leads[c.index // group_size]) for c in convs]
     try:
         live = list(range(len(convs)))
         while live:
@@ -162,7 +171,7 @@ def _tool_round(engine, convs, states, live, *, tool_cfg: ToolConfig, tokenizer,
         if how != "call" or c.step >= max_new_tokens:
             st.end = "eos" if how == "eos" else "length"
             continue
-        call = parse_call(_segment_text(tokenizer, c, st.seg_start), tool_cfg.format,
+        call = parse_call(_segment_text(tokenizer, c, st), tool_cfg.format,
                           calls_so_far=len(st.statuses), max_turns=tool_cfg.max_turns)
         fut = pool.submit(call.code) if call is not None and call.code is not None else None
         pending.append((i, call, fut))
@@ -179,7 +188,7 @@ def _tool_round(engine, convs, states, live, *, tool_cfg: ToolConfig, tokenizer,
             st.cut, st.end = obs[:room], "budget"
             continue
         if obs:
-            st.seg_start = c.step + len(obs)
+            st.seg_start, st.lead = c.step + len(obs), ""
         rows.append(i)
         appended.append(obs)
         limits.append(room - len(obs))
