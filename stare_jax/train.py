@@ -3,7 +3,7 @@
 One RL step (the paper's Algorithm 1; DESIGN.md's data flow), each a named stage:
     collect   (rollouts.collect_batch)  PromptStream -> Sampler: G rollouts per prompt -> verifier: rewards
                                         -> dynamic sampling (top up from further generation batches) -> advantages
-                                        -> train batch
+                                        -> train batch (tool.enabled: multi-turn tool rollouts, tools/rollout.py)
     update    (Run.update)              the jitted step: no-grad pass (old log-probs, entropy) -> gate/W/M -> omega
                                         -> micro-batch scan -> AdamW
     record    (step_record)             one flat metrics record per step

@@ -14,22 +14,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from stare_jax.config import Config, ConfigError, RLConfig, SamplingConfig, load_config
+from stare_jax.metrics import read_metrics
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.rewards.reward_fn import RewardFn
 from stare_jax.rl.losses import policy_loss
 from stare_jax.rl.stare import StareConfig, init_stare_state
 from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step
 from stare_jax.rollouts import Rollouts, collect_batch, train_batch_from_rollouts
+from stare_jax.run_setup import TrainingError, make_tool_pool
 from stare_jax.sampling.engine import Engine, EngineConfig
 from stare_jax.tokenizer import HFTokenizer
 from stare_jax.tools import CallStatus, SandboxPool, ToolConfig
@@ -38,6 +45,7 @@ from stare_jax.tools.rollout import (ToolRow, call_stop_ids, final_text, rows_to
 
 from _rl_fixtures import random_train_batch
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 V = 272
 TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<code>", "</code>", "<interpreter>",
         "</interpreter>"]
@@ -380,3 +388,33 @@ def test_train_batch_from_rollouts_model_mask():
                                      np.ones((1, 1)))
     assert tool["response_mask_BxT"].tolist() == [[0, 0, 0, 1, 0, 1, 0]]
     assert tool["attention_mask_BxT"].tolist() == plain["attention_mask_BxT"].tolist() == [[0, 1, 1, 1, 1, 1, 0]]
+
+
+def test_rl_loop_collects_tool_rollouts_and_records_tool_metrics(tmp_path):
+    """`stare-jax train` on the tiny toy with tool.enabled: the collect stage runs tool_rollouts through the
+    engine and the sandbox pool, and every step record has the tool metrics (the toy model makes no calls)."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "stare_jax.cli", "train", "--config", str(REPO / "configs/tiny_cpu_stare.yaml"),
+           "--run-dir", str(run), f"toy.cache_dir={tmp_path / 'toy'}", "total_steps=2", "toy.hidden_size=32",
+           "toy.num_layers=2", "toy.sft_steps=5", "toy.num_train=200", "toy.num_eval=8", "rl.train_batch_size=4",
+           "rl.group_size=4", "rl.gen_batch_size=8", "rl.micro_batch_size=8", "rl.dynamic_sampling=false",
+           "logging.eval_every_steps=0", "logging.tensorboard=false", "logging.progress_bar=false",
+           "checkpoint.every_steps=0", "sampling.engine.enabled=true", "tool.enabled=true", "tool.max_turns=2"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = read_metrics(run, drop_timing=False)
+    assert [r["step"] for r in recs] == [1, 2]
+    for r in recs:
+        assert r["tool/calls_per_response"] >= 0 and 0 <= r["tool/observation_token_frac"] <= 1
+        assert r["tool/turns_per_response"] >= 1 and r["response_len_mean"] > 0
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["tool"]["enabled"] is True
+
+
+def test_tool_rollouts_need_the_engine(tmp_path):
+    cfg = load_config(None, ["tool.enabled=true"])
+    with pytest.raises(TrainingError, match="sampling.engine.enabled=true"):
+        make_tool_pool(cfg, object())
+    assert make_tool_pool(load_config(None, []), object()) is None
