@@ -20,8 +20,8 @@ from stare_jax.rewards.reward_fn import RewardFn
 from stare_jax.rl.advantages import DynamicSamplingAccumulator, dynamic_sampling_keep_mask, grpo_advantages
 from stare_jax.tools.config import ToolConfig
 from stare_jax.tools.pool import SandboxPool
-from stare_jax.tools.rollout import (final_text, rows_to_arrays, tool_counts, tool_metrics, tool_reward_shaping,
-                                     tool_rollouts)
+from stare_jax.tools.rollout import (final_text, observation_wrapper, rows_to_arrays, tool_counts, tool_metrics,
+                                     tool_reward_shaping, tool_rollouts)
 
 __all__ = ["REWARD_COUNTERS", "CollectedBatch", "RewardFn", "Rollouts", "add_counts", "batch_seed", "collect_batch",
            "generate_rollouts", "generate_tool_rollouts", "left_pad", "train_batch_from_rollouts"]
@@ -132,12 +132,14 @@ def generate_tool_rollouts(engine, prompts: Sequence[Sequence[int]], answers: Se
                            max_new_tokens: int, num_samples: int, temperature: float, top_p: float, top_k: int,
                            seed: int, index_offset: int = 0):
     """generate_rollouts with the code interpreter (stare_jax.tools.rollout): G multi-turn responses per prompt,
-    the text after each response's last observation scored by reward_fn. Returns (Rollouts with model_mask_PxGxN
+    observations wrapped as the model's own chat template wraps a tool message (hermes), the text after each
+    response's last observation scored by reward_fn. Returns (Rollouts with model_mask_PxGxN
     and reward_bonus_PxG, final texts, reward stats, tool counts (tool_counts), model-token lengths [P*G])."""
     P = len(prompts)
     rows = tool_rollouts(engine, prompts, group_size=num_samples, tool_cfg=tool, tokenizer=tokenizer, pool=pool,
                          max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                         seed=seed, prompt_index=[index_offset + i for i in range(P)])
+                         seed=seed, prompt_index=[index_offset + i for i in range(P)],
+                         wrapper=observation_wrapper(tokenizer, tool.format))
     texts = [final_text(tokenizer, r) for r in rows]
     scores, stats = reward_fn(texts, [answers[r.prompt_pos] for r in rows])
     correct = [float(x) for x in scores]

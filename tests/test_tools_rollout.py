@@ -40,8 +40,9 @@ from stare_jax.run_setup import TrainingError, make_tool_pool
 from stare_jax.sampling.engine import Engine, EngineConfig
 from stare_jax.tokenizer import HFTokenizer
 from stare_jax.tools import CallStatus, SandboxPool, ToolConfig
-from stare_jax.tools.rollout import (ToolRow, call_stop_ids, final_text, rows_to_arrays, tool_counts, tool_metrics,
-                                     tool_reward_shaping, tool_rollouts)
+from stare_jax.tools.calls import HERMES_QWEN25, ObservationFormat
+from stare_jax.tools.rollout import (ToolRow, call_stop_ids, final_text, observation_wrapper, rows_to_arrays,
+                                     tool_counts, tool_metrics, tool_reward_shaping, tool_rollouts)
 
 from _rl_fixtures import random_train_batch
 
@@ -52,14 +53,17 @@ TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 HERMES_42 = "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 RETOOL_42 = "\n<interpreter>\n42\n</interpreter>\n"
+TEMPLATE = ("{%- for m in messages %}{%- if m.role == 'tool' %}"
+            "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+            "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 CALL = '<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{{"name": "{name}", "arguments": ' \
        '{{"code": "{code}"}}}}'
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+def _make_tokenizer(folder, template):
     """A byte-level tokenizer (one token per byte, no merges) with the chat and tool tags as single tokens."""
-    folder = tmp_path_factory.mktemp("tool_tok")
+    folder.mkdir(exist_ok=True)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -68,10 +72,28 @@ def tokenizer(tmp_path_factory):
     tok.add_tokens(TAGS)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}))
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": template}))
     t = HFTokenizer(folder)
     assert t.vocab_size <= V
     return t
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """With a Qwen2.5-like chat template (its tool turn is Qwen2.5's)."""
+    return _make_tokenizer(tmp_path_factory.mktemp("tool_tok"), TEMPLATE)
+
+
+def test_observation_wrapper_comes_from_the_chat_template(tokenizer, tmp_path):
+    assert observation_wrapper(tokenizer, "hermes") == HERMES_QWEN25
+    assert observation_wrapper(tokenizer, "retool") is None
+    other = _make_tokenizer(tmp_path / "a", TEMPLATE.replace("user\\n<tool_response>", "tool"))
+    assert observation_wrapper(other, "hermes") == ObservationFormat(
+        "<|im_end|>\n<|im_start|>tool\n", "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert observation_wrapper(_make_tokenizer(tmp_path / "b", None), "hermes") is None
+    refusing = ("{%- for m in messages %}{%- if m.role == 'tool' %}{{ raise_exception('no tools') }}{%- endif %}"
+                "{%- endfor %}")
+    assert observation_wrapper(_make_tokenizer(tmp_path / "c", refusing), "hermes") is None
 
 
 def _bigram_model(tokenizer, rules: dict[str, str], default: str):

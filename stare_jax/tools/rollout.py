@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stare_jax.tools.calls import (CallFormat, CallStatus, ObservationFormat, ToolCall, ends_inside_call, observation,
-                                   parse_call, result_status, status_counts, stop_strings)
+                                   observation_format_from_template, parse_call, result_status, status_counts,
+                                   stop_strings)
 from stare_jax.tools.config import ToolConfig
 from stare_jax.tools.pool import SandboxPool
 from stare_jax.tools.sandbox import ExecResult
@@ -40,8 +41,8 @@ from stare_jax.tools.sandbox import ExecResult
 if TYPE_CHECKING:
     from stare_jax.sampling.engine import Conversation
 
-__all__ = ["ToolRow", "call_stop_ids", "final_text", "tool_rollouts", "rows_to_arrays", "tool_counts", "tool_metrics",
-           "tool_reward_shaping", "MALFORMED"]
+__all__ = ["MALFORMED", "ToolRow", "call_stop_ids", "final_text", "observation_wrapper", "rows_to_arrays",
+           "tool_counts", "tool_metrics", "tool_reward_shaping", "tool_rollouts"]
 
 MALFORMED = (CallStatus.INVALID_JSON, CallStatus.UNKNOWN_TOOL, CallStatus.BAD_ARGUMENTS, CallStatus.EMPTY_CODE,
              CallStatus.MAX_TURNS)
@@ -100,6 +101,18 @@ def call_stop_ids(tokenizer, fmt: CallFormat) -> tuple[int, ...]:
             raise ValueError(f"the tokenizer encodes the tool-call stop string {s!r} to no tokens")
         ids.append(int(enc[-1]))
     return tuple(dict.fromkeys(ids))
+
+
+def observation_wrapper(tokenizer, fmt: CallFormat) -> ObservationFormat | None:
+    """hermes: the wrapper the model's own chat template puts around a tool message; None (the format's default,
+    Qwen2.5's tool turn) when the tokenizer has no template or its template cannot render a tool turn after an
+    assistant turn. retool: None (its own <interpreter> tags)."""
+    if fmt != "hermes" or not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        return observation_format_from_template(lambda m, g: tokenizer.apply_chat_template(m, g))
+    except (ValueError, TypeError):  # the template's own errors (it may refuse a tool role)
+        return None
 
 
 def _turn_end(c: Conversation, end_ids: Sequence[int], call_ids: Sequence[int]) -> str:
