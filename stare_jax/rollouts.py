@@ -250,6 +250,8 @@ def collect_batch(sampler, prompt_batches: Iterator[list], prompt_ids: Callable[
     kept = Rollouts(**acc.result())
     rewards = rollout_rewards(kept.correct_PxG, kept.lengths_PxG, mode=rl.reward, max_length=sampling.max_new_tokens,
                               overlong_buffer=rl.overlong_buffer, overlong_penalty_factor=rl.overlong_penalty)
+    # (tool rollouts: lengths and the overlong buffer count every response token, observations included, as the
+    # budget sampling.max_new_tokens does)
     if kept.reward_bonus_PxG is not None:
         rewards = np.asarray(rewards, np.float32) + kept.reward_bonus_PxG
     adv = np.asarray(grpo_advantages(jnp.asarray(rewards), norm_by_std=rl.norm_adv_by_std))

@@ -255,6 +255,7 @@ def test_calls_of_a_batch_run_concurrently(engine, tokenizer):
         rows = _run(engine, tokenizer, pool, prompts, G=2)
         wall = time.monotonic() - t0
     assert [r.statuses for r in rows] == [[CallStatus.OK]] * 6
+    print(f"6 rows, one 1 s call each: tool_rollouts took {wall:.2f} s")
     assert wall < 6 * 1.0 - 1.5, f"6 calls of 1 s took {wall:.1f} s: not concurrent"
 
 
@@ -440,3 +441,31 @@ def test_tool_rollouts_need_the_engine(tmp_path):
     with pytest.raises(TrainingError, match="sampling.engine.enabled=true"):
         make_tool_pool(cfg, object())
     assert make_tool_pool(load_config(None, []), object()) is None
+
+
+@pytest.mark.slow
+def test_smollm2_gsm8k_tool_rollouts_two_steps(tmp_path):
+    """SmolLM2-135M-Instruct on GSM8K rows with tool.enabled (hermes format; its tokenizer splits </tool_call>
+    into several tokens, so the stop-on-last-token path runs): two STARE steps log finite metrics and the tool
+    entries. Prints the step times."""
+    pytest.importorskip("transformers")
+    model_dir = REPO / ".cache" / "smollm2-135m-instruct-hf"
+    data = REPO.parent / "shared" / "data" / "math" / "gsm8k_test.jsonl"
+    if not (model_dir / "config.json").is_file() or not data.is_file():
+        pytest.skip(f"needs {model_dir} (stare-jax smollm2 {model_dir}) and {data}")
+    run = tmp_path / "smol"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, "-m", "stare_jax.cli", "train", "--config",
+                        str(REPO / "configs/smollm2_gsm8k_smoke.yaml"), "--run-dir", str(run),
+                        f"model.path={model_dir}", f"data.train_path={data}", "logging.progress_bar=false",
+                        "sampling.engine.enabled=true", "tool.enabled=true"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = read_metrics(run, drop_timing=False)
+    assert [r["step"] for r in recs] == [1, 2]
+    for r in recs:
+        assert np.isfinite(r["entropy"]) and r["tool/turns_per_response"] >= 1
+        print(f"step {r['step']}: {r['step_time_s']:.1f} s (generation {r['gen_time_s']:.1f} s), "
+              f"tool calls/response {r['tool/calls_per_response']:.2f}, "
+              f"observation-token fraction {r['tool/observation_token_frac']:.3f}")
