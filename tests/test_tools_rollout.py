@@ -231,6 +231,39 @@ def test_call_past_max_turns_is_refused_not_run(engine, tokenizer, pool):
     assert "42" not in text
 
 
+def test_several_calls_then_max_turns_until_the_budget(tokenizer, pool):
+    """A model that answers every observation with another call (<code>7</code>): two calls run, every later one
+    is refused (max_turns=2) with an observation saying so, until the budget ends the response; the outcome equals
+    a hand simulation of the protocol."""
+    model = _bigram_model(tokenizer, {")": "</code>", "\n": "<code>", "<code>": "7", "7": "</code>"},
+                          default="<|im_end|>")
+    engine = Engine(model, config=EngineConfig(max_slots=4, page_size=8, decode_chunk=8, prefill_chunk=64),
+                    pad_id=tokenizer.pad_id)
+    prompt = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<code>\nprint(6 * 7)"
+    budget = 150
+    (row,) = _run(engine, tokenizer, pool, [prompt], G=1, budget=budget, format="retool", max_turns=2)
+    tid = tokenizer.token_to_id
+    call = [tid("<code>"), *_enc(tokenizer, "7"), tid("</code>")]
+    refused = "Error: the limit of 2 tool calls per response is reached; the code was not run."
+    outputs = iter(["42", "(no output)"] + [refused] * 100)
+    seq, mask, n_calls, end = [tid("</code>")], [1], 0, ""
+    while not end:  # the protocol by hand: observation, then the model's next call, within the budget
+        n_calls += 1
+        obs = _enc(tokenizer, f"\n<interpreter>\n{next(outputs)}\n</interpreter>\n")
+        room = budget - len(seq)
+        if len(obs) >= room:
+            seq, mask, end = seq + obs[:room], mask + [0] * room, "budget"
+            break
+        seq, mask = seq + obs, mask + [0] * len(obs)
+        room = budget - len(seq)
+        seq, mask = seq + call[:room], mask + [1] * min(room, 3)
+        end = "length" if len(seq) == budget else ""
+    assert row.tokens == seq and row.model_mask == mask and row.end == end
+    assert row.statuses == [CallStatus.OK, CallStatus.OK] + [CallStatus.MAX_TURNS] * (n_calls - 2)
+    assert n_calls > 3 and row.turns == n_calls + (end == "length")
+    _check_row_invariants(row)
+
+
 def test_budget_ending_inside_the_observation_cuts_the_response(engine, tokenizer, pool):
     obs = _enc(tokenizer, HERMES_42)
     budget = 1 + len(obs) // 2
