@@ -17,9 +17,10 @@ verifier scores). `tool_counts` / `tool_metrics` sum and rate them for the step 
 optional ReTool-style bonus and format penalty.
 
 Stop tokens: a closing tag that the tokenizer encodes as one token (Qwen2.5's </tool_call>; the tiny test
-tokenizers) stops exactly there. A closing tag of several tokens stops on its last token; a row that stopped there
-without a complete call continues sampling (an extend with nothing appended), so the outcome is the same, only
-slower. Single process only (the engine's host scheduler is).
+tokenizers) stops exactly there. A closing tag of several tokens (SmolLM2 splits </tool_call> into `</ tool _ call
+>`) stops on its last token (`>`); a row that stopped there without a complete call continues sampling (an extend
+with nothing appended). That holds while the model writes the tag's last token on its own: a merged token (say
+`>\n`) is not a stop, and the call is then not seen. Single process only (the engine's host scheduler is).
 """
 from __future__ import annotations
 
