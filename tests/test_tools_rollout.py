@@ -29,6 +29,7 @@ from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from stare_jax.config import Config, ConfigError, RLConfig, SamplingConfig, load_config
+from stare_jax.data.prompts import PAPER_INSTRUCTION, PromptRow
 from stare_jax.metrics import read_metrics
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.rewards.reward_fn import RewardFn
@@ -36,11 +37,11 @@ from stare_jax.rl.losses import policy_loss
 from stare_jax.rl.stare import StareConfig, init_stare_state
 from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step
 from stare_jax.rollouts import Rollouts, collect_batch, train_batch_from_rollouts
-from stare_jax.run_setup import TrainingError, make_tool_pool
+from stare_jax.run_setup import TrainingError, encode_rows, make_tool_pool
 from stare_jax.sampling.engine import Engine, EngineConfig
 from stare_jax.tokenizer import HFTokenizer
 from stare_jax.tools import CallStatus, SandboxPool, ToolConfig
-from stare_jax.tools.calls import HERMES_QWEN25, ObservationFormat
+from stare_jax.tools.calls import CODE_TOOL_SCHEMA, HERMES_QWEN25, ObservationFormat
 from stare_jax.tools.rollout import (ToolRow, call_stop_ids, final_text, observation_wrapper, rows_to_arrays,
                                      tool_counts, tool_metrics, tool_reward_shaping, tool_rollouts)
 
@@ -94,6 +95,27 @@ def test_observation_wrapper_comes_from_the_chat_template(tokenizer, tmp_path):
     refusing = ("{%- for m in messages %}{%- if m.role == 'tool' %}{{ raise_exception('no tools') }}{%- endif %}"
                 "{%- endfor %}")
     assert observation_wrapper(_make_tokenizer(tmp_path / "c", refusing), "hermes") is None
+
+
+def test_prompts_give_the_chat_template_the_code_interpreter_schema(tmp_path):
+    """tool.enabled (hermes): the chat template is rendered with tools=[CODE_TOOL_SCHEMA] (Qwen2.5's template
+    writes its hermes tool-use system prompt from it); without it, or for ReTool, nothing changes."""
+    listing = ("{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' }}{%- for t in tools %}{{- t | tojson }}"
+               "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}")
+    tok = _make_tokenizer(tmp_path / "t", listing + TEMPLATE)
+    rows = [PromptRow("1", "What is 2+3?", "5", "x:1")]
+
+    def prompt(*overrides):
+        cfg = load_config(None, ["data.prompt_template=chat", "data.max_prompt_len=4000", *overrides])
+        (ids,), _ = encode_rows(rows, tok, cfg)
+        return tok.decode(ids, skip_special_tokens=False)
+
+    with_tool = prompt("tool.enabled=true")
+    assert with_tool.startswith("<|im_start|>system\n# Tools\n" + json.dumps(CODE_TOOL_SCHEMA))
+    assert with_tool.endswith("What is 2+3?\n" + PAPER_INSTRUCTION + "<|im_end|>\n<|im_start|>assistant\n")
+    plain = prompt()
+    assert "# Tools" not in plain and with_tool.endswith(plain)
+    assert prompt("tool.enabled=true", "tool.format=retool") == plain
 
 
 def _bigram_model(tokenizer, rules: dict[str, str], default: str):

@@ -37,12 +37,19 @@ from stare_jax.tools.sandbox import ExecResult
 __all__ = ["CallFormat", "CallStatus", "ToolCall", "ObservationFormat", "HERMES_QWEN25", "RETOOL", "call_tags",
            "ends_inside_call", "stop_strings",
            "ends_with_call", "parse_call", "result_status", "observation", "observation_content",
-           "observation_format_from_template", "status_counts", "CODE_TOOL"]
+           "observation_format_from_template", "status_counts", "CODE_TOOL", "CODE_TOOL_SCHEMA"]
 
 CallFormat = Literal["hermes", "retool"]
 CODE_TOOL = "code_interpreter"
 _TAGS = {"hermes": ("<tool_call>", "</tool_call>"), "retool": ("<code>", "</code>")}
 _FENCE = re.compile(r"\A\s*```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)\n?[ \t]*```\s*\Z", re.DOTALL | re.IGNORECASE)
+
+
+CODE_TOOL_SCHEMA = {"type": "function", "function": {
+    "name": CODE_TOOL, "description": "Runs Python code in a sandbox and returns what it prints (stdout, then stderr).",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The Python code to "
+                                                                     "run; print what you need to see."}},
+                   "required": ["code"]}}}
 
 
 class CallStatus(str, enum.Enum):
