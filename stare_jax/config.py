@@ -25,6 +25,7 @@ from stare_jax.rl.optimizer_config import OptimizerConfig
 from stare_jax.rl.policy_loss_config import TOKEN_LEVEL, PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare_config import StareConfig
 from stare_jax.sampling.engine_config import EngineConfig
+from stare_jax.tools.config import ToolConfig
 
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -228,6 +229,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     toy: ToyConfig = field(default_factory=ToyConfig)
+    tool: ToolConfig = field(default_factory=ToolConfig)  # multi-turn tool use (tool.enabled; needs the engine)
 
 
 # ----------------------------------------------------------------------------------------------------------------

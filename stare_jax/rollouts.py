@@ -18,9 +18,13 @@ from stare_jax.config import RLConfig, SamplingConfig
 from stare_jax.rewards import rollout_rewards
 from stare_jax.rewards.reward_fn import RewardFn
 from stare_jax.rl.advantages import DynamicSamplingAccumulator, dynamic_sampling_keep_mask, outcome_advantages
+from stare_jax.tools.config import ToolConfig
+from stare_jax.tools.pool import SandboxPool
+from stare_jax.tools.rollout import (final_text, observation_wrapper, rows_to_arrays, tool_counts, tool_metrics,
+                                     tool_reward_shaping, tool_rollouts)
 
 __all__ = ["REWARD_COUNTERS", "CollectedBatch", "RewardFn", "Rollouts", "add_counts", "batch_seed", "collect_batch",
-           "generate_rollouts", "left_pad", "train_batch_from_rollouts"]
+           "generate_rollouts", "generate_tool_rollouts", "left_pad", "train_batch_from_rollouts"]
 
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -34,16 +38,28 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tupl
 
 @dataclasses.dataclass
 class Rollouts:
-    """One generation batch, prompt-major: arrays with leading prompt axis P (and group axis G)."""
+    """One generation batch, prompt-major: arrays with leading prompt axis P (and group axis G).
+
+    Multi-turn tool rollouts also set model_mask_PxGxN (1 sampled token, 0 tool observation: the loss mask; None =
+    every response token was sampled) and reward_bonus_PxG (tool bonus / format penalty added to the reward)."""
 
     prompt_ids_PxT: np.ndarray
     prompt_mask_PxT: np.ndarray
     tokens_PxGxN: np.ndarray
     lengths_PxG: np.ndarray
     correct_PxG: np.ndarray
+    model_mask_PxGxN: np.ndarray | None = None
+    reward_bonus_PxG: np.ndarray | None = None
 
 
 REWARD_COUNTERS = ("n_items", "n_ok", "n_correct", "n_timeout", "n_crash", "n_error", "n_restarts")
+
+
+def add_counts_all(total: dict, counts: dict) -> dict:
+    """Adds every numeric counter of `counts` into total (the tool counts)."""
+    for k, v in counts.items():
+        total[k] = total.get(k, 0) + v
+    return total
 
 
 def add_counts(total: dict, stats: dict) -> dict:
@@ -76,7 +92,7 @@ def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequen
              for i in range(0, len(prompts), step)]
     if len(parts) == 1:
         return parts[0]
-    fields = [f.name for f in dataclasses.fields(Rollouts)]
+    fields = [f.name for f in dataclasses.fields(Rollouts) if getattr(parts[0][0], f.name) is not None]
     merged = Rollouts(**{f: np.concatenate([getattr(r, f) for r, _, _ in parts]) for f in fields})
     stats: dict = {}
     for _, _, st in parts:
@@ -111,6 +127,31 @@ def _generate_call(sampler, prompts, answers, *, tokenizer, reward_fn: RewardFn,
     return Rollouts(ids[:P], mask[:P], tokens, lengths, correct.reshape(P, G)), texts, stats
 
 
+def generate_tool_rollouts(engine, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
+                           reward_fn: RewardFn, tool: ToolConfig, pool: SandboxPool, prompt_len: int,
+                           max_new_tokens: int, num_samples: int, temperature: float, top_p: float, top_k: int,
+                           seed: int, index_offset: int = 0):
+    """generate_rollouts with the code interpreter (stare_jax.tools.rollout): G multi-turn responses per prompt,
+    observations wrapped as the model's own chat template wraps a tool message (hermes), the text after each
+    response's last observation scored by reward_fn. Returns (Rollouts with model_mask_PxGxN
+    and reward_bonus_PxG, final texts, reward stats, tool counts (tool_counts), model-token lengths [P*G])."""
+    P = len(prompts)
+    rows = tool_rollouts(engine, prompts, group_size=num_samples, tool_cfg=tool, tokenizer=tokenizer, pool=pool,
+                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                         seed=seed, prompt_index=[index_offset + i for i in range(P)],
+                         wrapper=observation_wrapper(tokenizer, tool.format))
+    texts = [final_text(tokenizer, r) for r in rows]
+    scores, stats = reward_fn(texts, [answers[r.prompt_pos] for r in rows])
+    correct = [float(x) for x in scores]
+    arr = rows_to_arrays(rows, P, num_samples, max_new_tokens, engine.pad_id)
+    bonus = tool_reward_shaping(rows, correct, tool_bonus=tool.tool_bonus, format_penalty=tool.format_penalty)
+    ids, mask = left_pad(prompts, prompt_len, engine.pad_id)
+    r = Rollouts(ids, mask, arr["tokens_PxGxN"], arr["lengths_PxG"],
+                 np.asarray(correct, np.float32).reshape(P, num_samples), arr["model_mask_PxGxN"],
+                 bonus.reshape(P, num_samples))
+    return r, texts, stats, tool_counts(rows, correct), arr["model_lengths_PxG"].reshape(-1)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The RL loop's collection stage
 
@@ -121,12 +162,14 @@ def batch_seed(seed: int, step: int, j: int) -> int:
 
 
 def train_batch_from_rollouts(r: Rollouts, advantages_PxG: np.ndarray) -> dict:
-    """[P*G, T+N] prompt + response ids with attention/response masks, response-major within each prompt."""
+    """[P*G, T+N] prompt + response ids with attention/response masks, response-major within each prompt. Tool
+    observation tokens (model_mask 0) are attended to but have response (loss) mask 0."""
     P, G, N = r.tokens_PxGxN.shape
     T = r.prompt_ids_PxT.shape[1]
-    resp_mask = (np.arange(N)[None, None, :] < r.lengths_PxG[..., None]).astype(np.int32)
+    span = (np.arange(N)[None, None, :] < r.lengths_PxG[..., None]).astype(np.int32)
+    resp_mask = span if r.model_mask_PxGxN is None else span * r.model_mask_PxGxN.astype(np.int32)
     ids = np.concatenate([np.repeat(r.prompt_ids_PxT[:, None], G, 1), r.tokens_PxGxN], axis=2)
-    attn = np.concatenate([np.repeat(r.prompt_mask_PxT[:, None], G, 1), resp_mask], axis=2)
+    attn = np.concatenate([np.repeat(r.prompt_mask_PxT[:, None], G, 1), span], axis=2)
     resp = np.concatenate([np.zeros((P, G, T), np.int32), resp_mask], axis=2)
     ids = np.where(attn > 0, ids, 0)
     return {"input_ids_BxT": ids.reshape(P * G, T + N), "attention_mask_BxT": attn.reshape(P * G, T + N),
@@ -148,10 +191,13 @@ class CollectedBatch:
     num_prompts_seen: int
     num_gen_batches: int
     gen_time_s: float
+    tool_counts: dict = dataclasses.field(default_factory=dict)  # summed tool_counts (tool rollouts only)
 
     def metrics(self) -> dict:
-        """The step record's entries that describe generation and scoring."""
-        return {"reward_mean": float(self.rewards_PxG.mean()), "accuracy": float(self.correct_all.mean()),
+        """The step record's entries that describe generation and scoring (response lengths count the model's
+        tokens only; tool rollouts add the tool/* entries)."""
+        tool = tool_metrics(self.tool_counts) if self.tool_counts else {}
+        return {**tool, "reward_mean": float(self.rewards_PxG.mean()), "accuracy": float(self.correct_all.mean()),
                 "train_accuracy": float(self.kept.correct_PxG.mean()),
                 "response_len_mean": float(self.lengths_all.mean()),
                 "kept_groups_frac": self.num_groups_kept / max(self.num_prompts_seen, 1),
@@ -161,27 +207,41 @@ class CollectedBatch:
 
 def collect_batch(sampler, prompt_batches: Iterator[list], prompt_ids: Callable[[object], Sequence[int]], *,
                   rl: RLConfig, sampling: SamplingConfig, tokenizer, reward_fn: RewardFn, prompt_len: int,
-                  seed: int, step: int) -> CollectedBatch:
+                  seed: int, step: int, tool: ToolConfig | None = None,
+                  tool_pool: SandboxPool | None = None) -> CollectedBatch:
     """Algorithm 1's data half: generate G responses for each prompt of successive generation batches (rows
     from `prompt_batches`, token ids by `prompt_ids(row)`), score them, keep the groups whose rewards vary
     (dynamic sampling, when rl.dynamic_sampling) until rl.train_batch_size groups are kept (at most
-    rl.max_num_gen_batches batches), shape the rewards and compute GRPO advantages, and lay out the train batch."""
+    rl.max_num_gen_batches batches), shape the rewards and compute GRPO advantages, and lay out the train batch.
+    With tool.enabled (sampler: a rollout Engine, tool_pool: the sandbox) the responses are multi-turn tool
+    rollouts (generate_tool_rollouts): observation tokens get loss mask 0 and the tool bonus / format penalty
+    is added to the shaped reward."""
     t0 = time.time()
     acc = DynamicSamplingAccumulator(rl.train_batch_size, rl.max_num_gen_batches if rl.dynamic_sampling else 1)
     correct: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
     reward_stats: dict = {}
+    tool_totals: dict = {}
     j = 0
     while not acc.ready:
         rows = next(prompt_batches)
-        r, _, stats = generate_rollouts(
-            sampler, [prompt_ids(x) for x in rows], [x.answer for x in rows], tokenizer=tokenizer,
-            reward_fn=reward_fn, prompt_len=prompt_len, max_new_tokens=sampling.max_new_tokens,
-            num_samples=rl.group_size, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            seed=batch_seed(seed, step, j), index_offset=j * rl.gen_batch_size,
-            max_prompts_per_call=sampling.max_prompts_per_call)
+        kw = dict(tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
+                  max_new_tokens=sampling.max_new_tokens, num_samples=rl.group_size,
+                  temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                  seed=batch_seed(seed, step, j), index_offset=j * rl.gen_batch_size)
+        prompts, answers = [prompt_ids(x) for x in rows], [x.answer for x in rows]
+        if tool is not None and tool.enabled:
+            if tool_pool is None:
+                raise ValueError("collect_batch: tool.enabled needs a tool_pool (stare_jax.tools.make_pool)")
+            r, _, stats, counts, model_lengths = generate_tool_rollouts(sampler, prompts, answers, tool=tool,
+                                                                        pool=tool_pool, **kw)
+            add_counts_all(tool_totals, counts)
+            lengths.append(model_lengths)
+        else:
+            r, _, stats = generate_rollouts(sampler, prompts, answers, **kw,
+                                            max_prompts_per_call=sampling.max_prompts_per_call)
+            lengths.append(r.lengths_PxG.reshape(-1))
         correct.append(r.correct_PxG.reshape(-1))
-        lengths.append(r.lengths_PxG.reshape(-1))
         add_counts(reward_stats, stats)
         keep = (np.asarray(dynamic_sampling_keep_mask(r.correct_PxG)) if rl.dynamic_sampling
                 else np.ones(r.correct_PxG.shape[0], bool))
@@ -190,10 +250,14 @@ def collect_batch(sampler, prompt_batches: Iterator[list], prompt_ids: Callable[
     kept = Rollouts(**acc.result())
     rewards = rollout_rewards(kept.correct_PxG, kept.lengths_PxG, mode=rl.reward, max_length=sampling.max_new_tokens,
                               overlong_buffer=rl.overlong_buffer, overlong_penalty_factor=rl.overlong_penalty)
+    # (tool rollouts: lengths and the overlong buffer count every response token, observations included, as the
+    # budget sampling.max_new_tokens does)
+    if kept.reward_bonus_PxG is not None:
+        rewards = np.asarray(rewards, np.float32) + kept.reward_bonus_PxG
     adv = np.asarray(outcome_advantages(jnp.asarray(rewards), kept.correct_PxG, estimator=rl.advantage.estimator,
                                         norm_by_std=rl.norm_adv_by_std,
                                         w_reinforce_lambda=rl.advantage.w_reinforce_lambda))
     batch = train_batch_from_rollouts(kept, adv)
-    batch["rewards_B"] = rewards.reshape(-1).astype(np.float32)  # the step's KL-in-reward advantage starts from it
+    batch["rewards_B"] = np.asarray(rewards).reshape(-1).astype(np.float32)  # the step's KL-in-reward advantage
     return CollectedBatch(batch, kept, rewards, np.concatenate(correct), np.concatenate(lengths), reward_stats,
-                          acc.num_kept, acc.num_prompts_seen, j, time.time() - t0)
+                          acc.num_kept, acc.num_prompts_seen, j, time.time() - t0, tool_totals)

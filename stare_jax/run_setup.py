@@ -23,6 +23,9 @@ from stare_jax.rl.stare import StareState, init_stare_state
 from stare_jax.rl.train_step import TrainState, TrainStepConfig, init_train_state, place_train_state, split_model
 from stare_jax.run_dir import is_remote, local_copy
 from stare_jax.sampling import Engine, Sampler
+from stare_jax.tools.calls import CODE_TOOL_SCHEMA
+from stare_jax.tools.config import make_pool
+from stare_jax.tools.pool import SandboxPool
 
 
 class TrainingError(RuntimeError):
@@ -90,10 +93,12 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, Run
 
 
 def encode_rows(rows: Sequence[PromptRow], tokenizer, cfg: Config) -> tuple[list[list[int]], list[int]]:
-    """Token ids of each row's prompt; rows longer than data.max_prompt_len are reported and left out."""
+    """Token ids of each row's prompt; rows longer than data.max_prompt_len are reported and left out. With
+    tool.enabled (hermes format) a chat template is given the code interpreter's schema."""
+    tools = [CODE_TOOL_SCHEMA] if cfg.tool.enabled and cfg.tool.format == "hermes" else None
     ids, keep = [], []
     for i, row in enumerate(rows):
-        text = format_prompt(row.problem, cfg.data.prompt_template, tokenizer)
+        text = format_prompt(row.problem, cfg.data.prompt_template, tokenizer, tools=tools)
         # a rendered chat template carries its own special tokens; otherwise the tokenizer's default BOS rule
         toks = tokenizer.encode(text, add_bos=False if cfg.data.prompt_template == "chat" else None)
         if len(toks) <= cfg.data.max_prompt_len:
@@ -192,6 +197,17 @@ def make_sampler(model, cfg: Config, mesh, pad_id: int | None) -> Sampler | Engi
                             "multi-process runs use the static sampler (sampling.engine.enabled=false)")
     return Engine(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id,
                   config=cfg.sampling.engine)
+
+
+def make_tool_pool(cfg: Config, sampler: Sampler | Engine) -> SandboxPool | None:
+    """The code interpreter's sandbox pool when tool.enabled (the multi-turn rollouts need the rollout engine's
+    append-and-continue), else None."""
+    if not cfg.tool.enabled:
+        return None
+    if not isinstance(sampler, Engine):
+        raise TrainingError("tool.enabled: multi-turn tool rollouts need the rollout engine "
+                            "(set sampling.engine.enabled=true)")
+    return make_pool(cfg.tool)
 
 
 def abstract_like(tree):

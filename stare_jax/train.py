@@ -3,7 +3,7 @@
 One RL step (the paper's Algorithm 1; DESIGN.md's data flow), each a named stage:
     collect   (rollouts.collect_batch)  PromptStream -> Sampler: G rollouts per prompt -> verifier: rewards
                                         -> dynamic sampling (top up from further generation batches) -> advantages
-                                        -> train batch
+                                        -> train batch (tool.enabled: multi-turn tool rollouts, tools/rollout.py)
     update    (Run.update)              the jitted step: no-grad pass (old log-probs, entropy; the frozen
                                         reference's log-probs with rl.kl) -> gate/W/M -> omega -> micro-batch scan
                                         -> AdamW
@@ -42,8 +42,10 @@ from stare_jax.rl.train_step import TrainState, make_train_step
 from stare_jax.rollouts import CollectedBatch, RewardFn, batch_seed, collect_batch
 from stare_jax.run_dir import RunDir
 from stare_jax.run_setup import (RunInputs, TrainingError, abstract_like, encode_rows, init_distributed,
-                                 init_run_state, make_sampler, reference_params, resolve_inputs, train_step_config)
+                                 init_run_state, make_sampler, make_tool_pool, reference_params, resolve_inputs,
+                                 train_step_config)
 from stare_jax.sampling import Engine, Sampler, next_bucket
+from stare_jax.tools.pool import SandboxPool
 from stare_jax.tokenizer import load_tokenizer
 
 __all__ = ["Run", "TrainingError", "compile_count", "open_run", "run_training", "step_record", "train_step_config"]
@@ -130,6 +132,7 @@ class Run:
     bar: ProgressBar
     start_step: int
     ref_params: Any = None  # the frozen reference policy (rl.kl.reference), never updated nor checkpointed
+    tool_pool: SandboxPool | None = None  # the code interpreter's sandbox (tool.enabled)
 
     def refresh_sampler(self) -> None:
         """The sampler decodes with the current policy."""
@@ -140,7 +143,8 @@ class Run:
         self.refresh_sampler()
         return collect_batch(self.sampler, self.stream, lambda row: self.prompt_of[id(row)], rl=self.cfg.rl,
                              sampling=self.cfg.sampling, tokenizer=self.tokenizer, reward_fn=self.reward_fn,
-                             prompt_len=self.prompt_len, seed=self.cfg.seed, step=step)
+                             prompt_len=self.prompt_len, seed=self.cfg.seed, step=step, tool=self.cfg.tool,
+                             tool_pool=self.tool_pool)
 
     def update(self, batch: dict) -> tuple[dict, float]:
         """Stage 2: one jitted GRPO/STARE step on the batch; (host metrics, seconds)."""
@@ -201,6 +205,8 @@ class Run:
             self.rd.push(with_dirs=True)
         self.bar.close()
         self.reward_fn.close()
+        if self.tool_pool is not None:
+            self.tool_pool.close()
         self.preempt.uninstall()
 
 
@@ -345,7 +351,7 @@ def open_run(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool, require_
                       enabled=cfg.logging.progress_bar and jax.process_index() == 0)
     return Run(cfg, rd, tokenizer, stream, prompt_of, eval_sets, prompt_len, graphdef, train_state,
                stare_state, step_fn, sampler, RewardFn(cfg.data.task), ckpt, writer, install_preemption_handler(),
-               bar, start_step, ref_params=ref_params)
+               bar, start_step, ref_params=ref_params, tool_pool=make_tool_pool(cfg, sampler))
 
 
 def _prompt_stream(cfg: Config, rows: list, tokenizer, inputs: RunInputs,

@@ -225,3 +225,26 @@ def test_drop_in_for_generate_rollouts(model):
     assert texts_a == texts_b
     for name in ("prompt_ids_PxT", "prompt_mask_PxT", "tokens_PxGxN", "lengths_PxG", "correct_PxG"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+def test_extend_with_a_limit_per_conversation(model):
+    """max_new_tokens per conversation (a multi-turn rollout's remaining budgets): each turn stops at its own
+    limit, with the same draws as a common limit (keys depend on prompt, sample and position only)."""
+    kw = dict(temperature=1.0, eos_ids=[], seed=5)
+    tool = [[200], [201, 202], [203], [204, 205, 206]]
+    limits = [2, 5, 1, 3]
+    engine = Engine(model, config=SMALL)
+    convs = engine.start(PROMPTS[:2], max_new_tokens=3, num_samples=2, **kw)
+    engine.extend(convs, tool, max_new_tokens=limits, **kw)
+    ref_engine = Engine(model, config=SMALL)
+    ref = ref_engine.start(PROMPTS[:2], max_new_tokens=3, num_samples=2, **kw)
+    ref_engine.extend(ref, tool, max_new_tokens=5, **kw)
+    for c, r, n in zip(convs, ref, limits):
+        assert len(c.turn_tokens) == n and c.turn_tokens == r.turn_tokens[:n]
+    with pytest.raises(ValueError, match="3 max_new_tokens for 4 conversations"):
+        engine.extend(convs, tool, max_new_tokens=[1, 2, 3], **kw)
+    with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
+        engine.extend(convs, tool, max_new_tokens=[1, 0, 1, 1], **kw)
+    engine.close(convs)
+    ref_engine.close(ref)
+    assert engine.pool.all_free()

@@ -102,9 +102,11 @@ def read_rows(path: str | pathlib.Path, *, prompt_field: str = "problem",
     return rows
 
 
-def format_prompt(problem: str, template: str = "paper", tokenizer=None) -> str:
+def format_prompt(problem: str, template: str = "paper", tokenizer=None, tools: Sequence[dict] | None = None) -> str:
     """The text fed to the sampler: 'paper' (question + the paper's instruction), 'chat' (that, as a user turn in
-    the tokenizer's chat template, with the generation prompt) or 'raw' (the question alone)."""
+    the tokenizer's chat template, with the generation prompt) or 'raw' (the question alone). tools: JSON schemas
+    the chat template lists for the model (Qwen2.5's template writes them into its hermes tool-use system prompt;
+    a template without tool support ignores them)."""
     if template == "raw":
         return problem
     text = f"{problem}\n{PAPER_INSTRUCTION}"
@@ -113,7 +115,8 @@ def format_prompt(problem: str, template: str = "paper", tokenizer=None) -> str:
     if template == "chat":
         if tokenizer is None:
             raise ValueError("prompt_template 'chat' needs a tokenizer with a chat template")
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        extra = {"tools": list(tools)} if tools else {}
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, **extra)
     raise ValueError(f"unknown prompt_template {template!r}; accepted: 'paper', 'chat', 'raw'")
 
 

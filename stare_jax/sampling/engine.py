@@ -318,27 +318,34 @@ class Engine:
         return self._run_fresh(list(zip(range(len(prompts)), prompts, index)), max_new_tokens, num_samples,
                                keep=keep, sampling=(temperature, top_p, top_k, eos_ids, seed))
 
-    def extend(self, convs: Sequence[Conversation], appended: Sequence[Sequence[int]], *, max_new_tokens: int,
-               temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None, seed: int = 0,
-               keep: bool = True) -> list[Conversation]:
+    def extend(self, convs: Sequence[Conversation], appended: Sequence[Sequence[int]], *,
+               max_new_tokens: int | Sequence[int], temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+               eos_ids=None, seed: int = 0, keep: bool = True) -> list[Conversation]:
         """Append the given tokens (e.g. a tool's output; not sampled: mask 0, log-prob NaN) to each live
         conversation and sample its next turn. Only the new tokens (and the previous turn's last token) are
-        prefilled into the conversation's pages. Use the same seed as `start` for reproducible draws."""
-        _check_sampling_args(max_new_tokens, 1, temperature, top_p, top_k)
+        prefilled into the conversation's pages. Use the same seed as `start` for reproducible draws.
+        max_new_tokens: one limit for every conversation's turn, or one per conversation (e.g. what is left of
+        each response's token budget in a multi-turn rollout)."""
+        limits = ([max_new_tokens] * len(convs) if isinstance(max_new_tokens, (int, np.integer))
+                  else list(max_new_tokens))
+        if len(limits) != len(convs):
+            raise ValueError(f"{len(limits)} max_new_tokens for {len(convs)} conversations")
+        for n in limits or [1]:
+            _check_sampling_args(n, 1, temperature, top_p, top_k)
         if len(appended) != len(convs):
             raise ValueError(f"{len(appended)} appended token lists for {len(convs)} conversations")
         max_pos = getattr(self.config, "max_position_embeddings", None)
-        for c, extra in zip(convs, appended):
+        for c, extra, limit in zip(convs, appended, limits):
             if c.closed:
                 raise ValueError(f"conversation {c.index} is closed")
             extra = [int(t) for t in extra]
             bad = [t for t in extra if not 0 <= t < int(self.config.vocab_size)]
             if bad:
                 raise ValueError(f"conversation {c.index}: appended token id {bad[0]} outside the vocabulary")
-            total = len(c.tokens) + len(extra) + max_new_tokens
+            total = len(c.tokens) + len(extra) + int(limit)
             if max_pos is not None and total > max_pos:
                 raise ValueError(f"conversation {c.index}: {total} tokens exceed the model's context {max_pos}")
-            self._new_turn(c, max_new_tokens, appended=extra)
+            self._new_turn(c, int(limit), appended=extra)
         self._run(list(convs), keep=keep, sampling=(temperature, top_p, top_k, eos_ids, seed))
         return list(convs)
 

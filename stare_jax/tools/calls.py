@@ -34,14 +34,22 @@ from typing import Any, Literal
 
 from stare_jax.tools.sandbox import ExecResult
 
-__all__ = ["CallFormat", "CallStatus", "ToolCall", "ObservationFormat", "HERMES_QWEN25", "RETOOL", "stop_strings",
+__all__ = ["CallFormat", "CallStatus", "ToolCall", "ObservationFormat", "HERMES_QWEN25", "RETOOL", "call_tags",
+           "ends_inside_call", "stop_strings",
            "ends_with_call", "parse_call", "result_status", "observation", "observation_content",
-           "observation_format_from_template", "status_counts", "CODE_TOOL"]
+           "observation_format_from_template", "status_counts", "CODE_TOOL", "CODE_TOOL_SCHEMA"]
 
 CallFormat = Literal["hermes", "retool"]
 CODE_TOOL = "code_interpreter"
 _TAGS = {"hermes": ("<tool_call>", "</tool_call>"), "retool": ("<code>", "</code>")}
 _FENCE = re.compile(r"\A\s*```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)\n?[ \t]*```\s*\Z", re.DOTALL | re.IGNORECASE)
+
+
+CODE_TOOL_SCHEMA = {"type": "function", "function": {
+    "name": CODE_TOOL, "description": "Runs Python code in a sandbox and returns what it prints (stdout, then stderr).",
+    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The Python code to "
+                                                                     "run; print what you need to see."}},
+                   "required": ["code"]}}}
 
 
 class CallStatus(str, enum.Enum):
@@ -91,6 +99,18 @@ HERMES_QWEN25 = ObservationFormat("<|im_end|>\n<|im_start|>user\n<tool_response>
                                   "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 RETOOL = ObservationFormat("\n<interpreter>\n", "\n</interpreter>\n")
 _DEFAULT_FORMATS = {"hermes": HERMES_QWEN25, "retool": RETOOL}
+
+
+def call_tags(fmt: CallFormat) -> tuple[str, str]:
+    """(opening tag, closing tag) of a call in the format."""
+    return _TAGS[fmt]
+
+
+def ends_inside_call(text: str, fmt: CallFormat) -> bool:
+    """True when `text` has an opening tag after its last closing tag (e.g. a prompt that starts a call for the
+    model to finish)."""
+    open_tag, close_tag = _TAGS[fmt]
+    return text.rfind(open_tag) > text.rfind(close_tag)
 
 
 def stop_strings(fmt: CallFormat) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """ToolConfig: the code interpreter's options (`tool.*` keys), declared once with stare_jax.options.
 
-Ready to be embedded in the run config as its `tool` section (`tool: ToolConfig = field(default_factory=ToolConfig)`
-in stare_jax/config.py, like `sampling.engine`); until then it validates itself when built in code.
+The run config's `tool` section (stare_jax/config.py); with `enabled` the RL loop collects multi-turn rollouts
+(stare_jax/tools/rollout.py).
 `make_pool(cfg)` builds the SandboxPool it describes.
 """
 from __future__ import annotations
@@ -36,6 +36,11 @@ class ToolConfig:
     max_workers: int = option(4, "sandboxed calls running at once", lo=1)
     max_file_mb: int = option(16, "largest file the code may write, and the size of its private /tmp, MiB", lo=1)
     max_processes: int = option(32, "processes + threads of one call (RLIMIT_NPROC of its uid)", lo=1)
+    tool_bonus: float = option(0.0, "ReTool-style reward bonus for a correct answer whose response ran the tool "
+                                    "at least once (0 = off)", lo=0.0)
+    format_penalty: float = option(0.0, "reward penalty for a response with a malformed or refused tool call "
+                                        "(invalid JSON, unknown tool, bad arguments, empty code, past max_turns; "
+                                        "0 = off)", lo=0.0)
     isolation: Literal["auto", "namespaces", "rlimits"] = option(
         "auto", "auto: the strongest this machine allows (sandbox_capabilities()); namespaces: fail the calls "
                 "where they are not available; rlimits: the fallback only")
