@@ -22,6 +22,7 @@ from stare_jax.rl.stare import StareState, init_stare_state
 from stare_jax.rl.train_step import TrainState, TrainStepConfig, init_train_state, place_train_state
 from stare_jax.run_dir import is_remote, local_copy
 from stare_jax.sampling import Engine, Sampler
+from stare_jax.sampling.engine import make_generator
 
 
 class TrainingError(RuntimeError):
@@ -154,15 +155,13 @@ def init_run_state(model, tcfg: TrainStepConfig, mesh=None) -> tuple[nnx.GraphDe
 
 
 def make_sampler(model, cfg: Config, mesh, pad_id: int | None) -> Sampler | Engine:
-    """The run's generator: the rollout engine (continuous batching over paged KV, sampling.engine.enabled) or
-    the static sampler. Both take the same per-(prompt, sample, position) keys, so they draw the same samples."""
-    if not cfg.sampling.engine.enabled:
-        return Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id)
-    if dist.is_multiprocess():
-        raise TrainingError("sampling.engine.enabled: the rollout engine's scheduler runs in one process; "
-                            "multi-process runs use the static sampler (sampling.engine.enabled=false)")
-    return Engine(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id,
-                  config=cfg.sampling.engine)
+    """The run's generator per sampling.engine.enabled (sampling.engine.make_generator): the rollout engine
+    (continuous batching over paged KV) or the static sampler; both draw the same samples."""
+    try:
+        return make_generator(model, config=cfg.sampling.engine, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype,
+                              pad_id=pad_id)
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
 
 
 def abstract_like(tree):

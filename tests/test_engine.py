@@ -225,3 +225,36 @@ def test_drop_in_for_generate_rollouts(model):
     assert texts_a == texts_b
     for name in ("prompt_ids_PxT", "prompt_mask_PxT", "tokens_PxGxN", "lengths_PxG", "correct_PxG"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+
+
+def test_make_generator_picks_the_engine_where_it_runs(model):
+    """sampling.engine.enabled: auto = the engine on one process without data-parallel axes (its pool's kv heads
+    split over the tensor axis), the static sampler on a data-parallel mesh; true there is refused by name."""
+    from stare_jax.sampling.engine import make_generator
+
+    assert isinstance(make_generator(model, config=EngineConfig()), Engine)
+    assert isinstance(make_generator(model, config=EngineConfig(enabled=False)), Sampler)
+    data_mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
+    assert isinstance(make_generator(model, config=EngineConfig(), mesh=data_mesh), Sampler)
+    with pytest.raises(ValueError, match="sampling.engine.enabled=true: the mesh splits the batch over 2 data"):
+        make_generator(model, config=EngineConfig(enabled=True), mesh=data_mesh)
+    tensor_mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
+    sharded = init_model(model.config, seed=0, mesh=tensor_mesh)
+    engine = make_generator(sharded, config=SMALL, mesh=tensor_mesh)
+    assert isinstance(engine, Engine)
+    kw = dict(max_new_tokens=12, num_samples=2, temperature=1.0, eos_ids=EOS, seed=3)
+    _assert_same(engine.generate(PROMPTS, **kw), Engine(model, config=SMALL).generate(PROMPTS, **kw))
+    assert engine.pages[0]["k"].sharding.spec[2] == "tensor"  # kv heads split, not replicated
+    n = compiled_programs()
+    engine.generate(PROMPTS, **kw)
+    assert compiled_programs() == n  # the pool keeps its layout through the donated programs
+
+
+def test_any_number_of_eos_ids(model):
+    """More stop ids than the smallest EOS bucket (8): padded to a power of two, same stops in both samplers."""
+    many = list(range(100, 140))
+    kw = dict(max_new_tokens=16, num_samples=2, temperature=1.0, eos_ids=many, seed=1)
+    out = Engine(model, config=SMALL).generate(PROMPTS, **kw)
+    _assert_same(out, Sampler(model).generate(PROMPTS, **kw))
+    assert "eos" in out.finish_reasons and all(t[-1] in many for t, r in zip(out.tokens, out.finish_reasons)
+                                               if r == "eos")
