@@ -258,3 +258,25 @@ def test_any_number_of_eos_ids(model):
     _assert_same(out, Sampler(model).generate(PROMPTS, **kw))
     assert "eos" in out.finish_reasons and all(t[-1] in many for t, r in zip(out.tokens, out.finish_reasons)
                                                if r == "eos")
+
+
+class _AdmissionLog(Engine):
+    """Records each admitted conversation's index and the slots busy right after each admission round."""
+
+    def _admit(self, queue, slots, prefixes):
+        before = {id(c) for c in slots if c is not None}
+        progress = super()._admit(queue, slots, prefixes)
+        new = [c for c in slots if c is not None and id(c) not in before]
+        self.order = getattr(self, "order", []) + [c.index for c in sorted(new, key=lambda c: c.admitted)]
+        self.busy = getattr(self, "busy", []) + [sum(c is not None for c in slots)]
+        return progress
+
+
+def test_slots_refilled_in_queue_order(model):
+    """Requests enter slots in queue order (prompt-major: p * G + g), a freed slot is refilled in the next round,
+    and never more than max_slots rows run at once."""
+    engine = _AdmissionLog(model, config=SMALL)
+    out = engine.generate(PROMPTS, max_new_tokens=24, num_samples=3, temperature=1.0, eos_ids=EOS, seed=5)
+    assert engine.order == list(range(len(PROMPTS) * 3))
+    assert max(engine.busy) == SMALL.max_slots and len(set(out.lengths)) > 1
+    assert sum(b == SMALL.max_slots for b in engine.busy) >= len(engine.busy) // 2  # slots kept full while queued
