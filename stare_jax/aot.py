@@ -324,7 +324,7 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     if mesh is None:
         mesh = make_mesh({"fsdp": 1}, devices=devices)
     hosts = len({getattr(d, "process_index", 0) for d in devices})
-    if run_generator(cfg.sampling.engine, hosts, batch_shards(mesh)) == "engine":
+    if run_generator(cfg.sampling.engine, hosts, batch_shards(mesh), cfg.sampling.max_new_tokens) == "engine":
         log("note: this run generates with the rollout engine, which has no ahead-of-time path yet: the static "
             "sampler's program is compiled (and estimated) in its place")
         cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(

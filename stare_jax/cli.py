@@ -236,7 +236,8 @@ def _cmd_eval(args) -> int:
     enabled: bool | Literal["auto"] = "auto" if args.engine == "auto" else args.engine == "on"
     engine = EngineConfig(enabled=enabled, max_slots=args.slots)
     try:
-        sampler = make_generator(policy.model, config=engine, mesh=mesh, pad_id=tok.pad_id)
+        sampler = make_generator(policy.model, config=engine, max_new_tokens=args.max_new_tokens, mesh=mesh,
+                                 pad_id=tok.pad_id)
     except ValueError as e:
         raise UsageError(f"--engine on: {e}") from None
     if main:

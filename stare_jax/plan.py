@@ -172,7 +172,7 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "logits_chunks": mb_seqs_dev * min(cfg.rl.logprob_chunk_size, seq_len) * (V / tensor) * 4 * 3,
         "vocab_tables": V * d * (4 + 3 * cb) / tensor,
     }
-    generator = run_generator(cfg.sampling.engine, acc.num_hosts, dp)
+    generator = run_generator(cfg.sampling.engine, acc.num_hosts, dp, cfg.sampling.max_new_tokens)
     kv_heads, dh = model_cfg.num_kv_heads, model_cfg.head_dim
     if generator == "engine":
         # the page pool (allocated once: sampling.engine.num_pages, or auto-sized for max_slots requests), kv
@@ -231,12 +231,13 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     }
 
 
-def run_generator(engine_cfg, hosts: int, data_shards: int) -> str:
+def run_generator(engine_cfg, hosts: int, data_shards: int, max_new_tokens: int) -> str:
     """"engine" or "static": what sampling.engine.enabled picks for a run on `hosts` processes whose mesh splits
     the batch over `data_shards` (the rule of stare_jax.sampling.engine.make_generator)."""
     if engine_cfg.enabled is False:
         return "static"
-    return "engine" if engine_cfg.enabled is True or (hosts == 1 and data_shards == 1) else "static"
+    auto = hosts == 1 and data_shards == 1 and max_new_tokens >= engine_cfg.auto_min_new_tokens
+    return "engine" if engine_cfg.enabled is True or auto else "static"
 
 
 def _generator_warnings(engine_cfg, hosts: int, data_shards: int) -> list[str]:

@@ -158,8 +158,8 @@ def make_sampler(model, cfg: Config, mesh, pad_id: int | None) -> Sampler | Engi
     """The run's generator per sampling.engine.enabled (sampling.engine.make_generator): the rollout engine
     (continuous batching over paged KV) or the static sampler; both draw the same samples."""
     try:
-        return make_generator(model, config=cfg.sampling.engine, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype,
-                              pad_id=pad_id)
+        return make_generator(model, config=cfg.sampling.engine, max_new_tokens=cfg.sampling.max_new_tokens,
+                              mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id)
     except ValueError as e:
         raise TrainingError(str(e)) from None
 

@@ -229,18 +229,22 @@ def test_drop_in_for_generate_rollouts(model):
 
 def test_make_generator_picks_the_engine_where_it_runs(model):
     """sampling.engine.enabled: auto = the engine on one process without data-parallel axes (its pool's kv heads
-    split over the tensor axis), the static sampler on a data-parallel mesh; true there is refused by name."""
+    split over the tensor axis) for response budgets >= auto_min_new_tokens, the static sampler for short budgets
+    and on a data-parallel mesh; true on such a mesh is refused by name."""
     from stare_jax.sampling.engine import make_generator
 
-    assert isinstance(make_generator(model, config=EngineConfig()), Engine)
-    assert isinstance(make_generator(model, config=EngineConfig(enabled=False)), Sampler)
+    long = dict(max_new_tokens=128)
+    assert isinstance(make_generator(model, config=EngineConfig(), **long), Engine)
+    assert isinstance(make_generator(model, config=EngineConfig(), max_new_tokens=8), Sampler)  # nothing to refill
+    assert isinstance(make_generator(model, config=EngineConfig(enabled=True), max_new_tokens=8), Engine)
+    assert isinstance(make_generator(model, config=EngineConfig(enabled=False), **long), Sampler)
     data_mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
-    assert isinstance(make_generator(model, config=EngineConfig(), mesh=data_mesh), Sampler)
+    assert isinstance(make_generator(model, config=EngineConfig(), mesh=data_mesh, **long), Sampler)
     with pytest.raises(ValueError, match="sampling.engine.enabled=true: the mesh splits the batch over 2 data"):
-        make_generator(model, config=EngineConfig(enabled=True), mesh=data_mesh)
+        make_generator(model, config=EngineConfig(enabled=True), mesh=data_mesh, **long)
     tensor_mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
     sharded = init_model(model.config, seed=0, mesh=tensor_mesh)
-    engine = make_generator(sharded, config=SMALL, mesh=tensor_mesh)
+    engine = make_generator(sharded, config=SMALL, mesh=tensor_mesh, **long)
     assert isinstance(engine, Engine)
     kw = dict(max_new_tokens=12, num_samples=2, temperature=1.0, eos_ids=EOS, seed=3)
     _assert_same(engine.generate(PROMPTS, **kw), Engine(model, config=SMALL).generate(PROMPTS, **kw))

@@ -63,7 +63,8 @@ from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, Sampler, _ch
 
 EXIT_FRACTION = 4  # a decode chunk ends early once 1/EXIT_FRACTION of the slots can be refilled
 MIN_PREFILL_ROWS = 4  # smallest prefill batch (fewer compiled shapes)
-MIN_WIDTH = 8  # smallest page-table width (pages) of a program: fewer compiled shapes for short sequences
+MIN_PREFILL_WIDTH = 16  # fewest tokens per row of a prefill call (fewer compiled shapes)
+MIN_WIDTH = 1  # smallest page-table width (pages) of a program (buckets: powers of two)
 
 # ----------------------------------------------------------------------------------------------- config
 
@@ -496,8 +497,8 @@ class Engine:
                 jobs.append((c, c.tokens[:-1], c.written, c.pages))
         if not jobs:
             return False
-        C = ec.prefill_chunk
         jobs = jobs[:self._rows()]  # at most one program's rows per round, the rest next round
+        C = self._prefill_width(max(len(toks) - start for _, toks, start, _ in jobs))
         R = self._prefill_rows(len(jobs))
         width = self._width(max(len(j[3]) for j in jobs))
         ids, pos, valid = (np.zeros((R, C), np.int32) for _ in range(3))
@@ -557,6 +558,11 @@ class Engine:
         pay for max_slots rows of prefill_chunk tokens."""
         r = min(1 << (max(num_jobs, MIN_PREFILL_ROWS) - 1).bit_length(), self._rows())
         return -(-r // self.data_shards) * self.data_shards
+
+    def _prefill_width(self, longest: int) -> int:
+        """Tokens per row of a prefill call: a power-of-two bucket (at least MIN_PREFILL_WIDTH) of the longest
+        chunk left to write, at most prefill_chunk: short prompts do not pay for prefill_chunk columns."""
+        return min(self.engine_config.prefill_chunk, max(MIN_PREFILL_WIDTH, 1 << (max(longest, 1) - 1).bit_length()))
 
     def _rows(self) -> int:
         """Batch rows of every program: max_slots rounded up to a multiple of the data shards."""
@@ -684,15 +690,16 @@ def engine_unsupported(mesh: Mesh | None) -> str | None:
     return None
 
 
-def make_generator(model: nnx.Module, *, config: EngineConfig, mesh: Mesh | None = None, cache_dtype=jnp.float32,
-                   pad_id: int | None = None) -> Engine | Sampler:
-    """The generator for `config.enabled`: the engine (true), the static sampler (false), or the engine wherever
-    it runs and the static sampler elsewhere (auto). Both draw the same samples. enabled=true where the engine
-    cannot run is a ValueError naming sampling.engine.enabled and the reason."""
+def make_generator(model: nnx.Module, *, config: EngineConfig, max_new_tokens: int, mesh: Mesh | None = None,
+                   cache_dtype=jnp.float32, pad_id: int | None = None) -> Engine | Sampler:
+    """The generator for `config.enabled`: the engine (true), the static sampler (false), or (auto) the engine
+    wherever it runs and the responses may be long enough to pay (max_new_tokens >= auto_min_new_tokens), the
+    static sampler elsewhere. Both draw the same samples. enabled=true where the engine cannot run is a
+    ValueError naming sampling.engine.enabled and the reason."""
     reason = engine_unsupported(mesh)
     if config.enabled is True and reason:
         raise ValueError(f"sampling.engine.enabled=true: {reason}; set it to auto or false")
-    if config.enabled is False or reason:
+    if config.enabled is False or reason or (config.enabled == "auto" and max_new_tokens < config.auto_min_new_tokens):
         return Sampler(model, mesh=mesh, cache_dtype=cache_dtype, pad_id=pad_id)
     return Engine(model, mesh=mesh, cache_dtype=cache_dtype, pad_id=pad_id, config=config)
 
