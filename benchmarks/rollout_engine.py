@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import add_harness_args, compare, emit  # noqa: E402
 from sampler_bench import _make_checkpoint  # noqa: E402
 
-QUICK = dict(prompts=16, max_new=256, uniform_prompts=8, uniform_new=64, greedy_batch=16, greedy_new=64, repeats=2)
+QUICK = dict(prompts=8, max_new=128, uniform_prompts=4, uniform_new=64, greedy_batch=16, greedy_new=64, repeats=2)
 
 
 def _parse(argv=None):
