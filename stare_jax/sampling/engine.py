@@ -63,7 +63,7 @@ from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, Sampler, _ch
 
 EXIT_FRACTION = 4  # a decode chunk ends early once 1/EXIT_FRACTION of the slots can be refilled
 MIN_PREFILL_ROWS = 4  # smallest prefill batch (fewer compiled shapes)
-MIN_PREFILL_WIDTH = 16  # fewest tokens per row of a prefill call (fewer compiled shapes)
+MIN_PREFILL_WIDTH = 32  # tokens per row of a prefill call whose chunks are all short (else prefill_chunk)
 MIN_WIDTH = 1  # smallest page-table width (pages) of a program (buckets: powers of two)
 
 # ----------------------------------------------------------------------------------------------- config
@@ -560,9 +560,10 @@ class Engine:
         return -(-r // self.data_shards) * self.data_shards
 
     def _prefill_width(self, longest: int) -> int:
-        """Tokens per row of a prefill call: a power-of-two bucket (at least MIN_PREFILL_WIDTH) of the longest
-        chunk left to write, at most prefill_chunk: short prompts do not pay for prefill_chunk columns."""
-        return min(self.engine_config.prefill_chunk, max(MIN_PREFILL_WIDTH, 1 << (max(longest, 1) - 1).bit_length()))
+        """Tokens per row of a prefill call: MIN_PREFILL_WIDTH when every chunk left to write fits it, else
+        prefill_chunk. Two widths only (each multiplies the prefill programs), but short prompts (and multi-turn
+        appends) do not pay for prefill_chunk columns."""
+        return min(self.engine_config.prefill_chunk, MIN_PREFILL_WIDTH if longest <= MIN_PREFILL_WIDTH else 1 << 30)
 
     def _rows(self) -> int:
         """Batch rows of every program: max_slots rounded up to a multiple of the data shards."""
