@@ -7,7 +7,7 @@ One row per comparison: the speed ratio of a side against its reference (median 
 time of the side: > 1 means the side is faster), the ratio of medians and the median (min-max) of the per-round
 ratios of the interleaved rounds, the load average before/after, `BUSY` where it exceeded the core count, and the
 threads each framework used. logprob_memory compiles only: its rows are compiled temp-memory ratios. Each
-benchmark's default run is sized to finish in about 3 minutes on a quiet 2-core machine; the whole set in ~15.
+benchmark's default run (rollout_engine: --quick) is sized to finish in about 3 minutes on a quiet 2-core machine.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCHMARKS = ("model_fwd_bwd", "sampler_bench", "stare_overhead", "stare_select_impls", "reward_throughput",
-              "sandbox_throughput", "logprob_memory")
+              "sandbox_throughput", "logprob_memory", "rollout_engine")
+EXTRA_ARGS = {"rollout_engine": ["--quick"]}  # its full workload takes ~25 min on 2 cores: run it on its own
 
 
 def run_one(name: str, timeout_s: float, extra: list[str]) -> dict:
@@ -113,7 +114,7 @@ def main(argv=None):
     records = []
     for name in names:
         print(f"=== {name} ===", file=sys.stderr, flush=True)
-        records.append(run_one(name, args.timeout_s, []))
+        records.append(run_one(name, args.timeout_s, EXTRA_ARGS.get(name, [])))
         print(f"=== {name}: {records[-1]['wall_s']:.0f} s ===", file=sys.stderr, flush=True)
         if args.out:  # after each benchmark, so an interrupted run keeps what it measured
             with open(args.out, "w") as f:

@@ -41,8 +41,8 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stare_jax import models
-from stare_jax.models.sharding import make_mesh, mesh_for_config
-from stare_jax.plan import GiB, estimate, parse_accelerator, phase_peaks, run_model_config
+from stare_jax.models.sharding import batch_shards, make_mesh, mesh_for_config
+from stare_jax.plan import GiB, estimate, parse_accelerator, phase_peaks, run_generator, run_model_config
 from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.train_step import ShardedStep, init_train_state, make_train_step
 from stare_jax.run_setup import train_step_config
@@ -326,6 +326,12 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
         raise CompileError(f"topology {topology} ({n} devices): {e}") from None
     if mesh is None:
         mesh = make_mesh({"fsdp": 1}, devices=devices)
+    hosts = len({getattr(d, "process_index", 0) for d in devices})
+    if run_generator(cfg.sampling.engine, hosts, batch_shards(mesh), cfg.sampling.max_new_tokens) == "engine":
+        log("note: this run generates with the rollout engine, which has no ahead-of-time path yet: the static "
+            "sampler's program is compiled (and estimated) in its place")
+        cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(
+            cfg.sampling, engine=dataclasses.replace(cfg.sampling.engine, enabled=False)))
     model_cfg = model_cfg or run_model_config(cfg)
     key = sampler_key(cfg, topology, model_cfg)
     if reuse_sampler is not None and reuse_sampler.get("sampler_key") != key:

@@ -30,6 +30,7 @@ import json
 import pathlib
 import sys
 import time
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +54,8 @@ from stare_jax.rl.advantages import DynamicSamplingError
 from stare_jax.rollouts import RewardFn
 from stare_jax.run_config import ConfigChangeError
 from stare_jax.run_setup import TrainingError, init_distributed
-from stare_jax.sampling import Sampler, generate, next_bucket
+from stare_jax.sampling import Engine, EngineConfig, generate, next_bucket
+from stare_jax.sampling.engine import make_generator
 from stare_jax.tokenizer import load_tokenizer
 from stare_jax.train import run_training
 
@@ -234,7 +236,16 @@ def _cmd_eval(args) -> int:
                   f"{args.max_new_tokens} exceed the model's context of {context} tokens; "
                   + (f"--max-new-tokens {fits} or less keeps within it" if fits >= 1 else
                      "the longest prompt alone fills it"), file=sys.stderr)
-    sampler = Sampler(policy.model, mesh=mesh, pad_id=tok.pad_id)
+    enabled: bool | Literal["auto"] = "auto" if args.engine == "auto" else args.engine == "on"
+    engine = EngineConfig(enabled=enabled, max_slots=args.slots)
+    try:
+        sampler = make_generator(policy.model, config=engine, max_new_tokens=args.max_new_tokens, mesh=mesh,
+                                 pad_id=tok.pad_id)
+    except ValueError as e:
+        raise UsageError(f"--engine on: {e}") from None
+    if main:
+        which = "rollout engine" if isinstance(sampler, Engine) else "static sampler"
+        print(f"stare-jax eval: generating with the {which}", file=sys.stderr)
     reward = RewardFn("math", num_workers=args.workers, timeout_s=args.timeout)
     try:
         results = evaluate_sets(sampler, sets, tokenizer=tok, reward_fn=reward, prompt_len=next_bucket(longest, 16),
@@ -412,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-template", choices=["paper", "chat", "raw"], default="paper",
                    help="paper instruction, the model's chat template, or the raw problem (default: %(default)s)")
     p.add_argument("--batch-prompts", type=int, default=256, help="prompts per sampler call (default: %(default)s)")
+    p.add_argument("--engine", choices=["auto", "on", "off"], default="auto",
+                   help="generate with the rollout engine (continuous batching, paged KV): auto = wherever it runs "
+                        "(one process, no data-parallel mesh), else the static sampler (default: %(default)s)")
+    p.add_argument("--slots", type=int, default=64, help="the engine's decode slots (default: %(default)s)")
     p.add_argument("--workers", type=int, default=2, help="reward worker processes (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per scored item (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")

@@ -174,17 +174,30 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     }
     if cfg.rl.kl.enabled:  # the frozen reference policy: the policy's parameters and shardings, no optimizer state
         mem["reference_params"] = P * pb / shard
-    # one sampler call holds sampling.max_prompts_per_call prompts (0: the whole generation batch), padded as the
-    # sampler pads them (Sampler.batch_bucket)
-    call_prompts = min(cfg.rl.gen_batch_size, cfg.sampling.max_prompts_per_call or cfg.rl.gen_batch_size)
-    padded = -(-quarter_octave_bucket(call_prompts) // dp) * dp
-    gen_seqs_dev = padded * G / dp
-    sampling = {
-        "sampler_weights": P * cb / tensor,
-        "kv_cache": 2 * L * gen_seqs_dev * seq_len * model_cfg.num_kv_heads * model_cfg.head_dim * kvb
-        / min(tensor, model_cfg.num_kv_heads),
-        "sampler_logits": gen_seqs_dev * (V / tensor) * 4 * 2,
-    }
+    generator = run_generator(cfg.sampling.engine, acc.num_hosts, dp, cfg.sampling.max_new_tokens)
+    kv_heads, dh = model_cfg.num_kv_heads, model_cfg.head_dim
+    if generator == "engine":
+        # the page pool (allocated once: sampling.engine.num_pages, or auto-sized for max_slots requests), kv
+        # heads split over the tensor axis where it divides them; per decode step one layer's gathered pages
+        ec = cfg.sampling.engine
+        heads_dev = kv_heads / tensor if kv_heads % tensor == 0 else kv_heads
+        sampling = {
+            "sampler_weights": P * cb / tensor,
+            "kv_page_pool": 2 * L * ec.pool_pages(seq_len) * ec.page_size * heads_dev * dh * kvb,
+            "kv_gathered_pages": 2 * ec.max_slots * seq_len * heads_dev * dh * cb,
+            "sampler_logits": ec.max_slots * (V / tensor) * 4 * 2,
+        }
+    else:
+        # one sampler call holds sampling.max_prompts_per_call prompts (0: the whole generation batch), padded as
+        # the sampler pads them (Sampler.batch_bucket)
+        call_prompts = min(cfg.rl.gen_batch_size, cfg.sampling.max_prompts_per_call or cfg.rl.gen_batch_size)
+        padded = -(-quarter_octave_bucket(call_prompts) // dp) * dp
+        gen_seqs_dev = padded * G / dp
+        sampling = {
+            "sampler_weights": P * cb / tensor,
+            "kv_cache": 2 * L * gen_seqs_dev * seq_len * kv_heads * dh * kvb / min(tensor, kv_heads),
+            "sampler_logits": gen_seqs_dev * (V / tensor) * 4 * 2,
+        }
     resident = mem["params"] + mem["optimizer"] + mem.get("reference_params", 0.0)
     train_peak = sum(mem.values())
     sample_peak = resident + sum(sampling.values())
@@ -206,6 +219,7 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "devices": acc.num_devices,
         "hosts": acc.num_hosts,
         "mesh": mesh,
+        "generator": generator,
         "model": {"params": P, "layers": L, "hidden": d, "vocab": V, "seq_len": seq_len},
         "memory_bytes": {**{f"train/{k}": v for k, v in mem.items()},
                          **{f"sample/{k}": v for k, v in sampling.items()}},
@@ -215,8 +229,24 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "flops_per_step": flops,
         "total_flops_per_step": total_flops,
         "step_time_s_at_40pct_mfu": total_flops / (acc.num_devices * acc.peak_flops * 0.4),
-        "warnings": _warnings(model_cfg, acc),
+        "warnings": _warnings(model_cfg, acc) + _generator_warnings(cfg.sampling.engine, acc.num_hosts, dp),
     }
+
+
+def run_generator(engine_cfg, hosts: int, data_shards: int, max_new_tokens: int) -> str:
+    """"engine" or "static": what sampling.engine.enabled picks for a run on `hosts` processes whose mesh splits
+    the batch over `data_shards` (the rule of stare_jax.sampling.engine.make_generator)."""
+    if engine_cfg.enabled is False:
+        return "static"
+    auto = hosts == 1 and data_shards == 1 and max_new_tokens >= engine_cfg.auto_min_new_tokens
+    return "engine" if engine_cfg.enabled is True or auto else "static"
+
+
+def _generator_warnings(engine_cfg, hosts: int, data_shards: int) -> list[str]:
+    if engine_cfg.enabled is True and (hosts > 1 or data_shards > 1):
+        return [f"sampling.engine.enabled=true: the run will refuse to start ({hosts} host(s), {data_shards} data "
+                f"shards): the engine runs in one process with the batch not split over data axes"]
+    return []
 
 
 def _warnings(model_cfg, acc: Accelerator) -> list[str]:
@@ -242,7 +272,7 @@ def format_plan(plan: dict) -> str:
     """Human-readable table of an `estimate` result."""
     lines = [
         f"ESTIMATE (analytic model, not a measurement) for {plan['accelerator']}: {plan['devices']} devices on "
-        f"{plan['hosts']} host(s), mesh {plan['mesh']}",
+        f"{plan['hosts']} host(s), mesh {plan['mesh']}, generator: {plan['generator']}",
         f"model: {plan['model']['params'] / 1e9:.2f}B params, {plan['model']['layers']} layers, "
         f"sequence {plan['model']['seq_len']} tokens",
         "per-device memory:",

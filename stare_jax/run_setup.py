@@ -23,6 +23,7 @@ from stare_jax.rl.stare import StareState, init_stare_state
 from stare_jax.rl.train_step import TrainState, TrainStepConfig, init_train_state, place_train_state, split_model
 from stare_jax.run_dir import is_remote, local_copy
 from stare_jax.sampling import Engine, Sampler
+from stare_jax.sampling.engine import make_generator
 from stare_jax.tools.calls import CODE_TOOL_SCHEMA
 from stare_jax.tools.config import make_pool
 from stare_jax.tools.pool import SandboxPool
@@ -188,15 +189,17 @@ def reference_params(cfg: Config, params, mesh=None, *, log: Callable[[str], Non
 
 
 def make_sampler(model, cfg: Config, mesh, pad_id: int | None) -> Sampler | Engine:
-    """The run's generator: the rollout engine (continuous batching over paged KV, sampling.engine.enabled) or
-    the static sampler. Both take the same per-(prompt, sample, position) keys, so they draw the same samples."""
-    if not cfg.sampling.engine.enabled:
-        return Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id)
-    if dist.is_multiprocess():
-        raise TrainingError("sampling.engine.enabled: the rollout engine's scheduler runs in one process; "
-                            "multi-process runs use the static sampler (sampling.engine.enabled=false)")
-    return Engine(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id,
-                  config=cfg.sampling.engine)
+    """The run's generator per sampling.engine.enabled (sampling.engine.make_generator): the rollout engine
+    (continuous batching over paged KV) or the static sampler; both draw the same samples. With tool.enabled,
+    auto means the engine (the multi-turn rollouts need its append-and-continue)."""
+    engine = cfg.sampling.engine
+    if cfg.tool.enabled and engine.enabled == "auto":
+        engine = dataclasses.replace(engine, enabled=True)
+    try:
+        return make_generator(model, config=engine, max_new_tokens=cfg.sampling.max_new_tokens,
+                              mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id)
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
 
 
 def make_tool_pool(cfg: Config, sampler: Sampler | Engine) -> SandboxPool | None:

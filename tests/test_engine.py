@@ -139,14 +139,24 @@ def test_array_api_matches_sampler(model):
 
 
 def test_no_recompilation_across_steps(model):
+    """Programs are keyed by power-of-two buckets (rows, page-table width, prefill width): after a warm-up step
+    that walks the buckets, later steps with new weights and other length mixes compile nothing."""
     engine = Engine(model, config=SMALL)
     kw = dict(max_new_tokens=24, num_samples=3, temperature=1.0, eos_ids=EOS)
+    start = compiled_programs()
+    mixes = [PROMPTS[k:] + PROMPTS[:k] for k in range(len(PROMPTS))] + [PROMPTS[::-1]]
     first = engine.generate(PROMPTS, seed=0, **kw)
-    before = compiled_programs()
-    engine.update_params(init_model(model.config, seed=7))  # the next RL step's weights, same program
+    for seed, prompts in enumerate(mixes[1:], 1):  # warm-up: other length mixes reach the remaining buckets
+        engine.generate(prompts, seed=seed, **kw)
+    warm = compiled_programs()
+    # the bound whatever the mix: page-table widths 1..16 (context 64 / page 4) for decode and for prefill, one
+    # prefill width (prefill_chunk 8) and row bucket (max_slots 4), one copy shape
+    assert warm - start <= 2 * 5 + 1
+    engine.update_params(init_model(model.config, seed=7))  # the next RL step's weights, same programs
     second = engine.generate(PROMPTS, seed=0, **kw)
-    engine.generate(PROMPTS[::-1], seed=1, **kw)  # another length mix
-    assert compiled_programs() == before and second.tokens != first.tokens
+    for seed, prompts in enumerate(mixes, 10):  # the same mixes with other draws
+        engine.generate(prompts, seed=seed, **kw)
+    assert compiled_programs() == warm and second.tokens != first.tokens
 
 
 @pytest.mark.slow
@@ -248,3 +258,62 @@ def test_extend_with_a_limit_per_conversation(model):
     engine.close(convs)
     ref_engine.close(ref)
     assert engine.pool.all_free()
+
+
+def test_make_generator_picks_the_engine_where_it_runs(model):
+    """sampling.engine.enabled: auto = the engine on one process without data-parallel axes (its pool's kv heads
+    split over the tensor axis) for response budgets >= auto_min_new_tokens, the static sampler for short budgets
+    and on a data-parallel mesh; true on such a mesh is refused by name."""
+    from stare_jax.sampling.engine import make_generator
+
+    long = dict(max_new_tokens=128)
+    assert isinstance(make_generator(model, config=EngineConfig(), **long), Engine)
+    assert isinstance(make_generator(model, config=EngineConfig(), max_new_tokens=8), Sampler)  # nothing to refill
+    assert isinstance(make_generator(model, config=EngineConfig(enabled=True), max_new_tokens=8), Engine)
+    assert isinstance(make_generator(model, config=EngineConfig(enabled=False), **long), Sampler)
+    data_mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
+    assert isinstance(make_generator(model, config=EngineConfig(), mesh=data_mesh, **long), Sampler)
+    with pytest.raises(ValueError, match="sampling.engine.enabled=true: the mesh splits the batch over 2 data"):
+        make_generator(model, config=EngineConfig(enabled=True), mesh=data_mesh, **long)
+    tensor_mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
+    sharded = init_model(model.config, seed=0, mesh=tensor_mesh)
+    engine = make_generator(sharded, config=SMALL, mesh=tensor_mesh, **long)
+    assert isinstance(engine, Engine)
+    kw = dict(max_new_tokens=12, num_samples=2, temperature=1.0, eos_ids=EOS, seed=3)
+    _assert_same(engine.generate(PROMPTS, **kw), Engine(model, config=SMALL).generate(PROMPTS, **kw))
+    assert engine.pages[0]["k"].sharding.spec[2] == "tensor"  # kv heads split, not replicated
+    n = compiled_programs()
+    engine.generate(PROMPTS, **kw)
+    assert compiled_programs() == n  # the pool keeps its layout through the donated programs
+
+
+def test_any_number_of_eos_ids(model):
+    """More stop ids than the smallest EOS bucket (8): padded to a power of two, same stops in both samplers."""
+    many = list(range(100, 140))
+    kw = dict(max_new_tokens=16, num_samples=2, temperature=1.0, eos_ids=many, seed=1)
+    out = Engine(model, config=SMALL).generate(PROMPTS, **kw)
+    _assert_same(out, Sampler(model).generate(PROMPTS, **kw))
+    assert "eos" in out.finish_reasons and all(t[-1] in many for t, r in zip(out.tokens, out.finish_reasons)
+                                               if r == "eos")
+
+
+class _AdmissionLog(Engine):
+    """Records each admitted conversation's index and the slots busy right after each admission round."""
+
+    def _admit(self, queue, slots, prefixes):
+        before = {id(c) for c in slots if c is not None}
+        progress = super()._admit(queue, slots, prefixes)
+        new = [c for c in slots if c is not None and id(c) not in before]
+        self.order = getattr(self, "order", []) + [c.index for c in sorted(new, key=lambda c: c.admitted)]
+        self.busy = getattr(self, "busy", []) + [sum(c is not None for c in slots)]
+        return progress
+
+
+def test_slots_refilled_in_queue_order(model):
+    """Requests enter slots in queue order (prompt-major: p * G + g), a freed slot is refilled in the next round,
+    and never more than max_slots rows run at once."""
+    engine = _AdmissionLog(model, config=SMALL)
+    out = engine.generate(PROMPTS, max_new_tokens=24, num_samples=3, temperature=1.0, eos_ids=EOS, seed=5)
+    assert engine.order == list(range(len(PROMPTS) * 3))
+    assert max(engine.busy) == SMALL.max_slots and len(set(out.lengths)) > 1
+    assert sum(b == SMALL.max_slots for b in engine.busy) >= len(engine.busy) // 2  # slots kept full while queued

@@ -95,3 +95,29 @@ def test_plan_of_the_embedded_toy_config():
     plan = estimate(cfg, "v5p-8")
     assert plan["fits"] and plan["devices"] == 4 and plan["total_flops_per_step"] > 0
     assert param_count(model_config(ToyAssetConfig())) > 100_000
+
+
+def test_plan_models_the_engine_page_pool():
+    """Where the run generates with the rollout engine (one host, the batch not split over data axes, a long
+    response budget) the sampling phase holds the page pool (sized by slots, not by the generation batch), kv
+    heads split over the tensor axis; on a data-parallel mesh, or with the engine off, the static cache."""
+    from stare_jax.models import get_preset
+    from stare_jax.sampling.engine_config import EngineConfig
+
+    base = ["model.preset=qwen2.5-math-7b", "data.max_prompt_len=1024", "sampling.max_new_tokens=3072",
+            "model.dtype=bfloat16", "launch.accelerator=v5p-8", "rl.micro_batch_size=1", "rl.gen_batch_size=64"]
+    n = get_preset("qwen2.5-math-7b").num_params()
+    tp = estimate(load_config(None, base + ["mesh.fsdp=1", "mesh.tensor=4"]), num_params=n)
+    mc = get_preset("qwen2.5-math-7b")
+    ec = EngineConfig()
+    assert tp["generator"] == "engine" and "generator: engine" in format_plan(tp)
+    pool = 2 * mc.num_layers * ec.pool_pages(4096) * ec.page_size * (mc.num_kv_heads / 4) * mc.head_dim * 2
+    assert tp["memory_bytes"]["sample/kv_page_pool"] == pool
+    static = estimate(load_config(None, base + ["mesh.fsdp=1", "mesh.tensor=4", "sampling.engine.enabled=false"]),
+                      num_params=n)
+    assert static["generator"] == "static" and "sample/kv_page_pool" not in static["memory_bytes"]
+    assert static["memory_bytes"]["sample/kv_cache"] > 4 * pool  # 512 rows x 4096 slots vs 65 slots' pages
+    fsdp = estimate(load_config(None, base), num_params=n)  # fsdp=-1: the batch is split: static
+    assert fsdp["generator"] == "static" and not fsdp["warnings"]
+    forced = estimate(load_config(None, base + ["sampling.engine.enabled=true"]), num_params=n)
+    assert any("sampling.engine.enabled=true" in w for w in forced["warnings"])

@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 
 from stare_jax.models import attention as attn_lib
+from stare_jax.models.sharding import constrain
 
 TRASH_PAGE = 0  # physical page that absorbs writes of padding tokens and finished rows
+POOL_AXES = (None, None, "act_heads", None)  # logical axes of a pool [N, P, K, Dh]: kv heads split like k/v
 
 
 def init_pages(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -77,8 +79,8 @@ def paged_forward(model, input_ids_BxT, positions_BxT, valid_BxT, pages: list, p
     for block, layer in zip(model.blocks(), pages):
         attn = block.self_attn
         q, k, v = attn.qkv(block.input_layernorm(x), cos, sin)
-        kp = write_pages(layer["k"], k, page_BxT, offset_BxT)
-        vp = write_pages(layer["v"], v, page_BxT, offset_BxT)
+        kp = constrain(write_pages(layer["k"], k, page_BxT, offset_BxT), POOL_AXES)
+        vp = constrain(write_pages(layer["v"], v, page_BxT, offset_BxT), POOL_AXES)
         o = paged_attention(attn.impl, q, kp, vp, page_table_BxM, positions_BxT)
         x = x + attn.out(o)
         x = x + block.mlp(block.post_attention_layernorm(x))

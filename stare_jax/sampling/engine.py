@@ -31,10 +31,11 @@ Design (host scheduler + three jitted programs):
 - Weights. `update_params` reshards the trainer's parameters on device into the sampler layout (as Sampler);
   the page pool is allocated once and reused (donated through every program), so nothing recompiles across
   RL steps once the page-table width buckets of a workload have been seen.
+- Mesh: parameters in the sampler layout, the pool's kv heads over the tensor axis, slots replicated.
 - Not yet: a TPU Pallas decode kernel (jax.experimental.pallas.ops.tpu.paged_attention wants the pool as
-  [K, N, P, Dh], kv heads first; this pool is [N, P, K, Dh] and decode uses the gather path everywhere), page
-  pools sharded over the data axes (the pool is replicated on a mesh: correct, not memory-optimal), and
-  multi-process (the host scheduler assumes one process).
+  [K, N, P, Dh], kv heads first; this pool is [N, P, K, Dh] and decode uses the gather path everywhere), slots and
+  page pools split over the data axes, and multi-process (the host scheduler drives one process). Where those are
+  needed, `make_generator` (sampling.engine.enabled=auto) picks the static sampler.
 """
 from __future__ import annotations
 
@@ -50,18 +51,20 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from stare_jax import distributed
 from stare_jax.models import paged_attention as pa
 from stare_jax.models import sharding as model_sharding
 from stare_jax.sampling import paged_kv, selection
 from stare_jax.sampling import sharding as sampling_sharding
 from stare_jax.sampling.engine_config import EngineConfig
-from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, _check_prompts, _check_sampling_args,
+from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, Sampler, _check_prompts, _check_sampling_args,
                                         _eos_array, model_config)
 
 
 EXIT_FRACTION = 4  # a decode chunk ends early once 1/EXIT_FRACTION of the slots can be refilled
 MIN_PREFILL_ROWS = 4  # smallest prefill batch (fewer compiled shapes)
-MIN_WIDTH = 8  # smallest page-table width (pages) of a program: fewer compiled shapes for short sequences
+MIN_PREFILL_WIDTH = 32  # tokens per row of a prefill call whose chunks are all short (else prefill_chunk)
+MIN_WIDTH = 1  # smallest page-table width (pages) of a program (buckets: powers of two)
 
 # ----------------------------------------------------------------------------------------------- config
 
@@ -276,12 +279,12 @@ class Engine:
         active = np.ones((P,), bool) if active_P is None else np.asarray(jax.device_get(active_P), bool)
         prompts = [ids[p][mask[p] > 0].tolist() for p in range(P)]
         max_pos = getattr(self.config, "max_position_embeddings", None)
+        if max_pos is not None and max_new_tokens >= max_pos:  # as Sampler.generate_arrays: prompt + response
+            raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's "  # may
+                             f"context {max_pos}")  # run past the context (the caller warns), not the budget alone
         for p in range(P):
             if active[p] and not prompts[p]:
                 raise ValueError(f"prompt {p} has no tokens (its mask is all 0)")
-            if active[p] and max_pos is not None and len(prompts[p]) + max_new_tokens > max_pos:
-                raise ValueError(f"prompt {p}: {len(prompts[p])} tokens + max_new_tokens {max_new_tokens} exceeds "
-                                 f"the model's context {max_pos}")
         convs = self._run_fresh([(p, prompts[p], int(index[p])) for p in range(P) if active[p]], max_new_tokens,
                                 num_samples, keep=False,
                                 sampling=(temperature, top_p, top_k, eos_ids, seed))
@@ -384,9 +387,8 @@ class Engine:
         ec = self.engine_config
         longest = max(len(c.seq) + (c.budget - c.turn_start) for c in convs)
         one = paged_kv.pages_for(longest, ec.page_size) + 1  # + the prefix entry's staging page
-        num = ec.num_pages
-        if num == 0:
-            num = (ec.max_slots + 1) * one + 1
+        num = ec.pool_pages(longest)
+        if ec.num_pages == 0:
             if self.pool is not None and (self.pool.num_pages >= num or not self.pool.all_free()):
                 num = self.live_pool.num_pages  # never shrink; with live conversations keep it (preemption copes)
         if num - 1 < one:
@@ -400,8 +402,15 @@ class Engine:
             self.pages = None
             pages = pa.init_pages(cfg.num_layers, num, ec.page_size, cfg.num_kv_heads, cfg.head_dim,
                                   jnp.dtype(self.cache_dtype))
-            self.pages = jax.device_put(pages, self._replicated) if self._replicated is not None else pages
+            self.pages = jax.device_put(pages, self._pool_sharding(pages[0]["k"].shape)) if self.mesh else pages
             self.pool = paged_kv.PagePool(num)
+
+    def _pool_sharding(self, shape) -> NamedSharding:
+        """The page pool's layout on a mesh: kv heads over the tensor axis (as the attention's k/v), the rest
+        replicated (the engine runs where the batch is not split over data axes)."""
+        assert self.mesh is not None
+        return NamedSharding(self.mesh, model_sharding.logical_to_spec(
+            pa.POOL_AXES, model_sharding.DEFAULT_RULES, shape, self.mesh))
 
     def _put(self, x):
         x = np.asarray(x)
@@ -495,8 +504,8 @@ class Engine:
                 jobs.append((c, c.tokens[:-1], c.written, c.pages))
         if not jobs:
             return False
-        C = ec.prefill_chunk
         jobs = jobs[:self._rows()]  # at most one program's rows per round, the rest next round
+        C = self._prefill_width(max(len(toks) - start for _, toks, start, _ in jobs))
         R = self._prefill_rows(len(jobs))
         width = self._width(max(len(j[3]) for j in jobs))
         ids, pos, valid = (np.zeros((R, C), np.int32) for _ in range(3))
@@ -556,6 +565,12 @@ class Engine:
         pay for max_slots rows of prefill_chunk tokens."""
         r = min(1 << (max(num_jobs, MIN_PREFILL_ROWS) - 1).bit_length(), self._rows())
         return -(-r // self.data_shards) * self.data_shards
+
+    def _prefill_width(self, longest: int) -> int:
+        """Tokens per row of a prefill call: MIN_PREFILL_WIDTH when every chunk left to write fits it, else
+        prefill_chunk. Two widths only (each multiplies the prefill programs), but short prompts (and multi-turn
+        appends) do not pay for prefill_chunk columns."""
+        return min(self.engine_config.prefill_chunk, MIN_PREFILL_WIDTH if longest <= MIN_PREFILL_WIDTH else 1 << 30)
 
     def _rows(self) -> int:
         """Batch rows of every program: max_slots rounded up to a multiple of the data shards."""
@@ -669,6 +684,32 @@ def generate(model: nnx.Module, prompt_ids: Sequence[Sequence[int]], *, max_new_
     return Engine(model, mesh=mesh, cache_dtype=cache_dtype, config=config).generate(
         prompt_ids, max_new_tokens=max_new_tokens, num_samples=num_samples, temperature=temperature,
         top_p=top_p, top_k=top_k, eos_ids=eos_ids, seed=seed)
+
+
+def engine_unsupported(mesh: Mesh | None) -> str | None:
+    """Why the engine cannot run here (None if it can): its host scheduler drives one process, and its slots and
+    page pool are not split over the data axes (a data-parallel mesh would decode every slot on every replica)."""
+    if distributed.is_multiprocess():
+        return f"the run has {jax.process_count()} processes (the engine's scheduler runs in one)"
+    shards = model_sharding.batch_shards(mesh)
+    if mesh is not None and shards > 1:
+        return (f"the mesh splits the batch over {shards} data shards {model_sharding.batch_axes(mesh)} (the "
+                f"engine's slots are not split over data axes yet)")
+    return None
+
+
+def make_generator(model: nnx.Module, *, config: EngineConfig, max_new_tokens: int, mesh: Mesh | None = None,
+                   cache_dtype=jnp.float32, pad_id: int | None = None) -> Engine | Sampler:
+    """The generator for `config.enabled`: the engine (true), the static sampler (false), or (auto) the engine
+    wherever it runs and the responses may be long enough to pay (max_new_tokens >= auto_min_new_tokens), the
+    static sampler elsewhere. Both draw the same samples. enabled=true where the engine cannot run is a
+    ValueError naming sampling.engine.enabled and the reason."""
+    reason = engine_unsupported(mesh)
+    if config.enabled is True and reason:
+        raise ValueError(f"sampling.engine.enabled=true: {reason}; set it to auto or false")
+    if config.enabled is False or reason or (config.enabled == "auto" and max_new_tokens < config.auto_min_new_tokens):
+        return Sampler(model, mesh=mesh, cache_dtype=cache_dtype, pad_id=pad_id)
+    return Engine(model, mesh=mesh, cache_dtype=cache_dtype, pad_id=pad_id, config=config)
 
 
 def kv_bytes(engine: Engine) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from stare_jax.options import ConfigError, option, validate_fields
 
@@ -11,8 +12,15 @@ from stare_jax.options import ConfigError, option, validate_fields
 class EngineConfig:
     """Continuous batching over a paged KV cache (stare_jax.sampling.engine)."""
 
-    enabled: bool = option(False, "generate with the rollout engine (continuous batching, paged KV cache, one "
-                                  "prefill per prompt) instead of the static sampler; same samples")
+    enabled: bool | Literal["auto"] = option(
+        "auto", "generate with the rollout engine (continuous batching, paged KV cache, one prefill per prompt) "
+                "instead of the static sampler (same samples): true, false, or auto = the engine wherever it runs "
+                "(one process, the batch not split over data/fsdp mesh axes) and pays (max_new_tokens >= "
+                "auto_min_new_tokens), the static sampler elsewhere")
+    auto_min_new_tokens: int = option(
+        128, "with enabled=auto, the shortest response budget (sampling.max_new_tokens) that uses the engine: "
+             "for a few tokens per response there is no tail to refill and the static sampler's single program "
+             "is faster (the CPU toy's 8 tokens: ~1.4-2.5x)", lo=1)
     max_slots: int = option(64, "decode slots: rows decoded together per step (the decode batch)", lo=1)
     page_size: int = option(16, "tokens per KV page (the unit of allocation and of prefix sharing)", lo=1)
     num_pages: int = option(0, "pages in the pool, page 0 reserved; 0 = auto (max_slots x the longest request's "
@@ -28,3 +36,10 @@ class EngineConfig:
         if self.num_pages == 1:
             raise ConfigError("sampling.engine: 'num_pages' = 1 is not accepted: 0 (auto) or >= 2 (page 0 is the "
                               "trash page)")
+
+    def pool_pages(self, longest_tokens: int) -> int:
+        """Pages of the pool for requests of up to `longest_tokens` tokens (prompt + new tokens): num_pages, or in
+        auto mode one request's pages + a prefix staging page for every slot and one more prompt, + the trash
+        page (so the auto pool never preempts)."""
+        one = -(-int(longest_tokens) // self.page_size) + 1
+        return self.num_pages if self.num_pages else (self.max_slots + 1) * one + 1

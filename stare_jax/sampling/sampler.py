@@ -41,7 +41,8 @@ from stare_jax.models import sharding as model_sharding
 from stare_jax.sampling import selection
 from stare_jax.sampling import sharding as sampling_sharding
 
-MAX_EOS_IDS = 8  # EOS ids are passed as a fixed-size array (padded with -1) so their number never recompiles
+MIN_EOS_BUCKET = 8  # EOS ids are passed as a fixed-size array padded with -1 to a power of two >= this, so their
+# number recompiles only when it crosses a bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +253,8 @@ def _check_sampling_args(max_new_tokens, num_samples, temperature, top_p, top_k)
 
 
 def _eos_array(eos_ids, cfg) -> np.ndarray:
-    """EOS ids as a fixed-size int32 array padded with -1 (None -> the model config's eos_token_id)."""
+    """EOS ids as an int32 array padded with -1 to a power-of-two bucket >= MIN_EOS_BUCKET (None -> the model
+    config's eos_token_id); any number of stop ids (e.g. a chat template's end-of-turn tokens) is accepted."""
     if eos_ids is None:
         eos_ids = getattr(cfg, "eos_token_id", None)
     if eos_ids is None:
@@ -260,13 +262,12 @@ def _eos_array(eos_ids, cfg) -> np.ndarray:
     elif isinstance(eos_ids, (int, np.integer)):
         eos_ids = [int(eos_ids)]
     eos_ids = sorted({int(e) for e in eos_ids})
-    if len(eos_ids) > MAX_EOS_IDS:
-        raise ValueError(f"at most {MAX_EOS_IDS} eos_ids are supported, got {len(eos_ids)}")
     vocab = int(cfg.vocab_size)
     for e in eos_ids:
         if not 0 <= e < vocab:
             raise ValueError(f"eos id {e} is outside the vocabulary [0, {vocab})")
-    return np.array(eos_ids + [-1] * (MAX_EOS_IDS - len(eos_ids)), np.int32)
+    bucket = max(MIN_EOS_BUCKET, 1 << (len(eos_ids) - 1).bit_length()) if eos_ids else MIN_EOS_BUCKET
+    return np.array(eos_ids + [-1] * (bucket - len(eos_ids)), np.int32)
 
 
 # ----------------------------------------------------------------------------------------------- the sampler
