@@ -30,7 +30,6 @@ from stare_jax.config import parse_override
 from stare_jax.data.conversations import RenderedConversation, read_conversations, render_conversation, truncate
 from stare_jax.data.prompts import DataError
 from stare_jax.options import ConfigError, check_range, coerce, option, typed_fields, validate_fields
-from stare_jax.policy import TOKENIZER_FILES
 from stare_jax.rl.train_step import OptimizerConfig, make_optimizer, policy_forward, split_model
 from stare_jax.tokenizer import load_tokenizer
 from stare_jax.tools.calls import CODE_TOOL_SCHEMA
@@ -105,6 +104,12 @@ def sft_train(model: nnx.Module, sample_batch: Callable[[np.random.Generator, in
             log(i, losses[-1])
     nnx.update(model, params)
     return losses
+
+
+# The tokenizer files copied next to the weights: policy.TOKENIZER_FILES (not imported: policy -> run_setup -> toy
+# imports this module; tests/test_sft_conversations.py checks the two lists agree).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja", "generation_config.json")
 
 
 def pack_masked(rows: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int, length: int):

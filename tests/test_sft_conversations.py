@@ -27,6 +27,7 @@ from stare_jax.data.conversations import (
 )
 from stare_jax.data.prompts import DataError
 from stare_jax.options import ConfigError
+from stare_jax import policy, sft
 from stare_jax.sft import load_sft_config
 from stare_jax.tokenizer import load_tokenizer
 from stare_jax.tools.calls import CODE_TOOL_SCHEMA
@@ -195,6 +196,12 @@ def test_sft_cli_loss_drops_and_writes_an_hf_folder(qwen_dir, tmp_path, capsys):
     assert main(["sft", "--config", str(cfg), f"train_path={tmp_path / 'bad.jsonl'}",
                  f"out_dir={tmp_path / 'out2'}"]) == 2
     assert "bad.jsonl:1: message 0 has unknown role 'robot'" in capsys.readouterr().err
+
+
+def test_shipped_config_loads_and_tokenizer_files_agree():
+    cfg = load_sft_config(pathlib.Path(__file__).parents[1] / "configs" / "sft_tool_cold_start.yaml")
+    assert (cfg.max_len, cfg.tools) == (8192, "code_interpreter")
+    assert sft.TOKENIZER_FILES == policy.TOKENIZER_FILES
 
 
 def test_sft_config_errors(tmp_path):
