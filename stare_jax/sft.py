@@ -27,7 +27,8 @@ from flax import nnx
 
 from stare_jax import models
 from stare_jax.config import parse_override
-from stare_jax.data.conversations import RenderedConversation, read_conversations, render_conversation, truncate
+from stare_jax.data.conversations import (RenderedConversation, end_of_turn_texts, read_conversations,
+                                          render_conversation, truncate)
 from stare_jax.data.prompts import DataError
 from stare_jax.options import ConfigError, check_range, coerce, option, typed_fields, validate_fields
 from stare_jax.rl.train_step import OptimizerConfig, make_optimizer, policy_forward, split_model
@@ -210,6 +211,15 @@ def encode_conversations(tokenizer, path, cfg: ConversationSFTConfig, log=print)
     return rows
 
 
+def with_end_of_turn_eos(gen_config: dict, end_ids: Sequence[int]) -> dict:
+    """generation_config with `end_ids` added to its eos_token_id list: a base model's eos is <|endoftext|>, but
+    after chat-template SFT it ends each turn with <|im_end|>, where the RL rollout must stop (as the Qwen2.5
+    instruct checkpoints' generation_config lists both)."""
+    eos = gen_config.get("eos_token_id")
+    ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    return {**gen_config, "eos_token_id": ids + [int(i) for i in end_ids if int(i) not in ids]}
+
+
 def _padded_length(n: int, chunk: int) -> int:
     """n rounded up to a whole number of chunks (+1: the loss sees L-1 positions), so one shape compiles once."""
     return -(-(n - 1) // chunk) * chunk + 1
@@ -217,7 +227,8 @@ def _padded_length(n: int, chunk: int) -> int:
 
 def run_conversation_sft(cfg: ConversationSFTConfig, log=print) -> dict:
     """Fine-tune cfg.model_path on cfg.train_path (loss on assistant tokens only) and write cfg.out_dir: the HF
-    folder (weights, config, tokenizer files) plus sft_log.jsonl (loss per step) and sft_summary.json."""
+    folder (weights, config, tokenizer files; generation_config's eos list gains the end-of-turn token the model
+    was trained to emit) plus sft_log.jsonl (loss per step) and sft_summary.json."""
     out = pathlib.Path(cfg.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"sft: out_dir {out} exists and is not empty")
@@ -245,6 +256,10 @@ def run_conversation_sft(cfg: ConversationSFTConfig, log=print) -> dict:
                                                           warmup_steps=cfg.warmup_steps, seed=cfg.seed,
                                                           chunk_size=cfg.chunk_size), log=log_step)
     models.save_pretrained(model, out, dtype=getattr(jnp, cfg.save_dtype))
+    gen_path = out / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    end_ids = [i for i in (tok.token_to_id(t) for t in end_of_turn_texts(tok)) if i is not None]
+    gen_path.write_text(json.dumps(with_end_of_turn_eos(gen, end_ids), indent=2))
     src = pathlib.Path(cfg.model_path)
     for name in TOKENIZER_FILES:
         if (src / name).is_file() and not (out / name).exists():

@@ -28,7 +28,7 @@ from stare_jax.data.conversations import (
 from stare_jax.data.prompts import DataError
 from stare_jax.options import ConfigError
 from stare_jax import policy, sft
-from stare_jax.sft import load_sft_config
+from stare_jax.sft import load_sft_config, with_end_of_turn_eos
 from stare_jax.tokenizer import load_tokenizer
 from stare_jax.tools.calls import CODE_TOOL_SCHEMA
 
@@ -190,12 +190,22 @@ def test_sft_cli_loss_drops_and_writes_an_hf_folder(qwen_dir, tmp_path, capsys):
     # the RL run's model.path: an HF folder with weights, config and the tokenizer + chat template
     reloaded = models.from_pretrained(out)
     assert reloaded.config.vocab_size == tok.vocab_size
-    assert load_tokenizer(out).apply_chat_template(CONVERSATIONS[2][:1]).endswith("<|im_start|>assistant\n")
+    out_tok = load_tokenizer(out)
+    assert out_tok.apply_chat_template(CONVERSATIONS[2][:1]).endswith("<|im_start|>assistant\n")
+    assert out_tok.token_to_id("<|im_end|>") in out_tok.eos_ids  # the RL rollout stops where SFT ended turns
     # bad input through the CLI: one line naming the file and line, exit status 2
     (tmp_path / "bad.jsonl").write_text('[{"role": "robot", "content": "x"}]\n')
     assert main(["sft", "--config", str(cfg), f"train_path={tmp_path / 'bad.jsonl'}",
                  f"out_dir={tmp_path / 'out2'}"]) == 2
     assert "bad.jsonl:1: message 0 has unknown role 'robot'" in capsys.readouterr().err
+
+
+def test_end_of_turn_joins_a_base_models_eos_list():
+    """Qwen2.5-7B-Base: eos <|endoftext|> (151643); after SFT its turns end with <|im_end|> (151645)."""
+    assert with_end_of_turn_eos({"eos_token_id": 151643, "bos_token_id": 151643}, [151645]) == {
+        "eos_token_id": [151643, 151645], "bos_token_id": 151643}
+    assert with_end_of_turn_eos({"eos_token_id": [151645, 151643]}, [151645])["eos_token_id"] == [151645, 151643]
+    assert with_end_of_turn_eos({}, [7])["eos_token_id"] == [7]
 
 
 def test_shipped_config_loads_and_tokenizer_files_agree():
