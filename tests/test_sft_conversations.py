@@ -227,3 +227,21 @@ def test_sft_config_errors(tmp_path):
     path.write_text("train_path: t\nout_dir: o\n")
     with pytest.raises(ConfigError, match=r"'sft.model_path' is required"):
         load_sft_config(path)
+
+
+@pytest.mark.parametrize("template,message", [
+    # a template that drops assistant turns: nothing to train on
+    ("{% for m in messages %}{% if m.role != 'assistant' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+     "{% endif %}{% endfor %}", r"c.jsonl:4: the rendered conversation has no assistant token"),
+    # a template whose rendering of a prefix is not a prefix of the whole (the last message is rendered first)
+    ("{% for m in messages|reverse %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", r"c.jsonl:4: the chat template's rendering"
+                                                                         r" of messages 0..0 \+ generation prompt"),
+])
+def test_templates_the_mask_cannot_use(qwen_dir, tmp_path, template, message):
+    folder = tmp_path / "tok"
+    shutil.copytree(qwen_dir, folder)
+    (folder / "chat_template.jinja").write_text(template)  # wins over tokenizer_config.json's template
+    msgs = check_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "c.jsonl:4")
+    with pytest.raises(DataError, match=message):
+        render_conversation(load_tokenizer(folder), Conversation(msgs, None, "c.jsonl:4"))
