@@ -245,3 +245,16 @@ def test_templates_the_mask_cannot_use(qwen_dir, tmp_path, template, message):
     msgs = check_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "c.jsonl:4")
     with pytest.raises(DataError, match=message):
         render_conversation(load_tokenizer(folder), Conversation(msgs, None, "c.jsonl:4"))
+
+
+def test_sft_cli_wrong_inputs_are_one_line(tmp_path, capsys):
+    assert main(["sft"]) == 2
+    assert "--config FILE is required" in capsys.readouterr().err
+    assert main(["sft", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "No such file or directory" in capsys.readouterr().err
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(f"model_path: {tmp_path}\ntrain_path: {tmp_path / 'c.jsonl'}\nout_dir: {tmp_path}\n")
+    assert main(["sft", "--config", str(cfg)]) == 2  # out_dir exists and is not empty
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert main(["sft", "--config", str(cfg), "lr=-1"]) == 2
+    assert "'sft.lr' = -1.0 is out of range" in capsys.readouterr().err
