@@ -42,7 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stare_jax import models
 from stare_jax.models.sharding import batch_shards, make_mesh, mesh_for_config
-from stare_jax.plan import GiB, estimate, parse_accelerator, phase_peaks, run_generator, run_model_config
+from stare_jax.plan import (GiB, estimate, parse_accelerator, phase_peaks, run_generator, run_model_config,
+                            tool_engine_config)
 from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.train_step import ShardedStep, init_train_state, make_train_step
 from stare_jax.run_setup import train_step_config
@@ -327,7 +328,12 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     if mesh is None:
         mesh = make_mesh({"fsdp": 1}, devices=devices)
     hosts = len({getattr(d, "process_index", 0) for d in devices})
-    if run_generator(cfg.sampling.engine, hosts, batch_shards(mesh), cfg.sampling.max_new_tokens) == "engine":
+    try:  # with tool.enabled: the engine, and only where it runs (plan.tool_engine_config)
+        engine_cfg = tool_engine_config(cfg, hosts, batch_shards(mesh))
+    except ValueError as e:
+        raise CompileError(f"topology {topology}: {e}") from None
+    run_cfg = cfg  # the estimate beside the compiled figures is the run's own (engine included)
+    if run_generator(engine_cfg, hosts, batch_shards(mesh), cfg.sampling.max_new_tokens) == "engine":
         log("note: this run generates with the rollout engine, which has no ahead-of-time path yet: the static "
             "sampler's program is compiled (and estimated) in its place")
         cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(
@@ -384,7 +390,7 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     hbm = hbm_bytes_per_device(topology, devices)
     peak = max(p["peak_bytes"] for p in phases.values())
     try:
-        est = estimate(cfg, accelerator) if accelerator else None
+        est = estimate(run_cfg, accelerator) if accelerator else None
     except ValueError as e:
         est = {"error": str(e)}
     return {

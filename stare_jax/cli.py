@@ -6,6 +6,8 @@
   stare-jax eval     --checkpoint DIR --benchmarks a,b [--limit N] [--n N]   avg@N / pass@k per benchmark
   stare-jax export   RUN_DIR OUT_DIR [--step S]      a training checkpoint as a Hugging Face folder
   stare-jax plot     RUN_DIR [RUN_DIR ...] [--out PNG]  overlaid curves + summary table (a folder of runs: its runs)
+  stare-jax sft      --config FILE [KEY=VALUE ...]  cold-start SFT on multi-turn conversations (loss on assistant
+                     tokens only), written as an HF folder an RL config's model.path points at
   stare-jax train    --config FILE --run-dir DIR [--resume [--allow-config-change]] [KEY=VALUE ...]   RL training
   stare-jax smoke    [--run-dir DIR] [--model P]  load a model (a tiny random one by default), generate a few tokens,
                      print them as ids and text
@@ -56,6 +58,7 @@ from stare_jax.run_config import ConfigChangeError
 from stare_jax.run_setup import TrainingError, init_distributed
 from stare_jax.sampling import Engine, EngineConfig, generate, next_bucket
 from stare_jax.sampling.engine import make_generator
+from stare_jax.sft import load_sft_config, run_conversation_sft
 from stare_jax.tokenizer import load_tokenizer
 from stare_jax.train import run_training
 
@@ -161,6 +164,14 @@ def _cmd_train(args) -> int:
         last = (summary.get("last") or {}).get("step", "?")
         print(f"train: stopped by a signal after step {last}, saved as a checkpoint; continue with the same "
               f"command plus --resume")
+    return 0
+
+
+def _cmd_sft(args) -> int:
+    if not args.config:
+        raise UsageError("--config FILE is required: a YAML mapping with model_path, train_path, out_dir and the "
+                         "other sft options (see configs/sft_tool_cold_start.yaml)")
+    run_conversation_sft(load_sft_config(args.config, args.overrides))
     return 0
 
 
@@ -461,6 +472,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_distributed_args(p)
     _add_config_args(p)
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("sft", help="cold-start SFT on multi-turn conversation jsonl (assistant tokens only) -> HF "
+                                   "folder")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_sft)
 
     p = sub.add_parser("smoke", help="load a model and generate a few tokens")
     p.add_argument("--run-dir", default="runs/smoke")

@@ -174,12 +174,13 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     }
     if cfg.rl.kl.enabled:  # the frozen reference policy: the policy's parameters and shardings, no optimizer state
         mem["reference_params"] = P * pb / shard
-    generator = run_generator(cfg.sampling.engine, acc.num_hosts, dp, cfg.sampling.max_new_tokens)
+    engine_cfg = tool_engine_config(cfg, acc.num_hosts, dp)
+    generator = run_generator(engine_cfg, acc.num_hosts, dp, cfg.sampling.max_new_tokens)
     kv_heads, dh = model_cfg.num_kv_heads, model_cfg.head_dim
     if generator == "engine":
         # the page pool (allocated once: sampling.engine.num_pages, or auto-sized for max_slots requests), kv
         # heads split over the tensor axis where it divides them; per decode step one layer's gathered pages
-        ec = cfg.sampling.engine
+        ec = engine_cfg
         heads_dev = kv_heads / tensor if kv_heads % tensor == 0 else kv_heads
         sampling = {
             "sampler_weights": P * cb / tensor,
@@ -229,8 +230,28 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "flops_per_step": flops,
         "total_flops_per_step": total_flops,
         "step_time_s_at_40pct_mfu": total_flops / (acc.num_devices * acc.peak_flops * 0.4),
-        "warnings": _warnings(model_cfg, acc) + _generator_warnings(cfg.sampling.engine, acc.num_hosts, dp),
+        "warnings": _warnings(model_cfg, acc) + _generator_warnings(engine_cfg, acc.num_hosts, dp),
     }
+
+
+def tool_engine_config(cfg, hosts: int, data_shards: int):
+    """The engine config the run uses: with tool.enabled, auto means the engine (stare_jax.run_setup.make_sampler),
+    and a slice where the engine cannot run is a ValueError: multi-turn tool rollouts need the engine, whose
+    scheduler drives one process with its slots not split over data/fsdp axes, so such a run would refuse to
+    start (planning it as fitting would be a false promise)."""
+    engine_cfg = cfg.sampling.engine
+    tool = getattr(cfg, "tool", None)
+    if tool is None or not tool.enabled:
+        return engine_cfg
+    if engine_cfg.enabled is False:
+        raise ValueError("tool.enabled needs the rollout engine (multi-turn rollouts append tool output and "
+                         "continue): set sampling.engine.enabled to true or auto")
+    if hosts > 1 or data_shards > 1:
+        raise ValueError(f"tool.enabled: multi-turn tool rollouts run on the rollout engine, which drives one "
+                         f"process with the batch not split over data/fsdp axes; this slice has {hosts} host(s) and "
+                         f"the mesh {data_shards} data shards. Use a single-host slice with mesh.data=1, "
+                         f"mesh.fsdp=1 (tensor parallelism only), e.g. v5p-8 with mesh.tensor=4")
+    return dataclasses.replace(engine_cfg, enabled=True)
 
 
 def run_generator(engine_cfg, hosts: int, data_shards: int, max_new_tokens: int) -> str:

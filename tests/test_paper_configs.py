@@ -13,6 +13,7 @@ import subprocess
 import pytest
 import yaml
 
+from stare_jax.cli import main
 from stare_jax.config import load_config, to_dict
 from stare_jax.models import PRESETS
 from stare_jax.plan import estimate, phase_peaks
@@ -40,9 +41,14 @@ def cfgs():
     return {(m, a): load_config(_path(m, a)) for m in MODELS for a in ARMS}
 
 
-def test_exactly_the_twenty_run_files():
+TOOL = "qwen2.5-7b-tool"  # the tool-use scenario: Qwen2.5-7B-Base after cold-start SFT, code interpreter, 8k
+
+
+def test_exactly_the_run_files():
+    """5 models x (3 arms + grpo_kl), and the tool-use scenario's 3 arms."""
     names = sorted(p.name for p in PAPER.glob("*.yaml") if not p.name.startswith("_"))
-    assert names == sorted(f"{m}_{a}.yaml" for m in MODELS for a in ARMS + [KL_ARM])
+    assert names == sorted([f"{m}_{a}.yaml" for m in MODELS for a in ARMS + [KL_ARM]]
+                           + [f"{TOOL}_{a}.yaml" for a in ARMS])
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -166,3 +172,92 @@ def test_plan_fits_the_slice_and_the_gpu_alternative(model):
         gpu = estimate(load_config(_path(model, arm), GPU_OVERRIDES), cfg.launch.gpu_alternative)
         assert gpu["fits"], (model, arm, cfg.launch.gpu_alternative)
         assert f"--set {GPU_OVERRIDES[0]}" in text and f"{gpu['peak_bytes_per_device'] / GiB:.1f} GiB" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tool-use scenario (paper Figure 1 and Table 1's last row): qwen2.5-7b-tool_{grpo_ds,stare_o1,stare_c2}.yaml
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tool_cfgs():
+    return {a: load_config(_path(TOOL, a)) for a in ARMS}
+
+
+def test_tool_arms_differ_only_under_rl_stare(tool_cfgs):
+    dicts = {a: to_dict(c) for a, c in tool_cfgs.items()}
+    stares = {a: d["rl"].pop("stare") for a, d in dicts.items()}
+    assert dicts["grpo_ds"] == dicts["stare_o1"] == dicts["stare_c2"]
+    assert [(stares[a]["enabled"], stares[a]["variant"] if stares[a]["enabled"] else None) for a in ARMS] == [
+        (False, None), (True, "O1"), (True, "C2")]
+    for a in ARMS:
+        raw = yaml.safe_load(_path(TOOL, a).read_text())
+        assert raw["base"] == f"_base_{TOOL}.yaml" and set(raw) == {"base", "rl"} and set(raw["rl"]) == {"stare"}
+
+
+def test_tool_paper_settings(tool_cfgs):
+    """The paper's hyper-parameters (the same as every run), 8k responses, the cold-start SFT folder as the model,
+    the hermes code interpreter on, and the engine (the tool rollouts need its append-and-continue)."""
+    for c in tool_cfgs.values():
+        o, rl, st, s = c.optimizer, c.rl, c.rl.stare, c.sampling
+        assert (o.lr, o.b1, o.b2, o.weight_decay, o.grad_clip, o.schedule, o.warmup_steps) == (
+            1e-6, 0.9, 0.999, 0.01, 1.0, "constant", 0)
+        assert (rl.train_batch_size, rl.group_size, rl.gen_batch_size) == (64, 8, 192)
+        assert rl.dynamic_sampling and rl.max_num_gen_batches == 10
+        assert (rl.clip_low, rl.clip_high, rl.loss_agg, rl.mini_batches, rl.ppo_epochs) == (
+            0.2, 0.28, "token-mean", 1, 1)
+        assert (s.temperature, s.top_p, s.eval_temperature, s.eval_top_p) == (1.0, 1.0, 0.7, 0.95)
+        assert (st.w, st.m, st.target_entropy, st.top_p, st.gate) == (1.1, 0.9, 0.3, 0.1, "batch")
+        assert c.model.preset == "qwen2.5-7b" and c.model.path.startswith("/path/to/")
+        assert "sft" in c.model.path.lower()  # the cold-start SFT output (stare-jax sft), not the base checkpoint
+        assert s.max_new_tokens == 8192 and c.data.max_prompt_len == 1024
+        assert c.data.max_prompt_len + s.max_new_tokens <= PRESETS["qwen2.5-7b"].max_position_embeddings
+        assert c.data.prompt_template == "chat"  # the SFT model's template, listing the code tool (hermes)
+        assert set(c.data.eval_paths) == BENCHMARKS
+        assert c.tool.enabled and c.tool.format == "hermes" and c.tool.max_turns >= 1
+        assert (c.tool.tool_bonus, c.tool.format_penalty) == (0.0, 0.0)  # the verifier's 0/1 reward only
+        assert c.sampling.engine.enabled is True
+        assert (c.mesh.data, c.mesh.fsdp) == (1, 1)  # the engine does not split its slots over data axes
+
+
+def test_tool_plan_fits_its_single_host_slice_and_gpu_alternative(tool_cfgs):
+    """`stare-jax plan`: the engine plans the rollouts, on one host, and the run fits its slice (v5p-8) and its
+    GPU alternative; the slice is one launch/tpu_vm.sh knows, with one worker."""
+    for a, cfg in tool_cfgs.items():
+        for accel in (cfg.launch.accelerator, cfg.launch.gpu_alternative):
+            est = estimate(cfg, accel)
+            assert est["fits"], (a, accel, est["peak_bytes_per_device"])
+            assert est["generator"] == "engine" and est["hosts"] == 1 and not est["warnings"]
+            assert "sample/kv_page_pool" in est["memory_bytes"]
+    out = subprocess.run(["bash", str(ROOT / "launch" / "tpu_vm.sh"), "info", "--accelerator-type",
+                          tool_cfgs["stare_o1"].launch.accelerator], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert int(re.search(r"workers (\d+)", out.stdout).group(1)) == 1
+    c = tool_cfgs["stare_o1"]
+    assert PRESETS[c.model.preset].num_kv_heads % c.mesh.tensor == 0
+    assert int(re.search(r"chips (\d+)", out.stdout).group(1)) == c.mesh.tensor
+
+
+@pytest.mark.parametrize("accel,overrides,match", [
+    ("v5p-64", ["mesh.fsdp=-1"], r"8 host\(s\) and the mesh 8 data shards"),  # a multi-host slice
+    ("1x8xH100", ["mesh.tensor=4", "mesh.fsdp=2"], r"1 host\(s\) and the mesh 2 data shards"),  # one host, fsdp
+    ("v5p-8", ["sampling.engine.enabled=false"], r"tool.enabled needs the rollout engine"),
+])
+def test_tool_plan_rejects_slices_the_engine_cannot_run_on(accel, overrides, match):
+    """Tool rollouts run on the single-process engine: a multi-host slice or a batch-split mesh is rejected by the
+    plan (the run would refuse to start), not planned as fitting; auto (not true) is rejected the same way."""
+    for extra in ([], ["sampling.engine.enabled=auto"]):
+        if "sampling.engine.enabled=false" in overrides and extra:
+            continue
+        cfg = load_config(_path(TOOL, "stare_o1"), overrides + extra)
+        with pytest.raises(ValueError, match=match):
+            estimate(cfg, accel)
+    # the same slice without tools plans (the static sampler there)
+    cfg = load_config(_path(TOOL, "stare_o1"), overrides + ["tool.enabled=false", "sampling.engine.enabled=auto"])
+    assert estimate(cfg, accel)["generator"] == ("engine" if accel == "v5p-8" else "static")
+
+
+def test_tool_plan_cli_rejects_a_multi_host_slice(capsys):
+    assert main(["plan", str(_path(TOOL, "stare_c2")), "--accelerator", "v5p-64", "mesh.fsdp=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "tool.enabled" in err and "single-host slice" in err
