@@ -31,6 +31,7 @@ Data flow (STARE-semantics.md, "Closed-loop gate"):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -46,6 +47,8 @@ from stare_jax.rl.loss_terms import entropy_bonus, high_entropy_mask
 from stare_jax.rl.losses import (AGG_MODES, LOSS_OPTIONS, clip_cov_key, compute_policy_loss, loss_normalizer,
                                  policy_loss, policy_loss_normalizer)
 from stare_jax.rl.optimizer_config import OptimizerConfig
+from stare_jax.rl.packing import PACKED_KEYS, PackedLayout, padded_micro_batches, split_micro
+from stare_jax.rl.packing_config import PackingConfig
 from stare_jax.rl.policy_loss_config import PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare import StareConfig, StareState, stare_omega, update_controller
 from stare_jax.rl.theory import batch_entropy_terms
@@ -72,6 +75,10 @@ class TrainStepConfig:
     entropy_coeff: float = 0.0  # entropy bonus: loss -= entropy_coeff * agg(entropy) (verl)
     token_filter: TokenFilterConfig = TokenFilterConfig()  # the 80/20 rule
     seed: int = 0  # clip_cov's random choice: key fold_in(fold_in(key(seed), step), update * micro-batches + micro)
+    # batch layout (stare_jax.rl.packing): packed rows instead of one padded row per sequence, and micro-batches
+    # sized by tokens per device (0: num_micro_batches); with packing, rows per micro-batch = tokens // row length
+    packing: PackingConfig = PackingConfig()
+    micro_batch_tokens: int = 0
 
     def __post_init__(self):
         if self.loss_agg not in AGG_MODES:
@@ -79,6 +86,21 @@ class TrainStepConfig:
         for name in ("num_micro_batches", "num_mini_batches", "ppo_epochs", "logprob_chunk_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0 = num_micro_batches)")
+        if self.packing.enabled:
+            # packed micro-batches hold as many sequences as fit their tokens: a selection ranked per micro-batch
+            # group of sequences would rank other groups than the padded layout's
+            grouped = [k for k, on in (
+                ("rl.stare.scope = 'micro_batch'", self.stare.enabled and self.stare.scope == "micro_batch"),
+                ("rl.policy_loss.scope = 'micro_batch'", self.policy_loss.name in ("clip_cov", "kl_cov")
+                 and self.policy_loss.scope == "micro_batch")) if on]
+            if grouped:
+                raise ValueError(f"rl.packing.enabled cannot be combined with {grouped[0]}: packed micro-batches "
+                                 f"are sized by tokens, not by sequences (use scope 'batch')")
+            if self.loss_agg == "seq-mean-token-sum-norm" and self.loss_agg_constant is None:
+                raise ValueError("rl.packing.enabled with loss_agg seq-mean-token-sum-norm needs loss_agg_constant "
+                                 "(the padded layout's default, L - 1, is not a packed row's length)")
 
 
 @jax.tree_util.register_dataclass
@@ -197,16 +219,49 @@ def policy_forward(graphdef, params, rest, ids, attn, targets, loss_mask, *, chu
                                       chunk_size=chunk_size, theory=theory)
 
 
-def _split_micro(x, n, mesh, batch_axes):
-    """[B, ...] -> [n, B/n, ...] contiguous micro-batches, each spread over the batch shards when they divide."""
-    y = x.reshape((n, x.shape[0] // n) + x.shape[1:])
-    if mesh is not None:
-        shards = 1
-        for a in batch_axes:
-            shards *= mesh.shape[a]
-        if y.shape[1] % shards == 0:
-            y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, batch_axes)))
-    return y
+_split_micro = split_micro
+
+
+@dataclasses.dataclass
+class PaddedLayout:
+    """The padded batch (one row per sequence) inside the step, with the interface of packing.PackedLayout."""
+
+    ids: jax.Array
+    attn: jax.Array
+    tgt: jax.Array
+    lm: jax.Array
+    adv: jax.Array
+    n_mini: int
+    micro: int  # micro-batches per mini-batch
+    mesh: Any
+    batch_axes: tuple
+
+    @property
+    def num_sequences(self) -> int:
+        return self.ids.shape[0]
+
+    def loss_mask(self):
+        return self.lm
+
+    def no_grad_pass(self, forward: Callable):
+        """forward(ids, attn, tgt, lm) over the whole batch, micro-batched (B / (n_mini * micro) at a time)."""
+        xs = tuple(_split_micro(a, self.n_mini * self.micro, self.mesh, self.batch_axes)
+                   for a in (self.ids, self.attn, self.tgt, self.lm))
+        outs = jax.lax.map(lambda x: forward(*x), xs)
+        return jax.tree.map(lambda o: o.reshape((self.num_sequences,) + o.shape[2:]), outs)
+
+    def micro_batches(self, j, mb_seq: tuple):
+        """(xs, None, micro_fn): mini-batch j's rows and its per-sequence arrays mb_seq, split into micro-batches;
+        micro_fn(forward, x) -> (log-probs, entropy, the micro-batch's per-sequence arrays)."""
+        mini = self.num_sequences // self.n_mini
+        rows = tuple(jax.lax.dynamic_slice_in_dim(a, j * mini, mini, axis=0) for a in (self.ids, self.attn, self.tgt))
+        xs = tuple(_split_micro(a, self.micro, self.mesh, self.batch_axes) for a in rows + tuple(mb_seq))
+
+        def micro_fn(forward, x):
+            lp, ent = forward(x[0], x[1], x[2], x[3])
+            return lp, ent, x[3:]
+
+        return xs, None, micro_fn
 
 
 def _masked_mean(x, m):
@@ -236,25 +291,37 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
     def forward(params, rest, ids, attn, tgt, lm, *, theory=False):
         return policy_forward(graphdef, params, rest, ids, attn, tgt, lm, chunk_size=chunk, theory=theory)
 
-    def step_fn(train_state: TrainState, batch, stare_state: StareState):
+    def layout(batch):
+        if cfg.packing.enabled:
+            return PackedLayout.from_batch(batch, n_mini=n_mini, micro_batch_tokens=cfg.micro_batch_tokens,
+                                           mesh=mesh, batch_axes=batch_axes)
         ids, attn, tgt, lm, adv = shift_batch(batch)
-        B = ids.shape[0]
-        if B % (n_mini * n_micro):
+        B, L = ids.shape
+        if B % n_mini:
+            raise ValueError(f"batch size {B} must be divisible by num_mini_batches={n_mini}")
+        micro_n = n_micro
+        if cfg.micro_batch_tokens:  # sequences per micro-batch from the (bucketed) length
+            shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in batch_axes)
+            micro_n = padded_micro_batches(B // n_mini, L, cfg.micro_batch_tokens, shards)
+        if B % (n_mini * micro_n):
             raise ValueError(f"batch size {B} must be divisible by num_mini_batches*num_micro_batches="
-                             f"{n_mini}*{n_micro}")
+                             f"{n_mini}*{micro_n}")
         mini = B // n_mini
-        micro = mini // n_micro
-        if per_micro_scope and micro % scfg.micro_batch_size:
-            raise ValueError(f"stare scope='micro_batch': micro-batch size {micro} must be a multiple of "
+        if per_micro_scope and (mini // micro_n) % scfg.micro_batch_size:
+            raise ValueError(f"stare scope='micro_batch': micro-batch size {mini // micro_n} must be a multiple of "
                              f"micro_batch_size={scfg.micro_batch_size}")
+        return PaddedLayout(ids, attn, tgt, lm, adv, n_mini, micro_n, mesh, tuple(batch_axes))
+
+    def step_fn(train_state: TrainState, batch, stare_state: StareState):
+        lay = layout(batch)
+        B, micro_n = lay.num_sequences, lay.micro
+        mini = B // n_mini
+        lm, adv = lay.loss_mask(), lay.adv
         params, rest = train_state.params, train_state.rest
         theory = cfg.stare.theory_diagnostics
 
-        # 1. no-grad pass over the whole batch, micro-batched (B / (n_mini*n_micro) sequences at a time).
-        n_pass = n_mini * n_micro
-        xs = tuple(_split_micro(a, n_pass, mesh, batch_axes) for a in (ids, attn, tgt, lm))
-        outs = jax.lax.map(lambda x: forward(jax.lax.stop_gradient(params), rest, *x, theory=theory), xs)
-        flat = jax.tree.map(lambda o: o.reshape((B,) + o.shape[2:]), outs)
+        # 1. no-grad pass over the whole batch, micro-batched (old log-probs, entropy; [B, T] per sequence)
+        flat = lay.no_grad_pass(lambda *x: forward(jax.lax.stop_gradient(params), rest, *x, theory=theory))
         old_lp, ent = jax.lax.stop_gradient(flat[0]), jax.lax.stop_gradient(flat[1])
 
         # 2. controller from the batch entropy, 3. omega from the same pass (scope batch).
@@ -289,13 +356,13 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
         # 4. updates: epochs x mini-batches, each a scan over micro-batches.
         agg_const = cfg.loss_agg_constant if cfg.loss_agg_constant is not None else float(lm.shape[1])
 
-        def micro_loss(p, mb, normalizer, ent_normalizer, key):
-            m_ids, m_attn, m_tgt, m_lm, m_adv, m_old, m_omega = mb[:7]
-            lp, m_ent = forward(p, rest, m_ids, m_attn, m_tgt, m_lm)
+        def micro_loss(p, x, normalizer, ent_normalizer, key, micro_fn):
+            lp, m_ent, seq = micro_fn(lambda *a: forward(p, rest, *a), x)
+            m_lm, m_adv, m_old, m_omega = seq[:4]
             if per_micro_scope:
                 m_omega, _ = stare_omega(jax.lax.stop_gradient(lp), m_adv, m_lm, stare_state, scfg,
                                          entropy_BxT=jax.lax.stop_gradient(m_ent), scope="micro_batch")
-                m_omega = m_omega * mb[7] if tf.enabled else m_omega
+                m_omega = m_omega * seq[4] if tf.enabled else m_omega
             if plain:
                 loss, met = policy_loss(lp, m_old, m_adv, m_lm, omega_BxT=m_omega, clip_low=cfg.clip_low,
                                         clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg=cfg.loss_agg,
@@ -317,38 +384,49 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
             met["omega_sum"] = jnp.sum(jnp.where(m_lm > 0, m_omega, 0.0))
             return loss, met
 
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-        per_tok = (ids, attn, tgt, lm, adv, old_lp, omega) + ((keep,) if tf.enabled else ())
+        # per-sequence arrays [B, ...] (the loss mask first); each micro-batch sees its rows of them
+        per_seq = (lm, adv, old_lp, omega) + ((keep,) if tf.enabled else ())
         step_key = clip_cov_key(cfg.seed, train_state.step)
 
         def one_update(carry, u):
             p, opt_state = carry
-            start = (u % n_mini) * mini
-            mb_arrays = tuple(jax.lax.dynamic_slice_in_dim(a, start, mini, axis=0) for a in per_tok)
+            j = u % n_mini
+            mb_seq = tuple(jax.lax.dynamic_slice_in_dim(a, j * mini, mini, axis=0) for a in per_seq)
             if cfg.loss_agg == "seq-mean-token-sum-norm":
                 ent_normalizer = jnp.float32(agg_const)
             else:
-                ent_normalizer = loss_normalizer(mb_arrays[3], cfg.loss_agg)
+                ent_normalizer = loss_normalizer(mb_seq[0], cfg.loss_agg)
             if plain or loss_name not in ("gspo", "sapo", "geo_mean"):
                 normalizer = ent_normalizer
             else:  # aggregations verl fixes for these losses
-                normalizer = policy_loss_normalizer(loss_name, mb_arrays[3], cfg.loss_agg)
-            micro_xs = tuple(_split_micro(a, n_micro, mesh, batch_axes) for a in mb_arrays)
+                normalizer = policy_loss_normalizer(loss_name, mb_seq[0], cfg.loss_agg)
+            micro_xs, nonempty, micro_fn = lay.micro_batches(j, mb_seq)
+            grad_fn = jax.value_and_grad(functools.partial(micro_loss, micro_fn=micro_fn), has_aux=True)
+            zeros_g = jax.tree.map(jnp.zeros_like, p)
+            zeros_m = {k: jnp.float32(0.0) for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum",
+                                                      "token_count", "omega_sum")}
 
             def acc(c, xs):
-                mb, i = xs if with_key else (xs, None)
                 g_sum, l_sum, m_sum = c
-                key = jax.random.fold_in(step_key, u * n_micro + i) if with_key else None
-                (loss, met), g = grad_fn(p, mb, normalizer, ent_normalizer, key)
+                key = jax.random.fold_in(step_key, u * micro_n + xs["i"]) if with_key else None
+
+                def run():
+                    return grad_fn(p, xs["x"], normalizer, ent_normalizer, key)
+
+                if "run" in xs:  # a packed micro-batch left empty costs nothing
+                    (loss, met), g = jax.lax.cond(xs["run"], run, lambda: ((jnp.float32(0.0), zeros_m), zeros_g))
+                else:
+                    (loss, met), g = run()
                 g_sum = jax.tree.map(jnp.add, g_sum, g)
                 m_sum = jax.tree.map(jnp.add, m_sum, met)
                 return (g_sum, l_sum + loss, m_sum), None
 
-            zeros_g = jax.tree.map(jnp.zeros_like, p)
-            zeros_m = {k: jnp.float32(0.0) for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum",
-                                                      "token_count", "omega_sum")}
-            (grads, loss, msum), _ = jax.lax.scan(acc, (zeros_g, jnp.float32(0.0), zeros_m),
-                                                  (micro_xs, jnp.arange(n_micro)) if with_key else micro_xs)
+            scan_xs = {"x": micro_xs}
+            if with_key:
+                scan_xs["i"] = jnp.arange(micro_n)
+            if nonempty is not None:
+                scan_xs["run"] = nonempty
+            (grads, loss, msum), _ = jax.lax.scan(acc, (zeros_g, jnp.float32(0.0), zeros_m), scan_xs)
             gnorm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
             safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
@@ -399,9 +477,14 @@ def place_train_state(train_state: TrainState, mesh):
     return jax.device_put(train_state, train_state_shardings(train_state, mesh))
 
 
-def batch_shardings(mesh, batch_axes=BATCH_AXES):
-    """NamedSharding for each batch key: leading (batch) axis over batch_axes."""
-    return {k: batch_sharding(mesh, batch_axes) for k in BATCH_KEYS}
+def batch_keys(cfg: TrainStepConfig) -> tuple[str, ...]:
+    """The batch keys the step takes: the padded layout's, or the packed one's (rl.packing)."""
+    return PACKED_KEYS if cfg.packing.enabled else BATCH_KEYS
+
+
+def batch_shardings(mesh, batch_axes=BATCH_AXES, keys=BATCH_KEYS):
+    """NamedSharding for each batch key: leading (batch or row) axis over batch_axes."""
+    return {k: batch_sharding(mesh, batch_axes) for k in keys}
 
 
 def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: TrainState | None = None,
@@ -418,10 +501,11 @@ def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: T
     rules = DEFAULT_RULES if rules is None else rules
     rep = NamedSharding(mesh, P())
     state_sh = train_state_shardings(train_state, mesh)
-    jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(mesh, batch_axes), rep),
+    keys = batch_keys(cfg)
+    jitted = jax.jit(step_fn, in_shardings=(state_sh, batch_shardings(mesh, batch_axes, keys), rep),
                      out_shardings=(state_sh, rep, rep), donate_argnums=donate_argnums)
 
-    return ShardedStep(jitted, mesh, rules, tuple(batch_axes))
+    return ShardedStep(jitted, mesh, rules, tuple(batch_axes), keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -434,21 +518,26 @@ class ShardedStep:
     mesh: Any
     rules: Any
     batch_axes: tuple
+    batch_keys: tuple = BATCH_KEYS
 
     @property
     def batch_shardings(self) -> dict:
-        return batch_shardings(self.mesh, self.batch_axes)
+        return batch_shardings(self.mesh, self.batch_axes, self.batch_keys)
 
     def context(self):
         """The mesh and activation rules the step is traced under."""
         return program_context(self.mesh, self.rules)
 
     def __call__(self, train_state, batch, stare_state):
-        batch = {k: batch[k] for k in BATCH_KEYS}
+        missing = [k for k in self.batch_keys if k not in batch]
+        if missing:
+            raise ValueError(f"train batch is missing keys {missing}; this step takes {list(self.batch_keys)}")
+        batch = {k: batch[k] for k in self.batch_keys}
         shards = math.prod(self.mesh.shape[a] for a in self.batch_axes)
-        if jnp.shape(batch["input_ids_BxT"])[0] % shards:
-            raise ValueError(f"batch size {jnp.shape(batch['input_ids_BxT'])[0]} must be divisible by the "
-                             f"{shards} devices of mesh axes {self.batch_axes}")
+        for k, v in batch.items():
+            if jnp.shape(v)[0] % shards:
+                raise ValueError(f"batch[{k!r}] has {jnp.shape(v)[0]} rows, not divisible by the {shards} devices "
+                                 f"of mesh axes {self.batch_axes}")
         with self.context():
             return self.jitted(train_state, batch, stare_state)
 
