@@ -40,10 +40,11 @@ from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
 from stare_jax import models
-from stare_jax.models.sharding import make_mesh, mesh_for_config
+from stare_jax.models.sharding import batch_shards, make_mesh, mesh_for_config
 from stare_jax.plan import GiB, estimate, parse_accelerator, phase_peaks, run_model_config
 from stare_jax.rl.stare import init_stare_state
-from stare_jax.rl.train_step import BATCH_KEYS, ShardedStep, init_train_state, make_train_step
+from stare_jax.rl.packing import batch_shapes
+from stare_jax.rl.train_step import ShardedStep, init_train_state, make_train_step
 from stare_jax.run_setup import train_step_config
 from stare_jax.sampling import Sampler, next_bucket
 from stare_jax.sampling.sharding import reshard_program, sampler_param_sharding
@@ -280,10 +281,8 @@ def compile_train_step(cfg, tcfg, model, mesh) -> tuple[Any, Program]:
     step = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
     assert isinstance(step, ShardedStep)  # a mesh is given
     B, L = train_batch_shape(cfg)
-    batch = {k: jax.ShapeDtypeStruct((B,) if k == "advantages_B" else (B, L),
-                                     jnp.float32 if k == "advantages_B" else jnp.int32,
-                                     sharding=step.batch_shardings[k])
-             for k in BATCH_KEYS}
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=step.batch_shardings[k])
+             for k, (shape, dtype) in batch_shapes(tcfg, B, L, batch_shards(mesh)).items()}
     stare_state = jax.tree.map(lambda x: _abstract(x, rep), jax.eval_shape(lambda: init_stare_state(tcfg.stare)))
     traced = step.trace(train_state, batch, stare_state)
     return train_state, Program.compile("train_step", traced, step.context, mesh.size)

@@ -12,7 +12,7 @@ import pytest
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.rl.packing import (first_fit_decreasing, fill_rate, host_layout, pack_batch, packed_stats,
-                                  rows_per_micro, trim_padded_batch)
+                                  trim_padded_batch)
 from stare_jax.rl.packing_config import PackingConfig
 from stare_jax.rl.policy_loss_config import PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare import StareConfig, init_stare_state
@@ -49,9 +49,7 @@ def _packed_cfg(cfg, tokens=2 * ROW):
 
 
 def _layout(batch, cfg, shards=1):
-    return host_layout(batch, packing=cfg.packing.enabled, row_tokens=cfg.packing.row_tokens,
-                       micro_batch_tokens=cfg.micro_batch_tokens, shards=shards,
-                       num_mini_batches=cfg.num_mini_batches)
+    return host_layout(batch, cfg, shards)
 
 
 # ------------------------------------------------------------------------------------------------ host side

@@ -181,18 +181,31 @@ def trim_padded_batch(batch: dict, minimum: int = MIN_BUCKET) -> dict:
     return {k: (np.asarray(v)[:, keep] if k != "advantages_B" else v) for k, v in batch.items()}
 
 
-def host_layout(batch: dict, *, packing: bool, row_tokens: int, micro_batch_tokens: int, shards: int,
-                num_mini_batches: int) -> dict:
-    """The train step's batch in the layout its config asks for: packed (rows of row_tokens tokens, 0 = the
-    padded length), trimmed to its length bucket (token-budget micro-batches, no packing) or as given."""
-    if packing:
-        L = np.shape(batch["input_ids_BxT"])[1]
-        rt = int(row_tokens) or L
-        return pack_batch(batch, row_tokens=rt, rows_per_micro=rows_per_micro(micro_batch_tokens, rt, shards),
-                          num_mini_batches=num_mini_batches)
-    if micro_batch_tokens:
+def host_layout(batch: dict, cfg, shards: int) -> dict:
+    """The train step's batch in the layout its config `cfg` (a TrainStepConfig: packing, micro_batch_tokens,
+    num_mini_batches) asks for, from the padded host batch: packed (rows of packing.row_tokens tokens, 0 = the
+    padded length), cut to its length bucket (token-budget micro-batches without packing) or as given.
+    shards: the mesh's batch shards (1 without a mesh)."""
+    if cfg.packing.enabled:
+        rt = int(cfg.packing.row_tokens) or np.shape(batch["input_ids_BxT"])[1]
+        return pack_batch(batch, row_tokens=rt, rows_per_micro=rows_per_micro(cfg.micro_batch_tokens, rt, shards),
+                          num_mini_batches=cfg.num_mini_batches)
+    if cfg.micro_batch_tokens:
         return trim_padded_batch(batch)
     return batch
+
+
+def batch_shapes(cfg, num_sequences: int, seq_len: int, shards: int) -> dict:
+    """{key: (shape, dtype)} of the step's batch for `num_sequences` padded rows of `seq_len` tokens in cfg's
+    layout (the longest case for the token budget without packing): what the ahead-of-time compile lowers."""
+    if cfg.packing.enabled:
+        rt = int(cfg.packing.row_tokens) or seq_len
+        R = rows_per_micro(cfg.micro_batch_tokens, rt, shards)
+        rows = cfg.num_mini_batches * micro_batches_per_mini(num_sequences // cfg.num_mini_batches, R) * R
+        return {k: ((num_sequences,), np.float32 if k == "advantages_B" else np.int32) if k.endswith("_B")
+                else ((rows, rt), np.int32) for k in PACKED_KEYS}
+    return {k: ((num_sequences,), np.float32) if k == "advantages_B" else ((num_sequences, seq_len), np.int32)
+            for k in ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT", "advantages_B")}
 
 
 def padded_micro_batches(mini: int, seq_len: int, micro_batch_tokens: int, shards: int) -> int:
