@@ -19,6 +19,7 @@ import yaml
 from stare_jax.models.config import AttentionImpl, RematPolicy
 from stare_jax.models.config import ModelConfig as ArchitectureConfig
 from stare_jax.options import ConfigError, check_range, coerce, option
+from stare_jax.rl.offload_config import OffloadConfig
 from stare_jax.rl.optimizer_config import OptimizerConfig
 from stare_jax.rl.packing_config import PackingConfig
 from stare_jax.rl.policy_loss_config import TOKEN_LEVEL, PolicyLossConfig, TokenFilterConfig
@@ -120,6 +121,7 @@ class RLConfig:
                                                   "= this // row_tokens; without, sequences per micro-batch = this // "
                                                   "the batch's length bucket. 0 = rl.micro_batch_size")
     packing: PackingConfig = field(default_factory=PackingConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     mini_batches: int = option(1, lo=1, doc="optimizer steps per RL batch")
     ppo_epochs: int = option(1, lo=1)
     logprob_chunk_size: int = option(512, lo=1, doc="sequence chunk of the log-prob/entropy pass")

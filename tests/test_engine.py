@@ -143,6 +143,8 @@ def test_no_recompilation_across_steps(model):
     kw = dict(max_new_tokens=24, num_samples=3, temperature=1.0, eos_ids=EOS)
     first = engine.generate(PROMPTS, seed=0, **kw)
     before = compiled_programs()
+    engine.release()  # as the loop does before its train step: weights and KV pages freed
+    assert engine.state is None and engine.pages is None and engine.pool is None
     engine.update_params(init_model(model.config, seed=7))  # the next RL step's weights, same program
     second = engine.generate(PROMPTS, seed=0, **kw)
     engine.generate(PROMPTS[::-1], seed=1, **kw)  # another length mix
