@@ -8,14 +8,15 @@ token-mean, one micro-batch per row of 2112 tokens on both sides (padded: one se
 one packed row, first-fit-decreasing, rl.packing.row_tokens = the padded length).
 
 Useful tokens = the batch's real tokens (prompt + response); both sides process the same ones, so the speed ratio
-is the ratio of step times. Before timing, one call of each side checks that they compute the same step: the loss
-and the gradient (max abs difference printed) and the STARE selection.
+is the ratio of step times. The timed calls' outputs check that both sides compute the same step: the loss and the
+gradient (max abs difference printed) and the STARE selection.
 
     .venv/bin/python benchmarks/packing.py [--quick] [--repeats N] [--json]
 
 --quick keeps the model shape and the distribution but takes 16 responses of at most 512 new tokens (a few
-minutes on 2 cores; the full size takes about an hour there). Both sides are compiled ahead of the timing (jit
-.lower().compile()), so the timed rounds (harness.compare, interleaved, no further warm-up) hold no compile.
+minutes on 2 cores; the full size takes hours on a shared 2-core machine). Both sides are compiled ahead of the
+timing (jit .lower().compile()), so the timed rounds (harness.compare, interleaved, no warm-up call) hold no
+compile.
 """
 from __future__ import annotations
 
@@ -108,21 +109,23 @@ def main(argv=None):
         t0 = time.perf_counter()
         compiled[name] = (make_train_step(graphdef, cfg, donate=False).lower(ts, b, ss).compile(), b)
         print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s")
-    outs = {}
-    for name, (c, b) in compiled.items():
-        t0 = time.perf_counter()
-        outs[name] = jax.device_get(c(ts, b, ss)[2])
-        print(f"{name}: first call {time.perf_counter() - t0:.1f} s")
-    m_pack, m_pad = outs["packed"], outs["padded"]
+    outs: dict = {}
+
+    def call(name):  # a timed call; its metrics (the last round's) are the parity check's
+        c, b = compiled[name]
+        outs[name] = c(ts, b, ss)[2]
+        return outs[name]
+
+    res = compare({name: functools.partial(call, name) for name in compiled}, repeats=args.repeats, warmup=0,
+                  reference="padded", units=real, unit_name="useful_tokens",
+                  label=f"train step, {n} long-tailed responses (<= {max_new} new tokens): packed / padded")
+    m_pack, m_pad = jax.device_get(outs["packed"]), jax.device_get(outs["padded"])
     loss_diff = abs(float(m_pack["loss"]) - float(m_pad["loss"]))
     grad_diff = float(np.abs(_grads(m_pack) - _grads(m_pad)).max())
     grad_max = float(np.abs(_grads(m_pad)).max())
     print(f"same step: loss {float(m_pad['loss']):.8f} padded vs {float(m_pack['loss']):.8f} packed, max abs diff "
           f"{loss_diff:.2e}; gradient max abs diff {grad_diff:.2e} (max |g| {grad_max:.2e}); STARE reweighted "
           f"{float(m_pad['stare/frac_reweighted']):.6f} vs {float(m_pack['stare/frac_reweighted']):.6f}")
-    fns = {name: (lambda c=c, b=b: c(ts, b, ss)) for name, (c, b) in compiled.items()}
-    res = compare(fns, repeats=args.repeats, warmup=0, reference="padded", units=real, unit_name="useful_tokens",
-                  label=f"train step, {n} long-tailed responses (<= {max_new} new tokens): packed / padded")
     ratio = res["ratios"]["packed"]["ratio_of_medians"]
     print(f"useful tokens/s: packed {res['sides']['packed']['useful_tokens_per_s']:.1f}, padded "
           f"{res['sides']['padded']['useful_tokens_per_s']:.1f} -> packed / padded {ratio:.2f}x")

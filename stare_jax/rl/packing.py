@@ -308,8 +308,14 @@ class PackedLayout:
     def num_sequences(self) -> int:
         return self.adv.shape[0]
 
-    def view(self, x_NxV, row_offset=0, seqs=slice(None)):
-        return sequence_view(x_NxV, self.row_B[seqs], self.col_B[seqs], self.len_B[seqs], row_offset)
+    def _by_sequence(self, x_BxV):
+        """Sequence views split over the batch shards like the padded layout's [B, T] arrays (when they divide)."""
+        if self.mesh is None or x_BxV.shape[0] % math.prod(self.mesh.shape[a] for a in self.batch_axes):
+            return x_BxV
+        return jax.lax.with_sharding_constraint(x_BxV, NamedSharding(self.mesh, P(self.batch_axes)))
+
+    def view(self, x_NxV, row_offset=0):
+        return self._by_sequence(sequence_view(x_NxV, self.row_B, self.col_B, self.len_B, row_offset))
 
     def loss_mask(self):
         return self.view(self.lm_rows)
@@ -350,7 +356,7 @@ class PackedLayout:
             ids, seg, tgt, lm_r, k = x
             lp_r, ent_r = forward(ids, seg, tgt, lm_r)
             offset = k * self.rows
-            lp, ent = (sequence_view(o, *place, offset) for o in (lp_r, ent_r))
+            lp, ent = (self._by_sequence(sequence_view(o, *place, offset)) for o in (lp_r, ent_r))
             inside = (place[0] >= offset) & (place[0] < offset + self.rows)
             return lp, ent, (mb_seq[0] * inside[:, None].astype(mb_seq[0].dtype),) + tuple(mb_seq[1:])
 

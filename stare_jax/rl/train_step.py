@@ -10,6 +10,12 @@ Batch layout (a dict of arrays, leading axis B = responses):
 Shift: the model's hidden state at position t predicts input_ids[t + 1], so every per-token array the step
 computes (log-probs, entropy, omega) has shape [B, L - 1] with index t meaning "the token input_ids[:, t + 1]",
 and its loss mask is response_mask[:, 1:] * attention_mask[:, 1:].
+With cfg.packing (rl.packing) the batch is the packed layout instead (stare_jax.rl.packing.PACKED_KEYS: rows of
+whole sequences told apart by segment ids); the model runs on the rows and every per-token array above is its
+per-sequence view [B, Lr - 1], so steps 2-6 below are the same code on the same tokens. The layout is the one
+object that differs (PaddedLayout here, packing.PackedLayout): its no-grad pass and its micro-batches.
+cfg.micro_batch_tokens sizes micro-batches by tokens per device (packed rows, or sequences of the batch's length
+bucket); cfg.offload.optimizer keeps the AdamW moments in host memory between updates.
 
 Data flow (STARE-semantics.md, "Closed-loop gate"):
  1. no-grad forward over the whole batch (micro-batched with lax.map): old log-probs and per-token entropy;
