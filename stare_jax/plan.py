@@ -14,6 +14,7 @@ import pathlib
 import re
 
 import jax
+import numpy as np
 from flax import nnx
 
 from stare_jax import toy
@@ -130,8 +131,6 @@ def expected_packing(cfg, lengths: LengthModel = LengthModel(), *, shards: int =
     tokens / rows' tokens), rows per step, rows computed (whole micro-batches of rl.micro_batch_tokens //
     row_tokens rows per device x `shards`: a micro-batch that runs computes all its rows), real and padded tokens
     per step."""
-    import numpy as np
-
     rl = cfg.rl
     max_new = cfg.sampling.max_new_tokens
     seq_len = cfg.data.max_prompt_len + max_new
