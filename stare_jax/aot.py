@@ -44,6 +44,7 @@ from stare_jax import models
 from stare_jax.models.sharding import batch_shards, make_mesh, mesh_for_config
 from stare_jax.plan import (GiB, estimate, parse_accelerator, phase_peaks, run_generator, run_model_config,
                             tool_engine_config)
+from stare_jax.rl.packing import batch_shapes
 from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.train_step import ShardedStep, init_train_state, make_train_step
 from stare_jax.run_setup import train_step_config
@@ -231,6 +232,7 @@ class Program:
     collectives: dict
     mosaic_kernels: int  # Pallas/Mosaic custom calls in the compiled program (e.g. splash attention)
     compile_s: float
+    host_bytes: int = 0  # host-memory (memory kind pinned_host) arguments + outputs - aliases + temps
 
     @classmethod
     def compile(cls, name: str, traced, mesh_ctx, num_devices: int, *, while_trips: int = 1) -> "Program":
@@ -247,13 +249,15 @@ class Program:
         scale = (flops / num_devices) / xla_flops if xla_flops else 1.0
         peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
                 + ma.temp_size_in_bytes + ma.generated_code_size_in_bytes)
+        host = (ma.host_argument_size_in_bytes + ma.host_output_size_in_bytes - ma.host_alias_size_in_bytes
+                + ma.host_temp_size_in_bytes)
         return cls(name=name, argument_bytes=ma.argument_size_in_bytes, output_bytes=ma.output_size_in_bytes,
                    alias_bytes=ma.alias_size_in_bytes, temp_bytes=ma.temp_size_in_bytes,
                    generated_code_bytes=ma.generated_code_size_in_bytes, peak_bytes=int(peak),
                    flops_per_step=flops, xla_flops_body_once=xla_flops,
                    optimal_seconds=float(cost.get("optimal_seconds", 0.0)) * scale,
                    collectives=collectives(hlo), mosaic_kernels=hlo.count('custom_call_target="tpu_custom_call"'),
-                   compile_s=compile_s)
+                   compile_s=compile_s, host_bytes=int(host))
 
 
 # ------------------------------------------------------------------------------------------------ the run's programs
@@ -282,10 +286,10 @@ def compile_train_step(cfg, tcfg, model, mesh) -> tuple[Any, Program]:
     step = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
     assert isinstance(step, ShardedStep)  # a mesh is given
     B, L = train_batch_shape(cfg)
-    batch = {k: jax.ShapeDtypeStruct((B,) if k.endswith("_B") else (B, L),
-                                     jnp.float32 if k.endswith("_B") else jnp.int32,
-                                     sharding=step.batch_shardings[k])
-             for k in step.keys}
+    shapes = batch_shapes(tcfg, B, L, batch_shards(mesh))
+    shapes.update({k: ((B,), jnp.float32) for k in step.keys if k not in shapes})  # rewards_B (rl.kl reward)
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=step.batch_shardings[k])
+             for k, (shape, dtype) in shapes.items() if k in step.keys}
     stare_state = jax.tree.map(lambda x: _abstract(x, rep), jax.eval_shape(lambda: init_stare_state(tcfg.stare)))
     # the frozen reference policy (rl.kl): abstract parameters with the policy's shapes, dtypes and shardings
     ref = (train_state.params,) if step.with_ref else ()
@@ -345,8 +349,10 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
                            "sampling section or slice (its sampler_key differs): compile the sampler instead")
     model = models.abstract_model(model_cfg, mesh)
     tcfg = train_step_config(cfg, mesh)
+    layout = (f"packed rows of {cfg.rl.packing.row_tokens or train_batch_shape(cfg)[1]} tokens"
+              if cfg.rl.packing.enabled else "padded")
     log(f"compiling the train step for {topology} ({n} devices, mesh {dict(mesh.shape)}): batch "
-        f"{list(train_batch_shape(cfg))}")
+        f"{list(train_batch_shape(cfg))} ({layout}{', optimizer offloaded' if cfg.rl.offload.optimizer else ''})")
     train_state, train_program = compile_train_step(cfg, tcfg, model, mesh)
     programs = {"train_step": train_program}
     if reuse_sampler is not None:
@@ -379,12 +385,13 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     params_b = tree_bytes_per_device(train_state.params)
     opt_b = tree_bytes_per_device(train_state.opt_state)
     ref_b = params_b if tcfg.kl.enabled else 0  # the reference: the policy's shapes and shardings, no optimizer state
-    resident_train = params_b + opt_b + ref_b
+    opt_dev_b = 0 if tcfg.offload.optimizer else opt_b  # rl.offload.optimizer: the moments wait in host memory
+    resident_train = params_b + opt_dev_b + ref_b
     t, r, s = programs["train_step"], programs["weight_reshard"], programs["sampler"]
     phases = {
-        "sampling": {"peak_bytes": max(s.peak_bytes + resident_train, r.peak_bytes + opt_b + ref_b),
+        "sampling": {"peak_bytes": max(s.peak_bytes + resident_train, r.peak_bytes + opt_dev_b + ref_b),
                      "program_peak_bytes": s.peak_bytes, "resident_bytes": resident_train,
-                     "reshard_peak_bytes": r.peak_bytes + opt_b + ref_b},
+                     "reshard_peak_bytes": r.peak_bytes + opt_dev_b + ref_b},
         "training": {"peak_bytes": t.peak_bytes, "program_peak_bytes": t.peak_bytes, "resident_bytes": 0},
     }
     hbm = hbm_bytes_per_device(topology, devices)
@@ -400,6 +407,8 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
         "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
         "state_bytes_per_device": {"params": params_b, "optimizer": opt_b, "reference_params": ref_b,
                                    "sampler_weights": sampler_weights_b},
+        "optimizer_offloaded": bool(tcfg.offload.optimizer),
+        "packing": bool(tcfg.packing.enabled),
         "phases": phases, "peak_bytes": peak,
         "fits": None if hbm is None else bool(peak <= (1 - HEADROOM) * hbm),
         "estimate": est,
@@ -424,6 +433,9 @@ def format_compiled(report: dict) -> str:
         e = est_phases.get(name)
         lines.append(f"  phase {name:<10} peak {ph['peak_bytes'] / GiB:8.2f} GiB"
                      + (f"   (estimate {e / GiB:.2f} GiB)" if e else ""))
+    for name, p in report["compiled"].items():
+        if p.get("host_bytes"):
+            lines.append(f"  {name} host memory (pinned_host): {p['host_bytes'] / GiB:.2f} GiB per device")
     for name, p in report["compiled"].items():
         if p["collectives"]:
             lines.append(f"  {name} collectives: " + ", ".join(

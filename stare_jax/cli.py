@@ -49,7 +49,7 @@ from stare_jax.eval.benchmarks import DEFAULT_PROTOCOL, format_results_json, for
 from stare_jax.eval.runner import EvalSet, evaluate_sets
 from stare_jax.models.gguf_convert import convert_gguf_to_hf, ensure_smollm2_hf
 from stare_jax.models.sharding import make_mesh
-from stare_jax.plan import estimate, format_plan
+from stare_jax.plan import LengthModel, estimate, format_plan
 from stare_jax.plot import expand_run_dirs, is_run_dir, load_run, plot_runs, summary_table
 from stare_jax.policy import export_policy, load_policy
 from stare_jax.rl.advantages import DynamicSamplingError
@@ -343,7 +343,8 @@ def _cmd_plan(args) -> int:
     if args.compile or args.topology or args.reuse_sampler:
         return _plan_compiled(cfg, args)
     try:
-        plan = estimate(cfg, args.accelerator)
+        lengths = LengthModel(args.response_median, args.response_sigma, args.prompt_tokens)
+        plan = estimate(cfg, args.accelerator, lengths=lengths)
     except ValueError as e:
         print(f"stare-jax plan: {e}", file=sys.stderr)
         return 2
@@ -503,6 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --compile: take the sampler and weight-reshard figures from an earlier --json report "
                         "of a config with the same sampler_key (same model, mesh, sampling, slice; e.g. another "
                         "arm of the same setting) and compile only the train step")
+    p.add_argument("--response-median", type=float, default=None, metavar="TOKENS",
+                   help="rl.packing's estimate: median response length of the assumed lognormal (default "
+                        "max_new_tokens / 8)")
+    p.add_argument("--response-sigma", type=float, default=1.0, help="its sigma (default 1.0)")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="assumed prompt length (default "
+                                                                   "data.max_prompt_len / 4)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_plan)
 

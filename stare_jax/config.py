@@ -21,7 +21,9 @@ from stare_jax.models.config import ModelConfig as ArchitectureConfig
 from stare_jax.options import ConfigError, check_range, coerce, option
 from stare_jax.rl.advantage_config import AdvantageConfig
 from stare_jax.rl.kl_config import KLConfig
+from stare_jax.rl.offload_config import OffloadConfig
 from stare_jax.rl.optimizer_config import OptimizerConfig
+from stare_jax.rl.packing_config import PackingConfig
 from stare_jax.rl.policy_loss_config import TOKEN_LEVEL, PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare_config import StareConfig
 from stare_jax.sampling.engine_config import EngineConfig
@@ -117,6 +119,12 @@ class RLConfig:
     )
     micro_batch_size: int = option(8, lo=1,
                                    doc="sequences per forward/backward micro-batch on each data-parallel shard")
+    micro_batch_tokens: int = option(0, lo=0, doc="token budget per device per micro-batch (verl's "
+                                                  "ppo_max_token_len_per_gpu): with rl.packing, rows per micro-batch "
+                                                  "= this // row_tokens; without, sequences per micro-batch = this // "
+                                                  "the batch's length bucket. 0 = rl.micro_batch_size")
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     mini_batches: int = option(1, lo=1, doc="optimizer steps per RL batch")
     ppo_epochs: int = option(1, lo=1)
     logprob_chunk_size: int = option(512, lo=1, doc="sequence chunk of the log-prob/entropy pass")

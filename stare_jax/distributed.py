@@ -63,10 +63,14 @@ def is_multiprocess() -> bool:
 def global_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh,
                  batch_axes: Sequence[str] = BATCH_AXES) -> dict:
     """{key: global jax.Array} from a host batch that is identical on every process: each process feeds only
-    the rows its devices hold (`process_batch_rows`)."""
-    n = len(next(iter(batch.values())))
-    rows = process_batch_rows(mesh, n, batch_axes)
-    return global_batch_from_process_local({k: np.asarray(v)[rows] for k, v in batch.items()}, mesh, n, batch_axes)
+    the rows its devices hold (`process_batch_rows`). Keys may differ in their leading length (the packed
+    layout's rows and sequences)."""
+    out = {}
+    for k, v in batch.items():
+        n = len(v)
+        rows = process_batch_rows(mesh, n, batch_axes)
+        out.update(global_batch_from_process_local({k: np.asarray(v)[rows]}, mesh, n, batch_axes))
+    return out
 
 
 def fetch_global(tree):

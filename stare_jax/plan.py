@@ -14,12 +14,14 @@ import pathlib
 import re
 
 import jax
+import numpy as np
 from flax import nnx
 
 from stare_jax import toy
 from stare_jax.models import Transformer, get_preset
 from stare_jax.models.config import ModelConfig
 from stare_jax.models.sharding import batch_shards, resolve_mesh
+from stare_jax.rl.packing import first_fit_decreasing
 from stare_jax.sampling import quarter_octave_bucket
 
 GiB = 1024**3
@@ -111,6 +113,49 @@ def training_activation_bytes(model_cfg, seqs: float, seq_len: int, *, tensor: i
     return L * (per_layer_all + scores)
 
 
+@dataclasses.dataclass(frozen=True)
+class LengthModel:
+    """The assumed length distribution of a step's sequences (the estimate cannot know the policy's): responses
+    lognormal with `response_median` (None: max_new_tokens / 8) and `response_sigma`, clipped to [1, max_new_tokens],
+    each after a prompt of `prompt_tokens` (None: data.max_prompt_len / 4)."""
+
+    response_median: float | None = None
+    response_sigma: float = 1.0
+    prompt_tokens: int | None = None
+
+
+def expected_packing(cfg, lengths: LengthModel = LengthModel(), *, shards: int = 1, draws: int = 8,
+                     seed: int = 0) -> dict:
+    """The packed layout of one step under `lengths`: each mini-batch's sequences packed first-fit-decreasing into
+    rows of rl.packing.row_tokens (0: the padded length), averaged over `draws` random batches: fill rate (real
+    tokens / rows' tokens), rows per step, rows computed (whole micro-batches of rl.micro_batch_tokens //
+    row_tokens rows per device x `shards`: a micro-batch that runs computes all its rows), real and padded tokens
+    per step."""
+    rl = cfg.rl
+    max_new = cfg.sampling.max_new_tokens
+    seq_len = cfg.data.max_prompt_len + max_new
+    row = rl.packing.row_tokens or seq_len
+    median = lengths.response_median or max_new / 8
+    prompt = lengths.prompt_tokens if lengths.prompt_tokens is not None else max(1, cfg.data.max_prompt_len // 4)
+    B = rl.train_batch_size * rl.group_size
+    mini = B // rl.mini_batches
+    per_micro = max(1, rl.micro_batch_tokens // row) * shards
+    rng = np.random.default_rng(seed)
+    rows = computed = real = 0
+    for _ in range(draws):
+        resp = np.clip(np.round(rng.lognormal(np.log(median), lengths.response_sigma, size=B)), 1, max_new)
+        n = (resp + prompt).astype(int)
+        used = [len(first_fit_decreasing(n[j * mini:(j + 1) * mini], row)) for j in range(rl.mini_batches)]
+        rows += sum(used)
+        computed += sum(-(-u // per_micro) * per_micro for u in used)
+        real += int(n.sum())
+    return {"row_tokens": row, "response_median": float(median), "response_sigma": lengths.response_sigma,
+            "prompt_tokens": prompt, "rows_per_step": rows / draws, "rows_computed_per_step": computed / draws,
+            "real_tokens_per_step": real / draws,
+            "padded_tokens_per_step": B * seq_len, "fill_rate": real / (rows * row),
+            "padded_fill_rate": real / draws / (B * seq_len)}
+
+
 def run_model_config(cfg):
     """The ModelConfig a run config trains, read from its checkpoint's config.json when that exists, else its
     preset (the checkpoint folder need not exist to plan a run) or the embedded toy model, with the run's
@@ -129,8 +174,14 @@ def run_model_config(cfg):
     return model_cfg.replace(**cfg.model.architecture_overrides())
 
 
-def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = None) -> dict:
-    """Per-device memory (bytes) and per-step FLOPs for run config `cfg` on `accelerator` (default: cfg.launch)."""
+def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = None,
+             lengths: LengthModel = LengthModel()) -> dict:
+    """Per-device memory (bytes) and per-step FLOPs for run config `cfg` on `accelerator` (default: cfg.launch).
+
+    rl.packing: micro-batches of micro_batch_tokens // row_tokens rows per device (at least one); the step's
+    FLOPs count the packed rows `expected_packing` finds under `lengths`. rl.micro_batch_tokens without packing:
+    micro_batch_tokens // the padded length sequences per device (the longest bucket). rl.offload.optimizer: the
+    AdamW moments are off the device while sampling and during forward/backward, on it for the update."""
     acc_name = accelerator or getattr(getattr(cfg, "launch", None), "accelerator", None)
     if not acc_name:
         raise ValueError("no accelerator given (pass one, or set launch.accelerator in the config)")
@@ -157,6 +208,13 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
             f"micro-batches of rl.micro_batch_size={cfg.rl.micro_batch_size} on each of {dp} data shards"
         )
     mb_seqs_dev = cfg.rl.micro_batch_size
+    mb_len = seq_len  # tokens per row of a micro-batch
+    packing = expected_packing(cfg, lengths, shards=dp) if cfg.rl.packing.enabled else None
+    if packing is not None:
+        mb_len = packing["row_tokens"]
+        mb_seqs_dev = max(1, cfg.rl.micro_batch_tokens // mb_len)
+    elif cfg.rl.micro_batch_tokens:
+        mb_seqs_dev = max(1, cfg.rl.micro_batch_tokens // seq_len)
     d, L, V = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.vocab_size
     layer_params = (P - V * d * (1 if model_cfg.tie_word_embeddings else 2)) / L
 
@@ -168,8 +226,8 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "grads": 2 * P * pb / shard,
         "optimizer": 2 * P * 4 / shard,
         "gathered_layer_weights": 2 * layer_params * cb / tensor,
-        "activations": training_activation_bytes(model_cfg, mb_seqs_dev, seq_len, tensor=tensor),
-        "logits_chunks": mb_seqs_dev * min(cfg.rl.logprob_chunk_size, seq_len) * (V / tensor) * 4 * 3,
+        "activations": training_activation_bytes(model_cfg, mb_seqs_dev, mb_len, tensor=tensor),
+        "logits_chunks": mb_seqs_dev * min(cfg.rl.logprob_chunk_size, mb_len) * (V / tensor) * 4 * 3,
         "vocab_tables": V * d * (4 + 3 * cb) / tensor,
     }
     if cfg.rl.kl.enabled:  # the frozen reference policy: the policy's parameters and shardings, no optimizer state
@@ -199,19 +257,20 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
             "kv_cache": 2 * L * gen_seqs_dev * seq_len * kv_heads * dh * kvb / min(tensor, kv_heads),
             "sampler_logits": gen_seqs_dev * (V / tensor) * 4 * 2,
         }
-    resident = mem["params"] + mem["optimizer"] + mem.get("reference_params", 0.0)
-    train_peak = sum(mem.values())
-    sample_peak = resident + sum(sampling.values())
-    peak = max(train_peak, sample_peak)
+    offload = cfg.rl.offload.optimizer
+    memory_bytes = {**{f"train/{k}": v for k, v in mem.items()}, **{f"sample/{k}": v for k, v in sampling.items()}}
+    peak = max(phase_peaks({"memory_bytes": memory_bytes, "offload_optimizer": offload}).values())
 
-    train_tokens = train_seqs * seq_len
+    # packed rows attend within a row of mb_len tokens (the whole causal row: segments are masked, not skipped)
+    train_tokens = packing["rows_computed_per_step"] * mb_len if packing else train_seqs * seq_len
     gen_tokens = cfg.rl.gen_batch_size * G * seq_len
-    attn = 4 * L * model_cfg.num_heads * model_cfg.head_dim * seq_len / 2  # causal, per token
+    attn_per_len = 4 * L * model_cfg.num_heads * model_cfg.head_dim / 2  # causal, per token per context token
+    attn, train_attn = attn_per_len * seq_len, attn_per_len * mb_len
     recompute = 2 if model_cfg.remat_policy == "full" else 0
     flops = {
         "generation": gen_tokens * (2 * P + attn),
-        "old_logprob_pass": train_tokens * (2 * P + attn) * (2 if cfg.rl.kl.enabled else 1),  # + the reference
-        "train_fwd_bwd": cfg.rl.ppo_epochs * train_tokens * ((6 + recompute) * P + 3 * attn),
+        "old_logprob_pass": train_tokens * (2 * P + train_attn) * (2 if cfg.rl.kl.enabled else 1),  # + reference
+        "train_fwd_bwd": cfg.rl.ppo_epochs * train_tokens * ((6 + recompute) * P + 3 * train_attn),
     }
     total_flops = sum(flops.values())
     return {
@@ -222,8 +281,9 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "mesh": mesh,
         "generator": generator,
         "model": {"params": P, "layers": L, "hidden": d, "vocab": V, "seq_len": seq_len},
-        "memory_bytes": {**{f"train/{k}": v for k, v in mem.items()},
-                         **{f"sample/{k}": v for k, v in sampling.items()}},
+        "memory_bytes": memory_bytes,
+        "offload_optimizer": offload,
+        "packing": packing,
         "peak_bytes_per_device": peak,
         "hbm_bytes_per_device": acc.hbm_bytes,
         "fits": bool(peak <= 0.9 * acc.hbm_bytes),
@@ -282,11 +342,18 @@ def _warnings(model_cfg, acc: Accelerator) -> list[str]:
 
 def phase_peaks(plan: dict) -> dict[str, float]:
     """Per-phase peak bytes per device of an `estimate` result, as stare_jax.aot defines the phases: sampling =
-    the sampler's buffers + the params and AdamW moments that stay resident; training = the train step."""
+    the sampler's buffers + the params and AdamW moments that stay resident; training = the train step. With
+    rl.offload.optimizer the moments are in host memory while sampling, and in the train step only the update
+    (params, gradients, moments) holds them: training = max(the rest, that update)."""
     mem = plan["memory_bytes"]
-    return {"sampling": mem["train/params"] + mem["train/optimizer"] + mem.get("train/reference_params", 0.0)
+    opt = mem["train/optimizer"]
+    off = plan.get("offload_optimizer", False)
+    train = sum(v for k, v in mem.items() if k.startswith("train/"))
+    if off:
+        train = max(train - opt, mem["train/params"] + mem["train/grads"] + opt)
+    return {"sampling": mem["train/params"] + (0.0 if off else opt) + mem.get("train/reference_params", 0.0)
             + sum(v for k, v in mem.items() if k.startswith("sample/")),
-            "training": sum(v for k, v in mem.items() if k.startswith("train/"))}
+            "training": train}
 
 
 def format_plan(plan: dict) -> str:
@@ -300,6 +367,18 @@ def format_plan(plan: dict) -> str:
     ]
     for k, v in plan["memory_bytes"].items():
         lines.append(f"  {k:<32} {v / GiB:8.2f} GiB")
+    phases = phase_peaks(plan)
+    off = "  (optimizer offloaded to host between updates)" if plan.get("offload_optimizer") else ""
+    lines.append(f"  {'phase sampling / training':<32} {phases['sampling'] / GiB:8.2f} / "
+                 f"{phases['training'] / GiB:.2f} GiB{off}")
+    pk = plan.get("packing")
+    if pk:
+        share = pk["rows_computed_per_step"] * pk["row_tokens"] / pk["padded_tokens_per_step"]
+        lines.append(f"packing (assumed lengths: responses lognormal median {pk['response_median']:.0f} sigma "
+                     f"{pk['response_sigma']:.2g}, prompts {pk['prompt_tokens']} tokens): "
+                     f"{pk['rows_per_step']:.1f} rows of {pk['row_tokens']} per step, fill {pk['fill_rate']:.1%} "
+                     f"(padded: {pk['padded_fill_rate']:.1%}); {pk['rows_computed_per_step']:.0f} rows computed "
+                     f"(whole micro-batches) = {share:.1%} of the padded tokens")
     verdict = "fits" if plan["fits"] else "DOES NOT FIT"
     lines.append(
         f"  {'peak':<32} {plan['peak_bytes_per_device'] / GiB:8.2f} GiB of {plan['hbm_bytes_per_device'] / GiB:.1f} GiB"

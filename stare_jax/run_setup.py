@@ -139,11 +139,21 @@ def train_step_config(cfg: Config, mesh=None) -> TrainStepConfig:
     # the optimizer's schedule counts updates: rl.mini_batches x rl.ppo_epochs of them per RL step
     opt = cfg.optimizer if cfg.optimizer.total_steps else dataclasses.replace(
         cfg.optimizer, total_steps=cfg.total_steps * rl.mini_batches * rl.ppo_epochs)
+    longest = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
+    if rl.packing.enabled and 0 < rl.packing.row_tokens < longest:
+        raise TrainingError(f"rl.packing.row_tokens={rl.packing.row_tokens} is shorter than the longest sequence a "
+                            f"step can hold (data.max_prompt_len {cfg.data.max_prompt_len} + sampling.max_new_tokens "
+                            f"{cfg.sampling.max_new_tokens} = {longest}); sequences are never split across rows: set "
+                            f"it >= {longest}, or 0 for the padded length")
     by_name = {f.name: getattr(rl, f.name) for f in dataclasses.fields(TrainStepConfig)
                if f.name not in DERIVED_STEP_FIELDS}
-    return TrainStepConfig(optimizer=opt, stare=stare, policy_loss=pl,
-                           loss_agg_constant=float(cfg.sampling.max_new_tokens), num_micro_batches=mini // per_micro,
-                           num_mini_batches=rl.mini_batches, seed=cfg.seed, **by_name)
+    try:
+        return TrainStepConfig(optimizer=opt, stare=stare, policy_loss=pl,
+                               loss_agg_constant=float(cfg.sampling.max_new_tokens),
+                               num_micro_batches=mini // per_micro, num_mini_batches=rl.mini_batches, seed=cfg.seed,
+                               **by_name)
+    except ValueError as e:  # a combination the step refuses (e.g. packing with a per-micro-batch selection)
+        raise TrainingError(str(e)) from None
 
 
 def init_run_state(model, tcfg: TrainStepConfig, mesh=None) -> tuple[nnx.GraphDef, TrainState, StareState]:

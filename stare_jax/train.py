@@ -36,9 +36,10 @@ from stare_jax.data.prompts import PromptStream, read_rows
 from stare_jax.eval.benchmarks import DEFAULT_PROTOCOL
 from stare_jax.eval.runner import EvalSet, evaluate
 from stare_jax.metrics import REQUIRED_STEP_KEYS, MetricsWriter, ProgressBar
-from stare_jax.models.sharding import mesh_for_config
+from stare_jax.models.sharding import batch_shards, mesh_for_config
 from stare_jax.rl.stare import StareState
-from stare_jax.rl.train_step import TrainState, make_train_step
+from stare_jax.rl.packing import host_layout
+from stare_jax.rl.train_step import TrainState, TrainStepConfig, make_train_step
 from stare_jax.rollouts import CollectedBatch, RewardFn, batch_seed, collect_batch
 from stare_jax.run_dir import RunDir
 from stare_jax.run_setup import (RunInputs, TrainingError, abstract_like, encode_rows, init_distributed,
@@ -124,6 +125,7 @@ class Run:
     train_state: TrainState
     stare_state: StareState
     step_fn: Callable
+    step_config: TrainStepConfig
     sampler: Sampler | Engine
     reward_fn: RewardFn
     ckpt: Checkpointer
@@ -148,6 +150,7 @@ class Run:
 
     def update(self, batch: dict) -> tuple[dict, float]:
         """Stage 2: one jitted GRPO/STARE step on the batch; (host metrics, seconds)."""
+        batch = host_layout(batch, self.step_config, batch_shards(self.sampler.mesh))  # packed / length bucket
         if dist.is_multiprocess():  # the same host batch on every process -> one global array
             assert self.sampler.mesh is not None  # several processes always share a mesh
             batch = dist.global_batch(batch, self.sampler.mesh)
@@ -350,8 +353,9 @@ def open_run(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool, require_
     bar = ProgressBar(cfg.total_steps, start_step=start_step,
                       enabled=cfg.logging.progress_bar and jax.process_index() == 0)
     return Run(cfg, rd, tokenizer, stream, prompt_of, eval_sets, prompt_len, graphdef, train_state,
-               stare_state, step_fn, sampler, RewardFn(cfg.data.task), ckpt, writer, install_preemption_handler(),
-               bar, start_step, ref_params=ref_params, tool_pool=make_tool_pool(cfg, sampler))
+               stare_state, step_fn, tcfg, sampler, RewardFn(cfg.data.task), ckpt, writer,
+               install_preemption_handler(), bar, start_step, ref_params=ref_params,
+               tool_pool=make_tool_pool(cfg, sampler))
 
 
 def _prompt_stream(cfg: Config, rows: list, tokenizer, inputs: RunInputs,

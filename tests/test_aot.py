@@ -86,6 +86,22 @@ def test_kl_reference_is_an_argument_of_the_train_step_sharded_like_the_params(t
     assert r["fits"] is True
 
 
+def test_packed_offloaded_step_compiles_with_splash_segments(tiny_report):
+    """rl.packing + rl.micro_batch_tokens + rl.offload.optimizer: the packed step (splash with segment ids, the
+    micro-batches skipped when empty) compiles for the slice; the moments wait in host memory, so the sampling
+    phase holds the parameters alone beside the sampler."""
+    if tiny_report["topology"] != "v5p:2x2x1":
+        pytest.skip("one topology is enough")
+    cfg = load_config("configs/tiny_cpu_stare.yaml", [*TINY, "rl.packing.enabled=true", "rl.micro_batch_tokens=256",
+                                                      "rl.offload.optimizer=true"])
+    r = aot.compile_run(cfg, topology="v5p:2x2x1", reuse_sampler=tiny_report, log=lambda _: None)
+    t = r["compiled"]["train_step"]
+    assert r["packing"] and r["optimizer_offloaded"] and t["mosaic_kernels"] > 0 and r["fits"] is True
+    s = r["state_bytes_per_device"]
+    assert t["host_bytes"] >= s["optimizer"]  # the moments are host arguments and outputs of the step
+    assert r["phases"]["sampling"]["resident_bytes"] == s["params"]
+
+
 def test_flops_count_loop_trips(tiny_report):
     """Per-step FLOPs include every micro-batch and decode step: more than XLA's body-once count."""
     t = tiny_report["compiled"]["train_step"]

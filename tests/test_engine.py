@@ -152,6 +152,8 @@ def test_no_recompilation_across_steps(model):
     # the bound whatever the mix: page-table widths 1..16 (context 64 / page 4) for decode and for prefill, one
     # prefill width (prefill_chunk 8) and row bucket (max_slots 4), one copy shape
     assert warm - start <= 2 * 5 + 1
+    engine.release()  # as the loop does before its train step: weights and KV pages freed
+    assert engine.state is None and engine.pages is None and engine.pool is None
     engine.update_params(init_model(model.config, seed=7))  # the next RL step's weights, same programs
     second = engine.generate(PROMPTS, seed=0, **kw)
     for seed, prompts in enumerate(mixes, 10):  # the same mixes with other draws

@@ -121,3 +121,31 @@ def test_plan_models_the_engine_page_pool():
     assert fsdp["generator"] == "static" and not fsdp["warnings"]
     forced = estimate(load_config(None, base + ["sampling.engine.enabled=true"]), num_params=n)
     assert any("sampling.engine.enabled=true" in w for w in forced["warnings"])
+
+
+def test_plan_models_packing_and_the_optimizer_offload():
+    """rl.packing: the step's FLOPs count the packed rows first-fit-decreasing finds under the assumed lengths
+    (whole micro-batches), far fewer than the padded rows; rl.offload.optimizer: the moments leave the sampling
+    phase and, in training, are held only by the update."""
+    from stare_jax.plan import LengthModel, expected_packing, phase_peaks
+
+    base = "configs/paper/qwen3-8b-base_stare_o1.yaml"
+    padded = estimate(load_config(base))
+    packed_cfg = load_config(base, ["rl.packing.enabled=true", "rl.micro_batch_tokens=16384"])
+    packed = estimate(packed_cfg)
+    pk = packed["packing"]
+    assert pk["row_tokens"] == 1024 + 15360 and pk["fill_rate"] > 0.95 and pk["padded_fill_rate"] < 0.25
+    assert pk["rows_per_step"] <= pk["rows_computed_per_step"] <= 512
+    assert pk["rows_computed_per_step"] % 64 == 0  # whole micro-batches of one row on each of the 64 chips
+    ratio = packed["flops_per_step"]["train_fwd_bwd"] / padded["flops_per_step"]["train_fwd_bwd"]
+    assert ratio == pytest.approx(pk["rows_computed_per_step"] / 512, rel=1e-9)
+    assert packed["memory_bytes"]["train/activations"] == padded["memory_bytes"]["train/activations"]
+    # longer responses fill more rows; the length model is the caller's
+    long = expected_packing(packed_cfg, LengthModel(response_median=8000, response_sigma=0.5), shards=64)
+    assert long["rows_per_step"] > pk["rows_per_step"]
+    off = estimate(load_config(base, ["rl.offload.optimizer=true"]))
+    p_on, p_off = phase_peaks(padded), phase_peaks(off)
+    opt = padded["memory_bytes"]["train/optimizer"]
+    assert p_on["sampling"] - p_off["sampling"] == pytest.approx(opt)
+    assert p_off["training"] <= p_on["training"] and off["peak_bytes_per_device"] < padded["peak_bytes_per_device"]
+    assert "optimizer offloaded" in format_plan(off) and "packing (assumed lengths" in format_plan(packed)

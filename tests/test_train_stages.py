@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -13,7 +14,8 @@ from flax import nnx
 from stare_jax import models, toy
 from stare_jax.config import load_config
 from stare_jax.metrics import read_metrics
-from stare_jax.rl.train_step import TrainStepConfig, split_model
+from stare_jax.rl.packing_config import PackingConfig
+from stare_jax.rl.train_step import TrainStepConfig, make_train_step, split_model
 from stare_jax.rollouts import CollectedBatch, Rollouts, train_batch_from_rollouts
 from stare_jax.run_setup import DERIVED_STEP_FIELDS, TrainingError, make_sampler, train_step_config
 from stare_jax.sampling import Engine
@@ -40,6 +42,16 @@ def test_every_step_field_is_an_rl_option_of_the_same_name_or_derived():
     assert tcfg.stare is cfg.rl.stare
     with pytest.raises(TrainingError, match="rl.mini_batches=3"):
         train_step_config(load_config("configs/tiny_cpu_stare.yaml", ["rl.mini_batches=3"]))
+    packed = train_step_config(load_config("configs/tiny_cpu_stare.yaml", ["rl.packing.enabled=true",
+                                                                           "rl.micro_batch_tokens=256"]))
+    assert packed.packing.enabled and packed.micro_batch_tokens == 256
+    longest = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
+    with pytest.raises(TrainingError, match=rf"rl.packing.row_tokens=8 is shorter .* = {longest}"):
+        train_step_config(load_config("configs/tiny_cpu_stare.yaml", ["rl.packing.enabled=true",
+                                                                      "rl.packing.row_tokens=8"]))
+    with pytest.raises(TrainingError, match="rl.packing.enabled cannot be combined with rl.stare.scope"):
+        train_step_config(load_config("configs/tiny_cpu_stare.yaml", ["rl.packing.enabled=true",
+                                                                      "rl.stare.scope=micro_batch"]))
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +106,25 @@ def test_update_record_evaluate_and_save(run):
     run.save(1, force=True)
     run.ckpt.wait()
     assert run.ckpt.latest_step() == 1
+
+
+def test_update_with_packing_is_the_padded_update(run):
+    """rl.packing in the loop: Run.update lays the collected batch out in packed rows (host_layout) for a packed
+    step on the mesh; its loss, entropy, response tokens and gradient norm are the padded step's."""
+    collected = run.collect(1)
+    start = jax.tree.map(jnp.copy, (run.train_state, run.stare_state))
+    padded, _ = run.update(collected.batch)
+    tcfg = dataclasses.replace(run.step_config, packing=PackingConfig(enabled=True), micro_batch_tokens=64)
+    step_fn, step_config = run.step_fn, run.step_config
+    run.train_state, run.stare_state = start
+    run.step_fn = make_train_step(run.graphdef, tcfg, mesh=run.sampler.mesh, train_state=run.train_state)
+    run.step_config = tcfg
+    try:
+        packed, _ = run.update(collected.batch)
+    finally:
+        run.step_fn, run.step_config = step_fn, step_config
+    for k in ("loss", "entropy", "grad_norm", "response_tokens", "stare_w", "gate_on"):
+        np.testing.assert_allclose(packed[k], padded[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_record_of_grpo_ds_has_unit_weights_and_flags_nonfinite_updates():

@@ -20,10 +20,16 @@ _NEG = -0.7 * float(np.finfo(np.float32).max)  # finite "minus infinity": fully-
 
 
 def causal_padding_mask(attention_mask_BxT: jax.Array) -> jax.Array:
-    """[B,T,T] bool: query t may see key s iff s <= t and key s is a real token."""
+    """[B,T,T] bool: query t may see key s iff s <= t, key s is a real token and both lie in the same segment.
+
+    attention_mask_BxT holds segment ids: 0 = padding, any other value names one sequence (a 0/1 mask is the
+    one-sequence-per-row case; packed rows number their sequences 1, 2, ...), so attention never crosses from one
+    packed sequence into another. A padding query (id 0) sees every real key at or before it, as before segment
+    ids existed (its output is never used, and it stays finite)."""
     t = attention_mask_BxT.shape[1]
     causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
-    return causal_TxT[None] & (attention_mask_BxT[:, None, :] > 0)
+    q_BxTx1, k_Bx1xT = attention_mask_BxT[:, :, None], attention_mask_BxT[:, None, :]
+    return causal_TxT[None] & (k_Bx1xT > 0) & ((q_BxTx1 == k_Bx1xT) | (q_BxTx1 == 0))
 
 
 def cache_mask(t: int, s: int, cache_index, kv_mask_BxS: jax.Array) -> jax.Array:
@@ -91,8 +97,9 @@ def _splash_kernel(t: int, num_heads: int, interpret: bool):
 def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interpret: bool | None = None):
     """Pallas splash (flash) attention for TPU, self-attention only (T == S), causal.
 
-    Padding is expressed through segment ids (real tokens 1, padding 0): a real query sees only real keys at
-    or before it, exactly like `causal_padding_mask` for real positions. T is padded up to a multiple of
+    Padding and packing are expressed through segment ids (the attention mask itself: padding 0, each packed
+    sequence its own id): a real query sees only keys of its own segment at or before it, exactly like
+    `causal_padding_mask` for real positions. T is padded up to a multiple of
     128 (the kernel's block granularity) with an extra segment. interpret=None runs the Pallas interpreter off-TPU
     (CPU tests)."""
     b, t, h, d = q_BxTxHxD.shape

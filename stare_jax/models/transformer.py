@@ -225,8 +225,19 @@ def _check_ids(input_ids_BxT):
 
 
 def default_positions(attention_mask_BxT):
-    """cumsum(mask) - 1 clipped at 0: a left-padded row gets the same positions as the unpadded one."""
-    return jnp.maximum(jnp.cumsum(attention_mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+    """Each real token's index within its segment (RoPE positions), 0 on padding.
+
+    attention_mask_BxT holds segment ids (0 = padding; see attention.causal_padding_mask). With a 0/1 mask this is
+    cumsum(mask) - 1 clipped at 0 (a left-padded row gets the same positions as the unpadded one, padding gaps do
+    not restart the count). Packed rows number their sequences in increasing order along the row; positions
+    restart at each sequence's first token, so a packed sequence sees the positions it has alone."""
+    real = (attention_mask_BxT > 0).astype(jnp.int32)
+    count = jnp.cumsum(real, axis=-1)  # real tokens up to and including t
+    seg = attention_mask_BxT.astype(jnp.int32)
+    prev_max = jnp.concatenate([jnp.zeros_like(seg[:, :1]), jax.lax.cummax(seg, axis=seg.ndim - 1)[:, :-1]], axis=-1)
+    start = (real > 0) & (seg > prev_max)  # first token of a new (higher-numbered) segment
+    before = jax.lax.cummax(jnp.where(start, count - 1, 0), axis=seg.ndim - 1)  # real tokens before that segment
+    return jnp.maximum(count - 1 - before, 0)
 
 
 class Transformer(nnx.Module):
@@ -281,7 +292,9 @@ class Transformer(nnx.Module):
 
     # ------------------------------------------------------------------ full-sequence forward
     def hidden_states(self, input_ids_BxT, attention_mask=None, positions=None):
-        """[B,T,D] in compute dtype, after the final norm."""
+        """[B,T,D] in compute dtype, after the final norm. attention_mask: 1/0 per token, or segment ids (0 =
+        padding, sequences packed into one row numbered 1, 2, ... in order): attention stays within a segment on
+        every attention_impl and the default positions restart at each segment (default_positions)."""
         input_ids_BxT = jnp.asarray(input_ids_BxT)
         _check_ids(input_ids_BxT)
         if attention_mask is None:

@@ -13,6 +13,12 @@ Batch layout (a dict of arrays, leading axis B = responses):
 Shift: the model's hidden state at position t predicts input_ids[t + 1], so every per-token array the step
 computes (log-probs, entropy, omega) has shape [B, L - 1] with index t meaning "the token input_ids[:, t + 1]",
 and its loss mask is response_mask[:, 1:] * attention_mask[:, 1:].
+With cfg.packing (rl.packing) the batch is the packed layout instead (stare_jax.rl.packing.PACKED_KEYS: rows of
+whole sequences told apart by segment ids); the model runs on the rows and every per-token array above is its
+per-sequence view [B, Lr - 1], so steps 2-6 below are the same code on the same tokens. The layout is the one
+object that differs (PaddedLayout here, packing.PackedLayout): its no-grad pass and its micro-batches.
+cfg.micro_batch_tokens sizes micro-batches by tokens per device (packed rows, or sequences of the batch's length
+bucket); cfg.offload.optimizer keeps the AdamW moments in host memory between updates.
 
 Data flow (STARE-semantics.md, "Closed-loop gate"):
  1. no-grad forward over the whole batch (micro-batched with lax.map): old log-probs and per-token entropy;
@@ -42,6 +48,7 @@ Data flow (STARE-semantics.md, "Closed-loop gate"):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable
 
@@ -59,7 +66,10 @@ from stare_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
 from stare_jax.rl.loss_terms import entropy_bonus, high_entropy_mask, kl_loss, kl_penalty, kl_reward_penalty
 from stare_jax.rl.losses import (AGG_MODES, LOSS_OPTIONS, clip_cov_key, compute_policy_loss, loss_normalizer,
                                  policy_loss, policy_loss_normalizer)
+from stare_jax.rl.offload_config import OffloadConfig
 from stare_jax.rl.optimizer_config import OptimizerConfig
+from stare_jax.rl.packing import PACKED_KEYS, PackedLayout, padded_micro_batches, split_micro
+from stare_jax.rl.packing_config import PackingConfig
 from stare_jax.rl.policy_loss_config import PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare import StareConfig, StareState, stare_omega, update_controller
 from stare_jax.rl.theory import batch_entropy_terms
@@ -91,6 +101,11 @@ class TrainStepConfig:
     advantage: AdvantageConfig = AdvantageConfig()  # EntroAdv's token-level term (the estimator is host-side)
     group_size: int = 1  # responses per prompt (contiguous in the batch): the KL-in-reward GRPO advantage's groups
     norm_adv_by_std: bool = True  # the KL-in-reward GRPO advantage
+    # batch layout (stare_jax.rl.packing): packed rows instead of one padded row per sequence, and micro-batches
+    # sized by tokens per device (0: num_micro_batches); with packing, rows per micro-batch = tokens // row length
+    packing: PackingConfig = PackingConfig()
+    micro_batch_tokens: int = 0
+    offload: OffloadConfig = OffloadConfig()  # optimizer state in host memory between updates
 
     def __post_init__(self):
         if self.loss_agg not in AGG_MODES:
@@ -98,13 +113,27 @@ class TrainStepConfig:
         for name in ("num_micro_batches", "num_mini_batches", "ppo_epochs", "logprob_chunk_size", "group_size"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 0 (0 = num_micro_batches)")
+        if self.packing.enabled:
+            # packed micro-batches hold as many sequences as fit their tokens: a selection ranked per micro-batch
+            # group of sequences would rank other groups than the padded layout's
+            grouped = [k for k, on in (
+                ("rl.stare.scope = 'micro_batch'", self.stare.enabled and self.stare.scope == "micro_batch"),
+                ("rl.policy_loss.scope = 'micro_batch'", self.policy_loss.name in ("clip_cov", "kl_cov")
+                 and self.policy_loss.scope == "micro_batch")) if on]
+            if grouped:
+                raise ValueError(f"rl.packing.enabled cannot be combined with {grouped[0]}: packed micro-batches "
+                                 f"are sized by tokens, not by sequences (use scope 'batch')")
+            if self.loss_agg == "seq-mean-token-sum-norm" and self.loss_agg_constant is None:
+                raise ValueError("rl.packing.enabled with loss_agg seq-mean-token-sum-norm needs loss_agg_constant "
+                                 "(the padded layout's default, L - 1, is not a packed row's length)")
         if self.advantage.entropy_adv and self.stare.enabled:
             raise ValueError("advantage.entropy_adv is not combined with STARE (stare.enabled)")
 
-
-def batch_keys(cfg: TrainStepConfig) -> tuple[str, ...]:
-    """The batch keys the step reads: BATCH_KEYS, plus rewards_B when the KL penalty enters the reward."""
-    return BATCH_KEYS + ((REWARDS_KEY,) if cfg.kl.as_reward else ())
+        if self.packing.enabled and self.kl.enabled:
+            raise ValueError("rl.packing.enabled is not combined with rl.kl yet (the reference's log-probs and the "
+                             "rewards_B key are not carried through the packed layout)")
 
 
 @jax.tree_util.register_dataclass
@@ -150,18 +179,22 @@ def _mesh_of(tree):
     return None
 
 
-def opt_state_shardings(tx: optax.GradientTransformation, params):
+HOST = "pinned_host"  # the memory kind of offloaded state (rl.offload)
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params, memory_kind: str | None = None):
     """Sharding of each optimizer-state leaf: a leaf that mirrors a parameter (Adam's mu and nu) takes that
-    parameter's sharding, every other leaf (step counts) is replicated. None when params are not on a mesh.
+    parameter's sharding, every other leaf (step counts) is replicated; all in `memory_kind` (None: device
+    memory). None when params are not on a mesh.
 
     Without this, jax.jit(tx.init) returns the moments replicated on every device: 2 fp32 copies of the whole
     model per chip (57.6 GiB per chip for the 7B run on v5p-64 instead of 2.7)."""
     mesh = _mesh_of(params)
     if mesh is None:
         return None
-    rep = NamedSharding(mesh, P())
-    param_sh = jax.tree.map(lambda x: x.sharding if isinstance(getattr(x, "sharding", None), NamedSharding) else rep,
-                            params)
+    rep = NamedSharding(mesh, P(), memory_kind=memory_kind)
+    param_sh = jax.tree.map(lambda x: NamedSharding(mesh, x.sharding.spec, memory_kind=memory_kind)
+                            if isinstance(getattr(x, "sharding", None), NamedSharding) else rep, params)
     return optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_sh,
                                  transform_non_params=lambda _: rep)
 
@@ -178,7 +211,7 @@ def init_train_state(model: nnx.Module, cfg: TrainStepConfig):
     the step with, without allocating anything."""
     graphdef, params, rest = split_model(model)
     tx = make_optimizer(cfg.optimizer)
-    shardings = opt_state_shardings(tx, params)
+    shardings = opt_state_shardings(tx, params, HOST if cfg.offload.optimizer else None)
     step: Any
     if _is_abstract(params):
         abstract = jax.eval_shape(tx.init, params)
@@ -188,6 +221,8 @@ def init_train_state(model: nnx.Module, cfg: TrainStepConfig):
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()) if mesh is not None else None)
     else:
         opt_state = jax.jit(tx.init, out_shardings=shardings)(params)
+        if cfg.offload.optimizer and shardings is None:  # one device: its host memory
+            opt_state = jax.device_put(opt_state, jax.memory.Space.Host)
         step = jnp.zeros((), jnp.int32)
     return graphdef, TrainState(params=params, rest=rest, opt_state=opt_state, step=step)
 
@@ -223,16 +258,49 @@ def policy_forward(graphdef, params, rest, ids, attn, targets, loss_mask, *, chu
                                       chunk_size=chunk_size, theory=theory)
 
 
-def _split_micro(x, n, mesh, batch_axes):
-    """[B, ...] -> [n, B/n, ...] contiguous micro-batches, each spread over the batch shards when they divide."""
-    y = x.reshape((n, x.shape[0] // n) + x.shape[1:])
-    if mesh is not None:
-        shards = 1
-        for a in batch_axes:
-            shards *= mesh.shape[a]
-        if y.shape[1] % shards == 0:
-            y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, batch_axes)))
-    return y
+_split_micro = split_micro
+
+
+@dataclasses.dataclass
+class PaddedLayout:
+    """The padded batch (one row per sequence) inside the step, with the interface of packing.PackedLayout."""
+
+    ids: jax.Array
+    attn: jax.Array
+    tgt: jax.Array
+    lm: jax.Array
+    adv: jax.Array
+    n_mini: int
+    micro: int  # micro-batches per mini-batch
+    mesh: Any
+    batch_axes: tuple
+
+    @property
+    def num_sequences(self) -> int:
+        return self.ids.shape[0]
+
+    def loss_mask(self):
+        return self.lm
+
+    def no_grad_pass(self, forward: Callable):
+        """forward(ids, attn, tgt, lm) over the whole batch, micro-batched (B / (n_mini * micro) at a time)."""
+        xs = tuple(_split_micro(a, self.n_mini * self.micro, self.mesh, self.batch_axes)
+                   for a in (self.ids, self.attn, self.tgt, self.lm))
+        outs = jax.lax.map(lambda x: forward(*x), xs)
+        return jax.tree.map(lambda o: o.reshape((self.num_sequences,) + o.shape[2:]), outs)
+
+    def micro_batches(self, j, mb_seq: tuple):
+        """(xs, None, micro_fn): mini-batch j's rows and its per-sequence arrays mb_seq, split into micro-batches;
+        micro_fn(forward, x) -> (log-probs, entropy, the micro-batch's per-sequence arrays)."""
+        mini = self.num_sequences // self.n_mini
+        rows = tuple(jax.lax.dynamic_slice_in_dim(a, j * mini, mini, axis=0) for a in (self.ids, self.attn, self.tgt))
+        xs = tuple(_split_micro(a, self.micro, self.mesh, self.batch_axes) for a in rows + tuple(mb_seq))
+
+        def micro_fn(forward, x):
+            lp, ent = forward(x[0], x[1], x[2], x[3])
+            return lp, ent, x[3:]
+
+        return xs, None, micro_fn
 
 
 def _masked_mean(x, m):
@@ -265,37 +333,49 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
     def forward(params, rest, ids, attn, tgt, lm, *, theory=False):
         return policy_forward(graphdef, params, rest, ids, attn, tgt, lm, chunk_size=chunk, theory=theory)
 
-    def step_fn(train_state: TrainState, batch, stare_state: StareState, ref_params=None):
+    def layout(batch):
+        if cfg.packing.enabled:
+            return PackedLayout.from_batch(batch, n_mini=n_mini, micro_batch_tokens=cfg.micro_batch_tokens,
+                                           mesh=mesh, batch_axes=batch_axes)
         ids, attn, tgt, lm, adv = shift_batch(batch)
-        B = ids.shape[0]
+        B, L = ids.shape
+        if B % n_mini:
+            raise ValueError(f"batch size {B} must be divisible by num_mini_batches={n_mini}")
+        micro_n = n_micro
+        if cfg.micro_batch_tokens:  # sequences per micro-batch from the (bucketed) length
+            shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in batch_axes)
+            micro_n = padded_micro_batches(B // n_mini, L, cfg.micro_batch_tokens, shards)
+        if B % (n_mini * micro_n):
+            raise ValueError(f"batch size {B} must be divisible by num_mini_batches*num_micro_batches="
+                             f"{n_mini}*{micro_n}")
+        mini = B // n_mini
+        if per_micro_scope and (mini // micro_n) % scfg.micro_batch_size:
+            raise ValueError(f"stare scope='micro_batch': micro-batch size {mini // micro_n} must be a multiple of "
+                             f"micro_batch_size={scfg.micro_batch_size}")
+        return PaddedLayout(ids, attn, tgt, lm, adv, n_mini, micro_n, mesh, tuple(batch_axes))
+
+    def step_fn(train_state: TrainState, batch, stare_state: StareState, ref_params=None):
+        lay = layout(batch)
+        B, micro_n = lay.num_sequences, lay.micro
         if kl.enabled and ref_params is None:
             raise ValueError("rl.kl.reference is set: the step needs the reference parameters (ref_params)")
         if kl.as_reward and (REWARDS_KEY not in batch or B % cfg.group_size):
             raise ValueError(f"rl.kl.use_as='reward' needs batch[{REWARDS_KEY!r}] and a batch of whole groups of "
                              f"group_size={cfg.group_size} responses (got {B} responses)")
-        if B % (n_mini * n_micro):
-            raise ValueError(f"batch size {B} must be divisible by num_mini_batches*num_micro_batches="
-                             f"{n_mini}*{n_micro}")
         mini = B // n_mini
-        micro = mini // n_micro
-        if per_micro_scope and micro % scfg.micro_batch_size:
-            raise ValueError(f"stare scope='micro_batch': micro-batch size {micro} must be a multiple of "
-                             f"micro_batch_size={scfg.micro_batch_size}")
+        lm, adv = lay.loss_mask(), lay.adv
         params, rest = train_state.params, train_state.rest
         theory = cfg.stare.theory_diagnostics
 
-        # 1. no-grad pass over the whole batch, micro-batched (B / (n_mini*n_micro) sequences at a time).
-        n_pass = n_mini * n_micro
-        xs = tuple(_split_micro(a, n_pass, mesh, batch_axes) for a in (ids, attn, tgt, lm))
-
-        def no_grad_pass(x):
+        # 1. no-grad pass over the whole batch, micro-batched (old log-probs, entropy; [B, T] per sequence); with
+        # rl.kl the frozen reference's log-probs in the same pass (one more forward, no grad)
+        def no_grad(*x):
             out = forward(jax.lax.stop_gradient(params), rest, *x, theory=theory)
-            if kl.enabled:  # the frozen reference in the same pass: its log-probs (one more forward, no grad)
+            if kl.enabled:
                 out = (out, forward(jax.lax.stop_gradient(ref_params), rest, *x)[0])
             return out
 
-        outs = jax.lax.map(no_grad_pass, xs)
-        flat = jax.tree.map(lambda o: o.reshape((B,) + o.shape[2:]), outs)
+        flat = lay.no_grad_pass(no_grad)
         if kl.enabled:
             flat, ref_lp = flat[0], jax.lax.stop_gradient(flat[1])
         old_lp, ent = jax.lax.stop_gradient(flat[0]), jax.lax.stop_gradient(flat[1])
@@ -346,15 +426,15 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
         # 4. updates: epochs x mini-batches, each a scan over micro-batches.
         agg_const = cfg.loss_agg_constant if cfg.loss_agg_constant is not None else float(lm.shape[1])
 
-        def micro_loss(p, mb, normalizer, ent_normalizer, key):
-            m_ids, m_attn, m_tgt, m_lm, m_adv, m_old, m_omega = mb[:7]
-            m_ref = mb[-1] if kl.as_loss else None
+        def micro_loss(p, x, normalizer, ent_normalizer, key, micro_fn):
+            lp, m_ent, seq = micro_fn(lambda *a: forward(p, rest, *a), x)
+            m_lm, m_adv, m_old, m_omega = seq[:4]
+            m_ref = seq[-1] if kl.as_loss else None
             kl_agg = None
-            lp, m_ent = forward(p, rest, m_ids, m_attn, m_tgt, m_lm)
             if per_micro_scope:
                 m_omega, _ = stare_omega(jax.lax.stop_gradient(lp), m_adv, m_lm, stare_state, scfg,
                                          entropy_BxT=jax.lax.stop_gradient(m_ent), scope="micro_batch")
-                m_omega = m_omega * mb[7] if tf.enabled else m_omega
+                m_omega = m_omega * seq[4] if tf.enabled else m_omega
             if plain:
                 loss, met = policy_loss(lp, m_old, m_adv, m_lm, omega_BxT=m_omega, clip_low=cfg.clip_low,
                                         clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg=cfg.loss_agg,
@@ -382,46 +462,61 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
             met["omega_sum"] = jnp.sum(jnp.where(m_lm > 0, m_omega, 0.0))
             return loss, met
 
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-        per_tok = ((ids, attn, tgt, lm, loss_adv, old_lp, omega) + ((keep,) if tf.enabled else ())
+        # per-sequence arrays [B, ...] (the loss mask first); each micro-batch sees its rows of them
+        per_seq = ((lm, loss_adv, old_lp, omega) + ((keep,) if tf.enabled else ())
                    + ((ref_lp,) if kl.as_loss else ()))
         step_key = clip_cov_key(cfg.seed, train_state.step)
 
         def one_update(carry, u):
             p, opt_state = carry
-            start = (u % n_mini) * mini
-            mb_arrays = tuple(jax.lax.dynamic_slice_in_dim(a, start, mini, axis=0) for a in per_tok)
+            j = u % n_mini
+            mb_seq = tuple(jax.lax.dynamic_slice_in_dim(a, j * mini, mini, axis=0) for a in per_seq)
             if cfg.loss_agg == "seq-mean-token-sum-norm":
                 ent_normalizer = jnp.float32(agg_const)
             else:
-                ent_normalizer = loss_normalizer(mb_arrays[3], cfg.loss_agg)
+                ent_normalizer = loss_normalizer(mb_seq[0], cfg.loss_agg)
             if plain or loss_name not in ("gspo", "sapo", "geo_mean"):
                 normalizer = ent_normalizer
             else:  # aggregations verl fixes for these losses
-                normalizer = policy_loss_normalizer(loss_name, mb_arrays[3], cfg.loss_agg)
-            micro_xs = tuple(_split_micro(a, n_micro, mesh, batch_axes) for a in mb_arrays)
+                normalizer = policy_loss_normalizer(loss_name, mb_seq[0], cfg.loss_agg)
+            micro_xs, nonempty, micro_fn = lay.micro_batches(j, mb_seq)
+            grad_fn = jax.value_and_grad(functools.partial(micro_loss, micro_fn=micro_fn), has_aux=True)
+            zeros_g = jax.tree.map(jnp.zeros_like, p)
+            zeros_m = {k: jnp.float32(0.0) for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum",
+                                                      "token_count", "omega_sum") + (("kl_agg",) if kl.as_loss else ())}
 
             def acc(c, xs):
-                mb, i = xs if with_key else (xs, None)
                 g_sum, l_sum, m_sum = c
-                key = jax.random.fold_in(step_key, u * n_micro + i) if with_key else None
-                (loss, met), g = grad_fn(p, mb, normalizer, ent_normalizer, key)
+                key = jax.random.fold_in(step_key, u * micro_n + xs["i"]) if with_key else None
+
+                def run():
+                    return grad_fn(p, xs["x"], normalizer, ent_normalizer, key)
+
+                if "run" in xs:  # a packed micro-batch left empty costs nothing
+                    (loss, met), g = jax.lax.cond(xs["run"], run, lambda: ((jnp.float32(0.0), zeros_m), zeros_g))
+                else:
+                    (loss, met), g = run()
                 g_sum = jax.tree.map(jnp.add, g_sum, g)
                 m_sum = jax.tree.map(jnp.add, m_sum, met)
                 return (g_sum, l_sum + loss, m_sum), None
 
-            zeros_g = jax.tree.map(jnp.zeros_like, p)
-            zeros_m = {k: jnp.float32(0.0) for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum",
-                                                      "token_count", "omega_sum") + (("kl_agg",) if kl.as_loss else ())}
-            (grads, loss, msum), _ = jax.lax.scan(acc, (zeros_g, jnp.float32(0.0), zeros_m),
-                                                  (micro_xs, jnp.arange(n_micro)) if with_key else micro_xs)
+            scan_xs = {"x": micro_xs}
+            if with_key:
+                scan_xs["i"] = jnp.arange(micro_n)
+            if nonempty is not None:
+                scan_xs["run"] = nonempty
+            (grads, loss, msum), _ = jax.lax.scan(acc, (zeros_g, jnp.float32(0.0), zeros_m), scan_xs)
             gnorm = optax.tree.norm(grads)
             finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
             safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+            if cfg.offload.optimizer:  # the moments come in for the update only (rl.offload.optimizer)
+                opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
             updates, new_opt = tx.update(safe_grads, opt_state, p)
             new_p = optax.apply_updates(p, updates)
             new_p = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_p, p)
             new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt, opt_state)
+            if cfg.offload.optimizer:
+                new_opt = jax.device_put(new_opt, jax.memory.Space.Host)
             out = dict(msum, loss=loss, grad_norm=gnorm, skipped=(~finite).astype(jnp.float32))
             if cfg.debug_outputs:
                 out["grads"] = grads
@@ -456,7 +551,7 @@ def train_state_shardings(train_state: TrainState, mesh):
     def f(x):
         sh = getattr(x, "sharding", None)
         if isinstance(sh, NamedSharding) and sh.mesh.shape == mesh.shape:
-            return NamedSharding(mesh, sh.spec)
+            return NamedSharding(mesh, sh.spec, memory_kind=sh.memory_kind)
         return rep
 
     return jax.tree.map(f, train_state)
@@ -467,8 +562,14 @@ def place_train_state(train_state: TrainState, mesh):
     return jax.device_put(train_state, train_state_shardings(train_state, mesh))
 
 
+def batch_keys(cfg: TrainStepConfig) -> tuple[str, ...]:
+    """The batch keys the step takes: the padded layout's or the packed one's (rl.packing), plus rewards_B when
+    the KL penalty enters the reward."""
+    return (PACKED_KEYS if cfg.packing.enabled else BATCH_KEYS) + ((REWARDS_KEY,) if cfg.kl.as_reward else ())
+
+
 def batch_shardings(mesh, batch_axes=BATCH_AXES, keys=BATCH_KEYS):
-    """NamedSharding for each batch key: leading (batch) axis over batch_axes."""
+    """NamedSharding for each batch key: leading (batch or row) axis over batch_axes."""
     return {k: batch_sharding(mesh, batch_axes) for k in keys}
 
 
@@ -523,9 +624,10 @@ class ShardedStep:
             raise ValueError("rl.kl.reference is set: the step needs the reference parameters (ref_params)")
         batch = {k: batch[k] for k in self.keys}
         shards = math.prod(self.mesh.shape[a] for a in self.batch_axes)
-        if jnp.shape(batch["input_ids_BxT"])[0] % shards:
-            raise ValueError(f"batch size {jnp.shape(batch['input_ids_BxT'])[0]} must be divisible by the "
-                             f"{shards} devices of mesh axes {self.batch_axes}")
+        for k, v in batch.items():
+            if jnp.shape(v)[0] % shards:
+                raise ValueError(f"batch[{k!r}] has {jnp.shape(v)[0]} rows, not divisible by the {shards} devices "
+                                 f"of mesh axes {self.batch_axes}")
         with self.context():
             return self.jitted(train_state, batch, stare_state, *((ref_params,) if self.with_ref else ()))
 

@@ -29,8 +29,9 @@ Design (host scheduler + three jitted programs):
   tool's output, loss mask 0, log-prob NaN) and continues sampling: only the new tokens are prefilled into the
   row's pages, the conversation is never re-prefilled.
 - Weights. `update_params` reshards the trainer's parameters on device into the sampler layout (as Sampler);
-  the page pool is allocated once and reused (donated through every program), so nothing recompiles across
-  RL steps once the page-table width buckets of a workload have been seen.
+  the page pool is allocated on the first call and reused (donated through every program) until `release`
+  frees it with the weight copy before the train step; nothing recompiles across RL steps once the page-table
+  width buckets of a workload have been seen.
 - Mesh: parameters in the sampler layout, the pool's kv heads over the tensor axis, slots replicated.
 - Not yet: a TPU Pallas decode kernel (jax.experimental.pallas.ops.tpu.paged_attention wants the pool as
   [K, N, P, Dh], kv heads first; this pool is [N, P, K, Dh] and decode uses the gather path everywhere), slots and
@@ -248,8 +249,13 @@ class Engine:
         self.state = sampling_sharding.reshard_for_sampling(state, self.mesh, dtype=self.compute_dtype)
 
     def release(self) -> None:
-        """Drop the weight copy (e.g. before the train step); the page pool is kept for the next call."""
+        """Drop the weight copy and, when no conversation holds pages, the KV page pool (before the train step:
+        sampling and training never hold their largest buffers at once). `update_params` brings the weights back;
+        the next call makes the pool again (the same shapes: nothing recompiles)."""
         self.state = None
+        if self.pool is None or self.pool.all_free():
+            self.pages = None
+            self.pool = None
 
     def batch_bucket(self, num_prompts: int) -> int:
         """The engine needs no batch padding (requests are queued): the number of prompts itself."""

@@ -1,0 +1,51 @@
+"""rl.offload.optimizer: the AdamW moments live in host memory (memory kind pinned_host) between updates and come
+in for each update inside the step; the training is identical to keeping them on device, on one device and on a
+mesh, and the state keeps its memory kind across steps (the step's outputs are its next inputs)."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from stare_jax.models import ModelConfig, init_model
+from stare_jax.models.sharding import make_mesh
+from stare_jax.rl.offload_config import OffloadConfig
+from stare_jax.rl.stare import StareConfig, init_stare_state
+from stare_jax.rl.train_step import (OptimizerConfig, TrainStepConfig, init_train_state, make_train_step,
+                                     place_train_state)
+
+from _rl_fixtures import random_train_batch
+
+MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
+                    intermediate_size=64, tie_word_embeddings=True, initializer_range=0.3, max_position_embeddings=64)
+CFG = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), stare=StareConfig(enabled=True, target_entropy=50.0),
+                      logprob_chunk_size=8, num_mini_batches=2)
+
+
+def _kinds(tree):
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+def _train(cfg, mesh, steps=2):
+    model = init_model(MODEL, seed=0, mesh=mesh)
+    graphdef, ts = init_train_state(model, cfg)
+    if mesh is not None:
+        ts = place_train_state(ts, mesh)
+    kinds = _kinds(ts.opt_state)
+    step = make_train_step(graphdef, cfg, mesh=mesh, train_state=ts if mesh is not None else None)
+    ss = init_stare_state(cfg.stare)
+    for s in range(steps):
+        ts, ss, met = step(ts, random_train_batch(MODEL.vocab_size, 16, 20, s), ss)
+        assert _kinds(ts.opt_state) == kinds  # the step hands the moments back where they live
+    return kinds, jax.device_get(ts), jax.device_get(met)
+
+
+@pytest.mark.parametrize("mesh_axes", [None, {"data": 2, "fsdp": 4}], ids=["one-device", "mesh-2x4"])
+def test_offloaded_optimizer_trains_identically(mesh_axes):
+    mesh = make_mesh(mesh_axes) if mesh_axes else None
+    off_kinds, off, m_off = _train(dataclasses.replace(CFG, offload=OffloadConfig(optimizer=True)), mesh)
+    on_kinds, on, m_on = _train(CFG, mesh)
+    assert off_kinds == {"pinned_host"} and on_kinds == {"device"}
+    for a, b in zip(jax.tree.leaves((off.params, off.opt_state)), jax.tree.leaves((on.params, on.opt_state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(m_off["loss"]) == float(m_on["loss"]) and float(m_off["grad_norm"]) == float(m_on["grad_norm"])
