@@ -29,8 +29,9 @@ machine the old script gave 0.84x-0.87x. Interleaved runs here (2 shared cores, 
   slice / pad copies of the full logits.
 - variants, pinned, CPU s/step vs the default: attention_impl=dot_product +6%, scan_layers +2%, the one-hot
   target pick +8%, xla_cpu_use_onednn -8% in CPU time but the same wall time; the default (xla attention,
-  unrolled layers, remat none) stays. What is left on a quiet machine is how well each side spreads over the two
-  cores; that is not measurable on a busy one, so the quiet figure is the lead's re-run.
+  unrolled layers, remat none) stays. What is left is how well each side spreads over the two cores.
+- quiet machine (nothing else running, 3 Dec 2026, `benchmarks/run_all.py`): 0.985x of medians (per-round median
+  1.086x), and 1.092x (1.049x) in an earlier quiet run: parity.
 """
 from __future__ import annotations
 

@@ -306,6 +306,7 @@ def test_calls_of_a_batch_run_concurrently(engine, tokenizer):
     code = "import time; time.sleep(1.0); print(6 * 7)"
     prompts = [CALL.format(name="code_interpreter", code=code)] * 3
     with SandboxPool(6, timeout_s=8.0, memory_mb=512) as pool:
+        _run(engine, tokenizer, pool, [CALL.format(name="code_interpreter", code="print(1)")] * 3, G=2)  # compiles
         t0 = time.monotonic()
         rows = _run(engine, tokenizer, pool, prompts, G=2)
         wall = time.monotonic() - t0

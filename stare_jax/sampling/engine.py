@@ -63,7 +63,7 @@ from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, Sampler, _ch
 
 
 EXIT_FRACTION = 4  # a decode chunk ends early once 1/EXIT_FRACTION of the slots can be refilled
-MIN_PREFILL_ROWS = 4  # smallest prefill batch (fewer compiled shapes)
+MIN_ROWS = 4  # smallest prefill / decode batch (fewer compiled shapes)
 MIN_PREFILL_WIDTH = 32  # tokens per row of a prefill call whose chunks are all short (else prefill_chunk)
 MIN_WIDTH = 1  # smallest page-table width (pages) of a program (buckets: powers of two)
 
@@ -512,7 +512,7 @@ class Engine:
             return False
         jobs = jobs[:self._rows()]  # at most one program's rows per round, the rest next round
         C = self._prefill_width(max(len(toks) - start for _, toks, start, _ in jobs))
-        R = self._prefill_rows(len(jobs))
+        R = self._row_bucket(len(jobs))
         width = self._width(max(len(j[3]) for j in jobs))
         ids, pos, valid = (np.zeros((R, C), np.int32) for _ in range(3))
         rows = []
@@ -565,11 +565,11 @@ class Engine:
             return num_rows + 1
         return max(1, min(len(queue), -(-num_rows // EXIT_FRACTION)))
 
-    def _prefill_rows(self, num_jobs: int) -> int:
-        """Rows of a prefill call: a power-of-two bucket of the rows to prefill (at least MIN_PREFILL_ROWS,
-        at most the slot rows), a multiple of the data shards: a round that prefills one new prompt must not
-        pay for max_slots rows of prefill_chunk tokens."""
-        r = min(1 << (max(num_jobs, MIN_PREFILL_ROWS) - 1).bit_length(), self._rows())
+    def _row_bucket(self, num_rows: int) -> int:
+        """Rows of a prefill or decode call: a power-of-two bucket of the rows with work (at least MIN_ROWS, at
+        most the slot rows), a multiple of the data shards: a round that prefills one new prompt, or decodes the
+        last rows of a draining queue, must not pay for max_slots rows."""
+        r = min(1 << (max(num_rows, MIN_ROWS) - 1).bit_length(), self._rows())
         return -(-r // self.data_shards) * self.data_shards
 
     def _prefill_width(self, longest: int) -> int:
@@ -653,8 +653,9 @@ class Engine:
         self._grow(slots, queue, prefixes)
         if not any(c is not None and c.ready for c in slots):
             return True  # everything ready was preempted: the pages went back, the queue goes on
-        S = self._rows()
-        live = [c if c is not None and c.ready else None for c in slots] + [None] * (S - len(slots))
+        ready = [(s, c) for s, c in enumerate(slots) if c is not None and c.ready]
+        S = self._row_bucket(len(ready))  # the ready rows, compacted: a draining tail does not pay for max_slots
+        live = [c for _, c in ready] + [None] * (S - len(ready))
         width = self._width(max(len(c.pages) for c in live if c is not None))
         table = paged_kv.page_table([c.pages if c else [] for c in live], width)
         arr = lambda f, dt=np.int32: self._put(np.asarray([f(c) if c else 0 for c in live], dt))  # noqa: E731
@@ -667,15 +668,13 @@ class Engine:
         toks, lps, n, eos = jax.device_get((toks, lps, n, eos))
         self.stats["decode_chunks"] += 1
         self.stats["decode_steps"] += int(n.max(initial=0))
-        for s, c in enumerate(live):
-            if c is None:
-                continue
-            k = int(n[s])
-            c.turn_tokens += toks[s, :k].tolist()
-            c.turn_logprobs += lps[s, :k].tolist()
+        for r, (s, c) in enumerate(ready):
+            k = int(n[r])
+            c.turn_tokens += toks[r, :k].tolist()
+            c.turn_logprobs += lps[r, :k].tolist()
             c.written += k
-            if eos[s] or c.step >= c.budget:
-                c.finished_eos = bool(eos[s])
+            if eos[r] or c.step >= c.budget:
+                c.finished_eos = bool(eos[r])
                 slots[s] = None
                 if not keep:
                     self.live_pool.release(c.pages)
