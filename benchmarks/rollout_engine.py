@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import add_harness_args, compare, emit  # noqa: E402
-from sampler_bench import _make_checkpoint  # noqa: E402
+from sampler_bench import _make_checkpoint, add_model_args  # noqa: E402
 
 QUICK = dict(prompts=8, max_new=128, uniform_prompts=4, uniform_new=64, greedy_batch=16, greedy_new=64, repeats=2)
 
@@ -62,12 +62,7 @@ def _parse(argv=None):
     ap.add_argument("--uniform-new", type=int, default=128)
     ap.add_argument("--greedy-batch", type=int, default=64)
     ap.add_argument("--greedy-new", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--intermediate", type=int, default=1536)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_model_args(ap)
     ap.add_argument("--slots", type=int, default=64, help="sampling.engine.max_slots")
     ap.add_argument("--page-size", type=int, default=16, help="sampling.engine.page_size")
     ap.add_argument("--num-pages", type=int, default=0, help="sampling.engine.num_pages (0 = auto)")

@@ -33,12 +33,7 @@ def _parse(argv=None):
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--min-prompt", type=int, default=16)
     ap.add_argument("--max-prompt", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--intermediate", type=int, default=1536)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_model_args(ap)
     ap.add_argument("--mode", choices=("greedy", "sample", "both"), default="both")
     ap.add_argument("--reps", type=int, default=None, help="old name of --repeats")
     ap.add_argument("--seed", type=int, default=0)
@@ -47,6 +42,17 @@ def _parse(argv=None):
     if args.reps is not None:
         args.repeats = args.reps
     return args
+
+
+def add_model_args(ap) -> None:
+    """The random Qwen2 shape's flags (default hidden 512, 6 layers, 8 heads / 2 kv, mlp 1536, vocab 32000), read by
+    _make_checkpoint; shared with benchmarks/rollout_engine.py."""
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=1536)
+    ap.add_argument("--vocab", type=int, default=32000)
 
 
 def _make_checkpoint(args, folder):

@@ -19,12 +19,12 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
-from typing import Any, Iterator, Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 from etils import epath
 
-from stare_jax.data.prompts import DataError
+from stare_jax.data.prompts import DataError, iter_jsonl_values
 
 __all__ = ["ROLES", "Conversation", "RenderedConversation", "read_conversations", "check_messages",
            "render_conversation", "truncate", "assistant_char_spans",
@@ -117,24 +117,13 @@ def check_messages(messages: Any, where: str) -> list[dict]:
     return out
 
 
-def _iter_json_lines(path: epath.Path) -> Iterator[tuple[int, Any]]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-
-
 def read_conversations(path: str | pathlib.Path) -> list[Conversation]:
     """Every row of a conversation jsonl, checked; DataError naming the file and line for a bad row."""
     file = epath.Path(path)
     if not file.is_file():
         raise DataError(f"conversation file not found: {file}")
     rows = []
-    for lineno, obj in _iter_json_lines(file):
+    for lineno, obj in iter_jsonl_values(file):
         where = f"{file}:{lineno}"
         tools = None
         if isinstance(obj, dict):
