@@ -69,12 +69,13 @@ def bench_step(preset, iters):
     configs = {"GRPO-ds": dataclasses.replace(stare, enabled=False), "STARE-O1 (gate on)": stare}
     print(f"[step] preset={preset} params={n_params / 1e6:.1f}M batch={B}x{L} micro_batches={n_micro} "
           f"backend={jax.default_backend()}")
-    steps = {}
+    steps, costs = {}, {}
     for name, scfg in configs.items():
         cfg = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-6), stare=scfg, num_micro_batches=n_micro)
         graphdef, ts = init_train_state(model, cfg)
         step = make_train_step(graphdef, cfg, donate=False)
         ss = init_stare_state(scfg)
+        costs[name] = compiled_cost(step, ts, batch, ss)
         t0 = time.perf_counter()
         jax.block_until_ready(step(ts, batch, ss))
         print(f"[step] {name:20s} first call incl. compile {time.perf_counter() - t0:.1f} s")
@@ -82,7 +83,19 @@ def bench_step(preset, iters):
     res = compare(steps, repeats=iters, label=f"train step ({preset})", reference="GRPO-ds")
     r = res["ratios"]["STARE-O1 (gate on)"]["ratio_of_medians"]
     print(f"[step] STARE-O1 / GRPO-ds step time = {1 / r:.4f}  (overhead {100 * (1 / r - 1):+.2f}%)")
+    ref, side = costs["GRPO-ds"], costs["STARE-O1 (gate on)"]
+    res["compiled_cost_ratio"] = {k: side[k] / ref[k] for k in ref if ref[k]}
+    print("[step] compiled cost STARE-O1 / GRPO-ds (XLA cost analysis, no timing noise): "
+          + ", ".join(f"{k} {v:.4f}" for k, v in res["compiled_cost_ratio"].items()))
     return res
+
+
+def compiled_cost(step, *args) -> dict[str, float]:
+    """flops, bytes accessed and transcendentals of the compiled step (XLA's cost analysis): the work a side does,
+    which timing noise on a shared machine cannot blur."""
+    cost = step.lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return {k: float(cost.get(k, 0.0)) for k in ("flops", "bytes accessed", "transcendentals")}
 
 
 def bench_selection(tokens_list, iters, seq=4096):
