@@ -39,10 +39,11 @@ Design (host scheduler + three jitted programs):
   (_Shard: free list, queue, slots, prefix entries) each admit, grow, preempt and retire their own rows. Prompts
   go to shards whole (all G samples on one shard, so prefix pages are shared in one pool), balanced by token
   work. The programs run the one-shard body under jax.vmap(spmd_axis_name=the batch axes) over the shard axis:
-  each device gathers and writes only its own pages (tests check the compiled programs have no all-gather).
-  Every round every shard advances one program (a shard without work runs masked rows; rows are bucketed by the
-  busiest shard); a decode chunk ends early once any shard can refill slots. Draws depend on (seed, prompt, g,
-  step) only, so the tokens do not depend on the shard. One shard (D = 1) is the program without the shard axis.
+  each device gathers and writes only its own pages (tests check the compiled programs have no all-gather of the
+  pool). Every round every shard advances one program (a shard without work runs masked rows; rows are bucketed
+  by the busiest shard); a decode chunk ends early once any shard can refill slots. Draws depend on (seed,
+  prompt, g, step) only, so the tokens do not depend on the shard. One shard (D = 1) is the program without the
+  shard axis.
 - Not yet: a TPU Pallas decode kernel (jax.experimental.pallas.ops.tpu.paged_attention wants the pool as
   [K, N, P, Dh], kv heads first; this pool is [N, P, K, Dh] and decode uses the gather path everywhere), and
   multi-process (the host scheduler drives one process). Where that is needed, `make_generator`
