@@ -236,15 +236,19 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     generator = run_generator(engine_cfg, acc.num_hosts, dp, cfg.sampling.max_new_tokens)
     kv_heads, dh = model_cfg.num_kv_heads, model_cfg.head_dim
     if generator == "engine":
-        # the page pool (allocated once: sampling.engine.num_pages, or auto-sized for max_slots requests), kv
-        # heads split over the tensor axis where it divides them; per decode step one layer's gathered pages
+        # each data shard's page pool (allocated once: sampling.engine.num_pages / dp, or auto-sized for its
+        # max_slots / dp requests) on its devices, kv heads split over the tensor axis where it divides them;
+        # per decode step one layer's gathered pages of the shard's slots
         ec = engine_cfg
+        slots = -(-ec.max_slots // dp)
+        pool_pages = -(-ec.num_pages // dp) if ec.num_pages else dataclasses.replace(
+            ec, max_slots=slots).pool_pages(seq_len)
         heads_dev = kv_heads / tensor if kv_heads % tensor == 0 else kv_heads
         sampling = {
             "sampler_weights": P * cb / tensor,
-            "kv_page_pool": 2 * L * ec.pool_pages(seq_len) * ec.page_size * heads_dev * dh * kvb,
-            "kv_gathered_pages": 2 * ec.max_slots * seq_len * heads_dev * dh * cb,
-            "sampler_logits": ec.max_slots * (V / tensor) * 4 * 2,
+            "kv_page_pool": 2 * L * pool_pages * ec.page_size * heads_dev * dh * kvb,
+            "kv_gathered_pages": 2 * slots * seq_len * heads_dev * dh * cb,
+            "sampler_logits": slots * (V / tensor) * 4 * 2,
         }
     else:
         # one sampler call holds sampling.max_prompts_per_call prompts (0: the whole generation batch), padded as
@@ -297,8 +301,9 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
 def tool_engine_config(cfg, hosts: int, data_shards: int):
     """The engine config the run uses: with tool.enabled, auto means the engine (stare_jax.run_setup.make_sampler),
     and a slice where the engine cannot run is a ValueError: multi-turn tool rollouts need the engine, whose
-    scheduler drives one process with its slots not split over data/fsdp axes, so such a run would refuse to
-    start (planning it as fitting would be a false promise)."""
+    scheduler drives one process, so such a run would refuse to start (planning it as fitting would be a false
+    promise). A mesh split over data shards is fine (each shard has its own slots and page pool)."""
+    del data_shards  # every single-process mesh runs the engine
     engine_cfg = cfg.sampling.engine
     tool = getattr(cfg, "tool", None)
     if tool is None or not tool.enabled:
@@ -306,27 +311,28 @@ def tool_engine_config(cfg, hosts: int, data_shards: int):
     if engine_cfg.enabled is False:
         raise ValueError("tool.enabled needs the rollout engine (multi-turn rollouts append tool output and "
                          "continue): set sampling.engine.enabled to true or auto")
-    if hosts > 1 or data_shards > 1:
+    if hosts > 1:
         raise ValueError(f"tool.enabled: multi-turn tool rollouts run on the rollout engine, which drives one "
-                         f"process with the batch not split over data/fsdp axes; this slice has {hosts} host(s) and "
-                         f"the mesh {data_shards} data shards. Use a single-host slice with mesh.data=1, "
-                         f"mesh.fsdp=1 (tensor parallelism only), e.g. v5p-8 with mesh.tensor=4")
+                         f"process; this slice has {hosts} host(s). Use a single-host slice, e.g. v5p-8 with "
+                         f"mesh.tensor=4")
     return dataclasses.replace(engine_cfg, enabled=True)
 
 
 def run_generator(engine_cfg, hosts: int, data_shards: int, max_new_tokens: int) -> str:
     """"engine" or "static": what sampling.engine.enabled picks for a run on `hosts` processes whose mesh splits
-    the batch over `data_shards` (the rule of stare_jax.sampling.engine.make_generator)."""
+    the batch over `data_shards` (the rule of stare_jax.sampling.engine.make_generator: one process, any mesh)."""
+    del data_shards  # each data shard has its own slots and page pool
     if engine_cfg.enabled is False:
         return "static"
-    auto = hosts == 1 and data_shards == 1 and max_new_tokens >= engine_cfg.auto_min_new_tokens
+    auto = hosts == 1 and max_new_tokens >= engine_cfg.auto_min_new_tokens
     return "engine" if engine_cfg.enabled is True or auto else "static"
 
 
 def _generator_warnings(engine_cfg, hosts: int, data_shards: int) -> list[str]:
-    if engine_cfg.enabled is True and (hosts > 1 or data_shards > 1):
-        return [f"sampling.engine.enabled=true: the run will refuse to start ({hosts} host(s), {data_shards} data "
-                f"shards): the engine runs in one process with the batch not split over data axes"]
+    del data_shards  # any single-process mesh runs the engine
+    if engine_cfg.enabled is True and hosts > 1:
+        return [f"sampling.engine.enabled=true: the run will refuse to start ({hosts} hosts): the engine's "
+                f"scheduler runs in one process"]
     return []
 
 

@@ -88,21 +88,22 @@ class _CheckedEngine(Engine):
     """Checks the page invariants before every decode chunk: a page owned by two rows is a full page of their
     common prompt's prefix, and the pool's reference counts equal the owners."""
 
-    def _decode_round(self, slots, queue, scalars, keep, prefixes):
-        rows = [c for c in slots if c is not None and c.prefix is None]
-        owners = {}
-        for c in rows:
-            for m, p in enumerate(c.pages):
-                owners.setdefault(p, []).append((c, m))
+    def _decode_round(self, shards, scalars, keep):
         n_shared = 0
-        for p, own in owners.items():
-            if len(own) > 1:
-                n_shared += 1
-                assert len({c.prompt_pos for c, _ in own}) == 1
-                assert all(m < (c.prompt_len - 1) // self.engine_config.page_size for c, m in own)
-            assert self.pool.refs_N[p] >= len(own)
+        for sh in shards:
+            rows = [c for c in sh.slots if c is not None and c.prefix is None]
+            owners = {}
+            for c in rows:
+                for m, p in enumerate(c.pages):
+                    owners.setdefault(p, []).append((c, m))
+            for p, own in owners.items():
+                if len(own) > 1:
+                    n_shared += 1
+                    assert len({c.prompt_pos for c, _ in own}) == 1
+                    assert all(m < (c.prompt_len - 1) // self.engine_config.page_size for c, m in own)
+                assert sh.pool.refs_N[p] >= len(own)
         self.shared_seen = getattr(self, "shared_seen", 0) + n_shared
-        return super()._decode_round(slots, queue, scalars, keep, prefixes)
+        return super()._decode_round(shards, scalars, keep)
 
 
 def test_prefix_pages_shared_never_written_twice_and_preemption(model):
@@ -262,10 +263,11 @@ def test_extend_with_a_limit_per_conversation(model):
     assert engine.pool.all_free()
 
 
-def test_make_generator_picks_the_engine_where_it_runs(model):
-    """sampling.engine.enabled: auto = the engine on one process without data-parallel axes (its pool's kv heads
-    split over the tensor axis) for response budgets >= auto_min_new_tokens, the static sampler for short budgets
-    and on a data-parallel mesh; true on such a mesh is refused by name."""
+def test_make_generator_picks_the_engine_where_it_runs(model, monkeypatch):
+    """sampling.engine.enabled: auto = the engine on one process, any mesh (its pool's kv heads split over the
+    tensor axis, its slots and pages over the data axes) for response budgets >= auto_min_new_tokens, the static
+    sampler for short budgets and on several processes; true there is refused by name."""
+    from stare_jax import distributed
     from stare_jax.sampling.engine import make_generator
 
     long = dict(max_new_tokens=128)
@@ -274,9 +276,12 @@ def test_make_generator_picks_the_engine_where_it_runs(model):
     assert isinstance(make_generator(model, config=EngineConfig(enabled=True), max_new_tokens=8), Engine)
     assert isinstance(make_generator(model, config=EngineConfig(enabled=False), **long), Sampler)
     data_mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
-    assert isinstance(make_generator(model, config=EngineConfig(), mesh=data_mesh, **long), Sampler)
-    with pytest.raises(ValueError, match="sampling.engine.enabled=true: the mesh splits the batch over 2 data"):
-        make_generator(model, config=EngineConfig(enabled=True), mesh=data_mesh, **long)
+    assert make_generator(model, config=EngineConfig(), mesh=data_mesh, **long).data_shards == 2
+    with monkeypatch.context() as m:
+        m.setattr(distributed, "is_multiprocess", lambda: True)
+        assert isinstance(make_generator(model, config=EngineConfig(), **long), Sampler)
+        with pytest.raises(ValueError, match="sampling.engine.enabled=true: the run has 1 processes"):
+            make_generator(model, config=EngineConfig(enabled=True), **long)
     tensor_mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
     sharded = init_model(model.config, seed=0, mesh=tensor_mesh)
     engine = make_generator(sharded, config=SMALL, mesh=tensor_mesh, **long)
@@ -302,12 +307,12 @@ def test_any_number_of_eos_ids(model):
 class _AdmissionLog(Engine):
     """Records each admitted conversation's index and the slots busy right after each admission round."""
 
-    def _admit(self, queue, slots, prefixes):
-        before = {id(c) for c in slots if c is not None}
-        progress = super()._admit(queue, slots, prefixes)
-        new = [c for c in slots if c is not None and id(c) not in before]
+    def _admit(self, sh):
+        before = {id(c) for c in sh.slots if c is not None}
+        progress = super()._admit(sh)
+        new = [c for c in sh.slots if c is not None and id(c) not in before]
         self.order = getattr(self, "order", []) + [c.index for c in sorted(new, key=lambda c: c.admitted)]
-        self.busy = getattr(self, "busy", []) + [sum(c is not None for c in slots)]
+        self.busy = getattr(self, "busy", []) + [sum(c is not None for c in sh.slots)]
         return progress
 
 

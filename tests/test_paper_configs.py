@@ -217,7 +217,7 @@ def test_tool_paper_settings(tool_cfgs):
         assert c.tool.enabled and c.tool.format == "hermes" and c.tool.max_turns >= 1
         assert (c.tool.tool_bonus, c.tool.format_penalty) == (0.0, 0.0)  # the verifier's 0/1 reward only
         assert c.sampling.engine.enabled is True
-        assert (c.mesh.data, c.mesh.fsdp) == (1, 1)  # the engine does not split its slots over data axes
+        assert (c.mesh.data, c.mesh.fsdp) == (1, 1)  # tensor parallelism only on the shipped slice
 
 
 def test_tool_plan_fits_its_single_host_slice_and_gpu_alternative(tool_cfgs):
@@ -239,13 +239,13 @@ def test_tool_plan_fits_its_single_host_slice_and_gpu_alternative(tool_cfgs):
 
 
 @pytest.mark.parametrize("accel,overrides,match", [
-    ("v5p-64", ["mesh.fsdp=-1"], r"8 host\(s\) and the mesh 8 data shards"),  # a multi-host slice
-    ("1x8xH100", ["mesh.tensor=4", "mesh.fsdp=2"], r"1 host\(s\) and the mesh 2 data shards"),  # one host, fsdp
+    ("v5p-64", ["mesh.fsdp=-1"], r"this slice has 8 host\(s\)"),  # a multi-host slice
     ("v5p-8", ["sampling.engine.enabled=false"], r"tool.enabled needs the rollout engine"),
 ])
 def test_tool_plan_rejects_slices_the_engine_cannot_run_on(accel, overrides, match):
-    """Tool rollouts run on the single-process engine: a multi-host slice or a batch-split mesh is rejected by the
-    plan (the run would refuse to start), not planned as fitting; auto (not true) is rejected the same way."""
+    """Tool rollouts run on the single-process engine: a multi-host slice is rejected by the plan (the run would
+    refuse to start), not planned as fitting; auto (not true) is rejected the same way. (A batch-split mesh on one
+    host runs the engine, each data shard with its own slots and pages.)"""
     for extra in ([], ["sampling.engine.enabled=auto"]):
         if "sampling.engine.enabled=false" in overrides and extra:
             continue
@@ -255,6 +255,12 @@ def test_tool_plan_rejects_slices_the_engine_cannot_run_on(accel, overrides, mat
     # the same slice without tools plans (the static sampler there)
     cfg = load_config(_path(TOOL, "stare_o1"), overrides + ["tool.enabled=false", "sampling.engine.enabled=auto"])
     assert estimate(cfg, accel)["generator"] == ("engine" if accel == "v5p-8" else "static")
+
+
+def test_tool_plan_runs_the_engine_on_a_data_split_single_host_mesh():
+    cfg = load_config(_path(TOOL, "stare_o1"), ["mesh.tensor=4", "mesh.fsdp=2"])
+    est = estimate(cfg, "1x8xH100")
+    assert est["generator"] == "engine" and not est["warnings"]
 
 
 def test_tool_plan_cli_rejects_a_multi_host_slice(capsys):

@@ -98,9 +98,9 @@ def test_plan_of_the_embedded_toy_config():
 
 
 def test_plan_models_the_engine_page_pool():
-    """Where the run generates with the rollout engine (one host, the batch not split over data axes, a long
-    response budget) the sampling phase holds the page pool (sized by slots, not by the generation batch), kv
-    heads split over the tensor axis; on a data-parallel mesh, or with the engine off, the static cache."""
+    """Where the run generates with the rollout engine (one host, a long response budget) the sampling phase holds
+    the page pool (sized by slots, not by the generation batch), kv heads split over the tensor axis; on a
+    data-parallel mesh each data shard's pool (its slots' share); with the engine off, the static cache."""
     from stare_jax.models import get_preset
     from stare_jax.sampling.engine_config import EngineConfig
 
@@ -117,10 +117,12 @@ def test_plan_models_the_engine_page_pool():
                       num_params=n)
     assert static["generator"] == "static" and "sample/kv_page_pool" not in static["memory_bytes"]
     assert static["memory_bytes"]["sample/kv_cache"] > 4 * pool  # 512 rows x 4096 slots vs 65 slots' pages
-    fsdp = estimate(load_config(None, base), num_params=n)  # fsdp=-1: the batch is split: static
-    assert fsdp["generator"] == "static" and not fsdp["warnings"]
-    forced = estimate(load_config(None, base + ["sampling.engine.enabled=true"]), num_params=n)
-    assert any("sampling.engine.enabled=true" in w for w in forced["warnings"])
+    fsdp = estimate(load_config(None, base), num_params=n)  # fsdp=-1: 4 data shards of 16 slots, each its pool
+    assert fsdp["generator"] == "engine" and not fsdp["warnings"]
+    shard_pool = 2 * mc.num_layers * EngineConfig(max_slots=16).pool_pages(4096) * ec.page_size * mc.num_kv_heads
+    assert fsdp["memory_bytes"]["sample/kv_page_pool"] == shard_pool * mc.head_dim * 2
+    forced = estimate(load_config(None, base + ["sampling.engine.enabled=true"]), "v5p-64", num_params=n)
+    assert any("sampling.engine.enabled=true" in w for w in forced["warnings"])  # 8 hosts: refused
 
 
 def test_plan_models_packing_and_the_optimizer_offload():

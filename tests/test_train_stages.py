@@ -143,22 +143,24 @@ def test_record_of_grpo_ds_has_unit_weights_and_flags_nonfinite_updates():
 
 def test_collect_with_the_rollout_engine_draws_the_same_samples(run):
     """sampling.engine.enabled swaps the static sampler for the engine (run_setup.make_sampler): the same keys per
-    (prompt, sample, position), so the same train batch."""
+    (prompt, sample, position), so the same train batch -- on one device and on the run's fsdp=8 mesh (each data
+    shard its own slots and page pool)."""
     cfg = dataclasses.replace(run.cfg, sampling=dataclasses.replace(
         run.cfg.sampling, engine=dataclasses.replace(run.cfg.sampling.engine, enabled=True, max_slots=8,
                                                      page_size=4)))
     state = run.stream.state()
     static = run.collect(5)
     model = nnx.merge(run.graphdef, run.train_state.params, run.train_state.rest)
-    static_sampler, run.sampler = run.sampler, make_sampler(model, cfg, None, run.tokenizer.pad_id)
-    try:
-        assert isinstance(run.sampler, Engine)
-        run.stream.restore(state)
-        paged = run.collect(5)
-    finally:
-        run.sampler = static_sampler
-    for k in static.batch:
-        np.testing.assert_array_equal(paged.batch[k], static.batch[k])
+    for mesh in (None, run.sampler.mesh):
+        static_sampler, run.sampler = run.sampler, make_sampler(model, cfg, mesh, run.tokenizer.pad_id)
+        try:
+            assert isinstance(run.sampler, Engine) and run.sampler.data_shards == (1 if mesh is None else 8)
+            run.stream.restore(state)
+            paged = run.collect(5)
+        finally:
+            run.sampler = static_sampler
+        for k in static.batch:
+            np.testing.assert_array_equal(paged.batch[k], static.batch[k], err_msg=f"{k} (mesh {mesh})")
 
 
 def test_kl_reference_is_the_starting_policy_also_after_resume(toy_cache, tmp_path):

@@ -32,11 +32,22 @@ Design (host scheduler + three jitted programs):
   the page pool is allocated on the first call and reused (donated through every program) until `release`
   frees it with the weight copy before the train step; nothing recompiles across RL steps once the page-table
   width buckets of a workload have been seen.
-- Mesh: parameters in the sampler layout, the pool's kv heads over the tensor axis, slots replicated.
+- Mesh: parameters in the sampler layout, the pool's kv heads over the tensor axis. A mesh that splits the batch
+  over D = batch_shards(mesh) data shards (its data / fsdp axes) gives each shard its own ceil(max_slots / D)
+  slots and its own pool of ceil(num_pages / D) pages: the pool per layer is [D, N/D, P, K, Dh] (the leading axis
+  over the batch axes, kv heads over tensor), page tables hold shard-local page ids, and D host sub-schedulers
+  (_Shard: free list, queue, slots, prefix entries) each admit, grow, preempt and retire their own rows. Prompts
+  go to shards whole (all G samples on one shard, so prefix pages are shared in one pool), balanced by token
+  work. The programs run the one-shard body under jax.vmap(spmd_axis_name=the batch axes) over the shard axis:
+  each device gathers and writes only its own pages (tests check the compiled programs have no all-gather of the
+  pool). Every round every shard advances one program (a shard without work runs masked rows; rows are bucketed
+  by the busiest shard); a decode chunk ends early once any shard can refill slots. Draws depend on (seed,
+  prompt, g, step) only, so the tokens do not depend on the shard. One shard (D = 1) is the program without the
+  shard axis.
 - Not yet: a TPU Pallas decode kernel (jax.experimental.pallas.ops.tpu.paged_attention wants the pool as
-  [K, N, P, Dh], kv heads first; this pool is [N, P, K, Dh] and decode uses the gather path everywhere), slots and
-  page pools split over the data axes, and multi-process (the host scheduler drives one process). Where those are
-  needed, `make_generator` (sampling.engine.enabled=auto) picks the static sampler.
+  [K, N, P, Dh], kv heads first; this pool is [N, P, K, Dh] and decode uses the gather path everywhere), and
+  multi-process (the host scheduler drives one process). Where that is needed, `make_generator`
+  (sampling.engine.enabled=auto) picks the static sampler.
 """
 from __future__ import annotations
 
@@ -77,61 +88,85 @@ def _row_keys(key, prompt_index_S, sample_S):
         prompt_index_S.astype(jnp.uint32), sample_S.astype(jnp.uint32))
 
 
+def _over_shards(f, batch_axes: tuple):
+    """f itself for one data shard (no leading shard axis); with batch_axes, f vmapped over the leading shard
+    axis [D, ...] of every argument, that axis split over the mesh's batch axes: each shard's rows gather and
+    write only its own page pool, on its own devices (no pool all-gather)."""
+    return jax.vmap(f, spmd_axis_name=batch_axes) if batch_axes else f
+
+
 def _decode_chunk(graphdef, state, pages, page_table_SxM, tok_S, pos_S, step_S, budget_S, live_S, prompt_index_S,
                   sample_S, exit_after, key, greedy, temperature, top_k, top_p, eos_E, *, steps: int, page_size: int,
-                  pad_id: int):
+                  pad_id: int, batch_axes: tuple = ()):
     """Up to `steps` decode steps of every live slot: feed tok_S at pos_S, draw the token of response index
     step_S, stop a row on EOS or at step budget_S. The chunk ends early once `exit_after` rows have finished (the
-    host has that many queued requests to put in their slots) or every row is done.
+    host has that many queued requests to put in their slots) or every row is done. With batch_axes (a mesh split
+    over data shards) every row argument has a leading shard axis [D, S], pages [D, N, ...] and exit_after [D]:
+    the chunk ends once any shard can refill its slots.
     Returns (pages, tokens_SxK, logprobs_SxK, count_S, eos_S)."""
     model = nnx.merge(graphdef, state)
-    S = tok_S.shape[0]
-    keys_S = _row_keys(key, prompt_index_S, sample_S)
+    keys_S = _over_shards(lambda p, g: _row_keys(key, p, g), batch_axes)(prompt_index_S, sample_S)
 
-    def body(c):
-        i, pages, tok, pos, step, done, eos, toks, lps, n = c
+    def step_rows(pages, page_table_SxM, tok, pos, step, done, keys_S):
         hidden, pages = pa.paged_forward(model, tok[:, None], pos[:, None], ~done[:, None], pages, page_table_SxM,
                                          page_size)
         logits_SxV = model.logits_from_hidden(hidden)[:, -1].astype(jnp.float32)
         u_S = jax.vmap(lambda k, s: jax.random.uniform(jax.random.fold_in(k, s)))(keys_S, step)
         t, lp = selection.select_tokens(logits_SxV, u_S, greedy=greedy, temperature=temperature, top_k=top_k,
                                         top_p=top_p)
+        return pages, t, lp
+
+    step_rows = _over_shards(step_rows, batch_axes)
+
+    def body(c):
+        i, pages, tok, pos, step, done, eos, toks, lps, n = c
+        pages, t, lp = step_rows(pages, page_table_SxM, tok, pos, step, done, keys_S)
         t = jnp.where(done, pad_id, t)
         lp = jnp.where(done, 0.0, lp)
-        toks = jax.lax.dynamic_update_slice(toks, t[:, None], (0, i))
-        lps = jax.lax.dynamic_update_slice(lps, lp[:, None], (0, i))
-        hit = jnp.any(t[:, None] == eos_E[None, :], axis=-1) & ~done
+        toks = jax.lax.dynamic_update_slice_in_dim(toks, t[..., None], i, axis=-1)
+        lps = jax.lax.dynamic_update_slice_in_dim(lps, lp[..., None], i, axis=-1)
+        hit = jnp.any(t[..., None] == eos_E, axis=-1) & ~done
         live = (~done).astype(jnp.int32)
         step, pos, n = step + live, pos + live, n + live
         tok = jnp.where(done, tok, t)
         return (i + 1, pages, tok, pos, step, done | hit | (step >= budget_S), eos | hit, toks, lps, n)
 
-    init = (jnp.int32(0), pages, tok_S, pos_S, step_S, ~live_S | (step_S >= budget_S), jnp.zeros((S,), bool),
-            jnp.full((S, steps), pad_id, jnp.int32), jnp.zeros((S, steps), jnp.float32), jnp.zeros((S,), jnp.int32))
+    init = (jnp.int32(0), pages, tok_S, pos_S, step_S, ~live_S | (step_S >= budget_S), jnp.zeros(tok_S.shape, bool),
+            jnp.full(tok_S.shape + (steps,), pad_id, jnp.int32), jnp.zeros(tok_S.shape + (steps,), jnp.float32),
+            jnp.zeros(tok_S.shape, jnp.int32))
     def cond(c):
-        finished = jnp.sum(c[5] & live_S)
-        return (c[0] < steps) & jnp.any(~c[5]) & (finished < exit_after)
+        finished = jnp.sum(c[5] & live_S, axis=-1)
+        return (c[0] < steps) & jnp.any(~c[5]) & jnp.all(finished < exit_after)
 
     c = jax.lax.while_loop(cond, body, init)
     return c[1], c[7], c[8], c[9], c[6]
 
 
-def _prefill(graphdef, state, pages, ids_RxC, pos_RxC, valid_RxC, page_table_RxM, *, page_size: int):
-    """Write the k/v of one chunk of tokens per row into its pages (the logits are not needed)."""
+def _prefill(graphdef, state, pages, ids_RxC, pos_RxC, valid_RxC, page_table_RxM, *, page_size: int,
+             batch_axes: tuple = ()):
+    """Write the k/v of one chunk of tokens per row into its pages (the logits are not needed); with batch_axes
+    every argument but the weights has a leading data-shard axis."""
     model = nnx.merge(graphdef, state)
-    _, pages = pa.paged_forward(model, ids_RxC, pos_RxC, valid_RxC, pages, page_table_RxM, page_size)
-    return pages
+
+    def write(pages, ids_RxC, pos_RxC, valid_RxC, page_table_RxM):
+        return pa.paged_forward(model, ids_RxC, pos_RxC, valid_RxC, pages, page_table_RxM, page_size)[1]
+
+    return _over_shards(write, batch_axes)(pages, ids_RxC, pos_RxC, valid_RxC, page_table_RxM)
 
 
-def _copy_pages(pages, src_C, dst_C):
-    """pages[dst] = pages[src] in every layer (copy-on-write of a shared prompt's partial last page)."""
-    return [{name: x.at[dst_C].set(x[src_C]) for name, x in layer.items()} for layer in pages]
+def _copy_pages(pages, src_C, dst_C, *, batch_axes: tuple = ()):
+    """pages[dst] = pages[src] in every layer (copy-on-write of a shared prompt's partial last page); with
+    batch_axes, within each data shard's pool."""
+    def copy(pages, src_C, dst_C):
+        return [{name: x.at[dst_C].set(x[src_C]) for name, x in layer.items()} for layer in pages]
+
+    return _over_shards(copy, batch_axes)(pages, src_C, dst_C)
 
 
-_decode_jit = jax.jit(_decode_chunk, static_argnames=("graphdef", "steps", "page_size", "pad_id"),
+_decode_jit = jax.jit(_decode_chunk, static_argnames=("graphdef", "steps", "page_size", "pad_id", "batch_axes"),
                       donate_argnames=("pages",))
-_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "page_size"), donate_argnames=("pages",))
-_copy_jit = jax.jit(_copy_pages, donate_argnames=("pages",))
+_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "page_size", "batch_axes"), donate_argnames=("pages",))
+_copy_jit = jax.jit(_copy_pages, static_argnames=("batch_axes",), donate_argnames=("pages",))
 
 
 def compiled_programs() -> int:
@@ -185,6 +220,7 @@ class Conversation:
     closed: bool = False
     shareable: bool = False  # a fresh first turn that may attach to its prompt's prefix entry
     prompt_pos: int = 0  # the prompt's position in the call (prefix entries are keyed by it)
+    shard: int = 0  # the data shard whose slots and page pool hold it (page ids are that pool's)
 
     @property
     def tokens(self) -> list[int]:
@@ -204,15 +240,51 @@ class Conversation:
         return self.prefix is None and self.written == len(self.tokens) - 1
 
 
+@dataclasses.dataclass
+class _Shard:
+    """One data shard's scheduler state during a call: its page pool (shard-local page ids), decode slots, request
+    queue and prompt prefix entries. A one-shard engine has one; a mesh split over D data shards has D, each
+    scheduled alone (its rows never touch another shard's pages)."""
+
+    pool: paged_kv.PagePool
+    slots: list[Conversation | None]
+    queue: collections.deque = dataclasses.field(default_factory=collections.deque)
+    prefixes: dict[int, _Prefix] = dataclasses.field(default_factory=dict)
+    waiting: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # unattached samples
+
+    def busy(self) -> bool:
+        return bool(self.queue) or any(c is not None for c in self.slots)
+
+    def ready(self) -> list[tuple[int, Conversation]]:
+        """(slot, row) of every row ready to decode."""
+        return [(s, c) for s, c in enumerate(self.slots) if c is not None and c.ready]
+
+
+def assign_shards(work_P: Sequence[int], shards: int) -> list[int]:
+    """The data shard of each prompt (all its samples go there, so its prefix pages are shared within one pool):
+    greedily the shard with the least queued token work so far, ties to the lowest shard (round-robin for equal
+    work)."""
+    load = [0] * shards
+    out = []
+    for w in work_P:
+        d = min(range(shards), key=lambda i: (load[i], i))
+        load[d] += int(w)
+        out.append(d)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- the engine
 
 class Engine:
     """Continuous-batching rollout engine over a paged KV cache (see the module docstring).
 
     Same constructor arguments as Sampler (mesh, cache_dtype, pad_id) plus `config` (EngineConfig). With a
-    mesh, parameters are kept in the sampler layout (replicated over the data axes, "tensor" kept) and the
-    page pool and slot arrays are replicated. `stats` counts, per call, prefix prefills, recomputes
-    (preemptions), decode chunks/steps and the peak number of pages in use.
+    mesh, parameters are kept in the sampler layout (replicated over the data axes, "tensor" kept) and the page
+    pool's kv heads are split over the tensor axis. A mesh that splits the batch over D data shards (its data /
+    fsdp axes) gives each shard its own ceil(max_slots / D) slots and its own pool of ceil(num_pages / D) pages
+    (arrays with a leading shard axis split over those axes), each scheduled by its own host sub-scheduler;
+    prompts are assigned to shards whole (all G samples on one shard). `stats` counts, per call, prefix
+    prefills, recomputes (preemptions), decode chunks/steps and the peak number of pages in use.
     """
 
     def __init__(self, model: nnx.Module, *, config: EngineConfig | None = None, mesh: Mesh | None = None,
@@ -226,17 +298,31 @@ class Engine:
         self.compute_dtype = jnp.dtype(getattr(self.config, "dtype", "float32")).name
         self.graphdef, state = nnx.split(model)
         self.state = None
-        self.pages: Any = None  # per layer k/v page arrays (made with the pool)
-        self.pool: paged_kv.PagePool | None = None
-        self._waiting: collections.Counter = collections.Counter()
+        self.pages: Any = None  # per layer k/v page arrays (made with the pools), [D, N, ...] over D > 1 shards
+        self.pools: list[paged_kv.PagePool] | None = None  # one per data shard
         self.stats: dict = {}
         self._admitted = 0
         self._replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+        self._batch_axes: tuple[str, ...] = ()  # the mesh axes of the leading shard axis (none: one shard)
+        self._split: NamedSharding | None = None  # the layout of a per-shard argument [D, ...]
+        if mesh is not None and self.data_shards > 1:
+            self._batch_axes = model_sharding.batch_axes(mesh)
+            self._split = NamedSharding(mesh, PartitionSpec(self._batch_axes))
         self.update_params(state)
 
     @property
+    def pool(self) -> paged_kv.PagePool | None:
+        """The page pool of a one-shard engine (None before the first call and after `release`); a mesh split
+        over data shards has one per shard: `pools`."""
+        if self.pools is None:
+            return None
+        if len(self.pools) != 1:
+            raise AttributeError(f"the engine has {len(self.pools)} page pools (one per data shard): use .pools")
+        return self.pools[0]
+
+    @property
     def live_pool(self) -> paged_kv.PagePool:
-        """The page pool of the call in progress (made by the call's first step)."""
+        """The page pool of the call in progress (made by the call's first step; one-shard engines)."""
         if self.pool is None:
             raise RuntimeError("the engine has no page pool yet: it is made by the first generate call")
         return self.pool
@@ -249,13 +335,13 @@ class Engine:
         self.state = sampling_sharding.reshard_for_sampling(state, self.mesh, dtype=self.compute_dtype)
 
     def release(self) -> None:
-        """Drop the weight copy and, when no conversation holds pages, the KV page pool (before the train step:
+        """Drop the weight copy and, when no conversation holds pages, the KV page pools (before the train step:
         sampling and training never hold their largest buffers at once). `update_params` brings the weights back;
-        the next call makes the pool again (the same shapes: nothing recompiles)."""
+        the next call makes the pools again (the same shapes: nothing recompiles)."""
         self.state = None
-        if self.pool is None or self.pool.all_free():
+        if self.pools is None or all(p.all_free() for p in self.pools):
             self.pages = None
-            self.pool = None
+            self.pools = None
 
     def batch_bucket(self, num_prompts: int) -> int:
         """The engine needs no batch padding (requests are queued): the number of prompts itself."""
@@ -266,8 +352,11 @@ class Engine:
         return model_sharding.batch_shards(self.mesh)
 
     def program_context(self):
-        """The mesh and its activation rules around the jitted programs (nothing without a mesh)."""
-        return model_sharding.program_context(self.mesh)
+        """The mesh and its activation rules around the jitted programs (nothing without a mesh). Over data
+        shards the rows of a program are one shard's (the shard axis carries the batch axes), so the row
+        dimension inside is not split again."""
+        rules = {**model_sharding.DEFAULT_RULES, "batch": None} if self._batch_axes else None
+        return model_sharding.program_context(self.mesh, rules)
 
     def generate_arrays(self, prompt_ids_PxT, prompt_mask_PxT, *, max_new_tokens: int, num_samples: int = 1,
                         temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None,
@@ -362,7 +451,7 @@ class Engine:
         """Free the pages of finished conversations."""
         for c in convs:
             if not c.closed:
-                self.live_pool.release(c.pages)
+                self._pools()[c.shard].release(c.pages)
                 c.pages, c.closed = [], True
 
     # ------------------------------------------------------------------ scheduling
@@ -377,50 +466,84 @@ class Engine:
         c.budget = c.step + max_new_tokens
 
     def _run_fresh(self, prompts, max_new_tokens, G, *, keep, sampling) -> list[Conversation]:
-        """Queue num_samples conversations of every (output position, prompt, prompt index) and run them."""
+        """Queue num_samples conversations of every (output position, prompt, prompt index) and run them; each
+        prompt's samples on one data shard (assign_shards by prompt + response tokens)."""
+        shard_P = assign_shards([len(prompt) + max_new_tokens for _, prompt, _ in prompts], self.data_shards)
         convs = []
-        for p, prompt, pidx in prompts:
+        for (p, prompt, pidx), d in zip(prompts, shard_P):
             for g in range(G):
                 c = Conversation(index=p * G + g, prompt_index=pidx, sample=g, prompt_len=len(prompt),
-                                 seq=list(prompt), shareable=len(prompt) > 1, prompt_pos=p)
+                                 seq=list(prompt), shareable=len(prompt) > 1, prompt_pos=p, shard=d)
                 self._new_turn(c, max_new_tokens)
                 convs.append(c)
         self._run(convs, keep=keep, sampling=sampling, group=G)
         return convs
 
+    def _pools(self) -> list[paged_kv.PagePool]:
+        if self.pools is None:
+            raise RuntimeError("the engine has no page pool yet: it is made by the first generate call")
+        return self.pools
+
+    def _slots_per_shard(self) -> int:
+        """Decode slots of each data shard: max_slots split over the shards (rounded up)."""
+        return -(-self.engine_config.max_slots // self.data_shards)
+
     def _ensure_pool(self, convs) -> None:
-        """Allocate the page pool once (or grow it in auto mode); ValueError if one request cannot fit."""
-        ec = self.engine_config
+        """Allocate the page pools once (or grow them in auto mode): one of num_pages / D pages per data shard;
+        ValueError if one request cannot fit a shard's pool."""
+        ec, D = self.engine_config, self.data_shards
         longest = max(len(c.seq) + (c.budget - c.turn_start) for c in convs)
         one = paged_kv.pages_for(longest, ec.page_size) + 1  # + the prefix entry's staging page
-        num = ec.pool_pages(longest)
-        if ec.num_pages == 0:
-            if self.pool is not None and (self.pool.num_pages >= num or not self.pool.all_free()):
-                num = self.live_pool.num_pages  # never shrink; with live conversations keep it (preemption copes)
+        num = (-(-ec.num_pages // D) if ec.num_pages else
+               dataclasses.replace(ec, max_slots=self._slots_per_shard()).pool_pages(longest))
+        if ec.num_pages == 0 and self.pools is not None:
+            if self.pools[0].num_pages >= num or not all(p.all_free() for p in self.pools):
+                num = self.pools[0].num_pages  # never shrink; with live conversations keep it (preemption copes)
         if num - 1 < one:
-            raise ValueError(f"sampling.engine.num_pages={num} cannot hold one request of {longest} tokens with "
-                             f"sampling.engine.page_size={ec.page_size}: needs >= {one + 1}")
-        if self.pool is None or self.pool.num_pages != num:
-            if self.pool is not None and not self.pool.all_free():
+            per_shard = f" ({num} pages for each of {D} data shards)" if D > 1 else ""
+            raise ValueError(f"sampling.engine.num_pages={ec.num_pages or num}{per_shard} cannot hold one request of "
+                             f"{longest} tokens with sampling.engine.page_size={ec.page_size}: needs >= "
+                             f"{D * (one + 1)}")
+        if self.pools is None or self.pools[0].num_pages != num:
+            if self.pools is not None and not all(p.all_free() for p in self.pools):
                 raise RuntimeError("the page pool must grow but live conversations hold pages: close them first "
                                    "or set sampling.engine.num_pages")
-            cfg = self.config
             self.pages = None
+            self.pages = self._init_pages(num)
+            self.pools = [paged_kv.PagePool(num) for _ in range(D)]
+
+    def _init_pages(self, num: int):
+        """The zeroed device pool of `num` pages per shard, made in its layout (a data-split pool is never whole
+        on one device)."""
+        cfg, ec, D = self.config, self.engine_config, self.data_shards
+
+        def make():
             pages = pa.init_pages(cfg.num_layers, num, ec.page_size, cfg.num_kv_heads, cfg.head_dim,
                                   jnp.dtype(self.cache_dtype))
-            self.pages = jax.device_put(pages, self._pool_sharding(pages[0]["k"].shape)) if self.mesh else pages
-            self.pool = paged_kv.PagePool(num)
+            return jax.tree.map(lambda x: jnp.broadcast_to(x, (D,) + x.shape), pages) if self._batch_axes else pages
+
+        if self.mesh is None:
+            return make()
+        shape = ((D,) if self._batch_axes else ()) + (num, ec.page_size, cfg.num_kv_heads, cfg.head_dim)
+        return jax.jit(make, out_shardings=self._pool_sharding(shape))()
 
     def _pool_sharding(self, shape) -> NamedSharding:
-        """The page pool's layout on a mesh: kv heads over the tensor axis (as the attention's k/v), the rest
-        replicated (the engine runs where the batch is not split over data axes)."""
+        """The page pool's layout on a mesh: kv heads over the tensor axis (as the attention's k/v); over D data
+        shards the leading shard axis over the batch axes (each device holds its shard's pool only)."""
         assert self.mesh is not None
-        return NamedSharding(self.mesh, model_sharding.logical_to_spec(
-            pa.POOL_AXES, model_sharding.DEFAULT_RULES, shape, self.mesh))
+        lead = (self._batch_axes,) if self._batch_axes else ()
+        spec = model_sharding.logical_to_spec(pa.POOL_AXES, model_sharding.DEFAULT_RULES, shape[len(lead):],
+                                              self.mesh)
+        return NamedSharding(self.mesh, PartitionSpec(*lead, *spec))
 
     def _put(self, x):
         x = np.asarray(x)
         return jax.device_put(x, self._replicated) if self._replicated is not None else jnp.asarray(x)
+
+    def _put_rows(self, x_D):
+        """A per-shard argument [D, ...] of a program: split over the batch axes; one shard: [...] as _put."""
+        x_D = np.asarray(x_D)
+        return jax.device_put(x_D, self._split) if self._split is not None else self._put(x_D[0])
 
     def _scalars(self, sampling):
         temperature, top_p, top_k, eos_ids, seed = sampling
@@ -432,131 +555,142 @@ class Engine:
         return rep
 
     def _run(self, convs: list[Conversation], *, keep: bool, sampling, group: int = 1) -> None:
-        """The scheduling loop (module docstring): admit, prefill one chunk, attach, decode K steps, retire."""
+        """The scheduling loop (module docstring): admit, prefill one chunk, attach, decode K steps, retire --
+        every data shard's sub-scheduler each round, one program over all shards per step."""
         if self.state is None:
             raise RuntimeError("the engine's weights were released: call update_params(params) first")
         if not convs:
             return
-        ec = self.engine_config
         self._ensure_pool(convs)
         self.stats = dict(prefix_prefills=0, recomputes=0, prefill_calls=0, prefill_tokens=0, decode_chunks=0,
                           decode_steps=0, peak_pages=0, rounds=0)
-        self.live_pool.peak_used = self.live_pool.num_used
+        shards = [_Shard(pool, [None] * self._slots_per_shard()) for pool in self._pools()]
+        for sh in shards:
+            sh.pool.peak_used = sh.pool.num_used
+        for c in convs:
+            shards[c.shard].queue.append(c)
+            shards[c.shard].waiting[c.prompt_pos] += c.shareable
         scalars = self._scalars(sampling)
-        queue = collections.deque(convs)
-        prefixes: dict[int, _Prefix] = {}
-        self._waiting = collections.Counter(c.prompt_pos for c in convs if c.shareable)
-        slots: list[Conversation | None] = [None] * ec.max_slots
         with self.program_context():
-            while queue or any(s is not None for s in slots):
+            while any(sh.busy() for sh in shards):
                 self.stats["rounds"] += 1
-                progress = self._admit(queue, slots, prefixes)
-                progress |= self._prefill_round(slots, prefixes)
-                self._attach(slots, prefixes)
-                progress |= self._decode_round(slots, queue, scalars, keep, prefixes)
-                if not progress and self._drop_idle_prefix(slots, prefixes):
+                progress = any([self._admit(sh) for sh in shards])
+                progress |= self._prefill_round(shards)
+                self._attach(shards)
+                progress |= self._decode_round(shards, scalars, keep)
+                if not progress and any(self._drop_idle_prefix(sh) for sh in shards):
                     continue
                 if not progress:
                     raise paged_kv.PagesExhausted(
-                        f"the page pool ({self.live_pool.num_pages} pages, {self.live_pool.num_free} free) cannot make "
-                        f"progress: raise sampling.engine.num_pages")
-        self.stats["peak_pages"] = self.live_pool.peak_used
+                        f"the page pool ({[sh.pool.num_pages for sh in shards]} pages per shard, "
+                        f"{[sh.pool.num_free for sh in shards]} free) cannot make progress: raise "
+                        f"sampling.engine.num_pages")
+        self.stats["peak_pages"] = sum(sh.pool.peak_used for sh in shards)
 
-    def _admit(self, queue, slots, prefixes) -> bool:
-        """Move queued conversations into free slots while their first pages can be allocated."""
+    def _admit(self, sh: _Shard) -> bool:
+        """Move a shard's queued conversations into its free slots while their first pages can be allocated."""
         ec = self.engine_config
         progress = False
-        reserve = sum(max(n, 0) for _, n in self._growth(slots))  # running rows grow first (no livelock)
-        for s in range(len(slots)):
-            if slots[s] is not None:
+        reserve = sum(max(n, 0) for _, n in self._growth(sh.slots))  # running rows grow first (no livelock)
+        for s in range(len(sh.slots)):
+            if sh.slots[s] is not None:
                 continue
-            if not queue:
+            if not sh.queue:
                 break
-            c = queue[0]
+            c = sh.queue[0]
             if ec.share_prefix and c.shareable:
-                entry = prefixes.get(c.prompt_pos)
+                entry = sh.prefixes.get(c.prompt_pos)
                 n_tail = 1 if (c.prompt_len - 1) % ec.page_size else 0
                 need = n_tail + (0 if entry else paged_kv.pages_for(c.prompt_len - 1, ec.page_size))
-                if need + reserve > self.live_pool.num_free:
+                if need + reserve > sh.pool.num_free:
                     break
                 if entry is None:
-                    entry = _Prefix(c.prompt_pos, c.seq[:-1], self.live_pool.alloc(need - n_tail),
-                                    self._waiting[c.prompt_pos])
-                    prefixes[c.prompt_pos] = entry
+                    entry = _Prefix(c.prompt_pos, c.seq[:-1], sh.pool.alloc(need - n_tail), sh.waiting[c.prompt_pos])
+                    sh.prefixes[c.prompt_pos] = entry
                     self.stats["prefix_prefills"] += 1
-                c.prefix, c.tail = entry, (self.live_pool.alloc(1)[0] if n_tail else None)
+                c.prefix, c.tail = entry, (sh.pool.alloc(1)[0] if n_tail else None)
             else:  # recompute / continuation / one-token prompt: its own pages for what it must prefill
                 need = paged_kv.pages_for(len(c.tokens) - 1, ec.page_size) - len(c.pages)
-                if need + reserve > self.live_pool.num_free:
+                if need + reserve > sh.pool.num_free:
                     break
-                c.pages += self.live_pool.alloc(max(need, 0))
-            queue.popleft()
+                c.pages += sh.pool.alloc(max(need, 0))
+            sh.queue.popleft()
             self._admitted += 1
             c.admitted = self._admitted
-            slots[s] = c
+            sh.slots[s] = c
             progress = True
         return progress
 
-    def _prefill_round(self, slots, prefixes) -> bool:
+    def _prefill_jobs(self, sh: _Shard) -> list:
+        """(owner, tokens, start, pages) of a shard's unfinished prefix entries and of its slot rows that still
+        have conversation tokens to write; at most one program's rows (the rest next round)."""
+        jobs: list = [(e, e.tokens, e.written, e.pages) for e in sh.prefixes.values() if not e.complete]
+        jobs += [(c, c.tokens[:-1], c.written, c.pages) for c in sh.slots
+                 if c is not None and c.prefix is None and c.written < len(c.tokens) - 1]
+        return jobs[:len(sh.slots)]
+
+    def _prefill_round(self, shards: list[_Shard]) -> bool:
         """One chunk of up to prefill_chunk tokens for every unfinished prefix entry and every slot row that still
-        has conversation tokens to write, in one jitted call."""
+        has conversation tokens to write, in one jitted call over every shard."""
         ec = self.engine_config
-        jobs = []  # (tokens to write, start position, pages, on_done)
-        for entry in prefixes.values():
-            if not entry.complete:
-                jobs.append((entry, entry.tokens, entry.written, entry.pages))
-        for c in slots:
-            if c is not None and c.prefix is None and c.written < len(c.tokens) - 1:
-                jobs.append((c, c.tokens[:-1], c.written, c.pages))
-        if not jobs:
+        jobs_D = [self._prefill_jobs(sh) for sh in shards]
+        every = [j for jobs in jobs_D for j in jobs]
+        if not every:
             return False
-        jobs = jobs[:self._rows()]  # at most one program's rows per round, the rest next round
-        C = self._prefill_width(max(len(toks) - start for _, toks, start, _ in jobs))
-        R = self._row_bucket(len(jobs))
-        width = self._width(max(len(j[3]) for j in jobs))
-        ids, pos, valid = (np.zeros((R, C), np.int32) for _ in range(3))
-        rows = []
-        for r, (owner, toks, start, pages) in enumerate(jobs):
-            chunk = toks[start:start + C]
-            ids[r, :len(chunk)] = chunk
-            pos[r, :len(chunk)] = np.arange(start, start + len(chunk))
-            valid[r, :len(chunk)] = 1
-            owner.written = start + len(chunk)
-            self.stats["prefill_tokens"] += len(chunk)
-            rows.append(pages)
-        table = paged_kv.page_table(rows + [[]] * (R - len(rows)), width)
-        self.pages = _prefill_jit(self.graphdef, self.state, self.pages, self._put(ids), self._put(pos),
-                                  self._put(valid.astype(bool)), self._put(table), page_size=ec.page_size)
+        C = self._prefill_width(max(len(toks) - start for _, toks, start, _ in every))
+        R = self._row_bucket(max(len(jobs) for jobs in jobs_D))
+        width = self._width(max(len(j[3]) for j in every))
+        D = len(shards)
+        ids, pos, valid = (np.zeros((D, R, C), np.int32) for _ in range(3))
+        table = np.zeros((D, R, width), np.int32)
+        for d, jobs in enumerate(jobs_D):
+            for r, (owner, toks, start, _) in enumerate(jobs):
+                chunk = toks[start:start + C]
+                ids[d, r, :len(chunk)] = chunk
+                pos[d, r, :len(chunk)] = np.arange(start, start + len(chunk))
+                valid[d, r, :len(chunk)] = 1
+                owner.written = start + len(chunk)
+                self.stats["prefill_tokens"] += len(chunk)
+            table[d] = paged_kv.page_table([j[3] for j in jobs] + [[]] * (R - len(jobs)), width)
+        self.pages = _prefill_jit(self.graphdef, self.state, self.pages, self._put_rows(ids), self._put_rows(pos),
+                                  self._put_rows(valid.astype(bool)), self._put_rows(table), page_size=ec.page_size,
+                                  batch_axes=self._batch_axes)
         self.stats["prefill_calls"] += 1
         return True
 
-    def _attach(self, slots, prefixes) -> None:
+    def _attach(self, shards: list[_Shard]) -> None:
         """Rows whose prefix entry is complete: share its full pages, copy its partial last page into the row's
-        private tail page; drop entries whose samples are all attached."""
+        private tail page (one copy program over every shard); drop entries whose samples are all attached."""
         ps = self.engine_config.page_size
-        src, dst = [], []
-        for c in slots:
-            if c is None or c.prefix is None or not c.prefix.complete:
-                continue
-            entry = c.prefix
-            n_full = len(entry.tokens) // ps
-            self.live_pool.share(entry.pages[:n_full])
-            c.pages = entry.pages[:n_full] + ([c.tail] if c.tail is not None else [])
-            if c.tail is not None:
-                src.append(entry.pages[n_full])
-                dst.append(c.tail)
-            c.written, c.prefix, c.tail, c.shareable = len(entry.tokens), None, None, False
-            entry.waiting -= 1
-            self._waiting[entry.key] -= 1
-            if entry.waiting == 0:
-                self.live_pool.release(entry.pages)
-                del prefixes[entry.key]
-        if src:
-            n = -(-len(src) // self._rows()) * self._rows()  # one program shape
-            src += [pa.TRASH_PAGE] * (n - len(src))
-            dst += [pa.TRASH_PAGE] * (n - len(dst))
-            self.pages = _copy_jit(self.pages, self._put(np.asarray(src, np.int32)),
-                                   self._put(np.asarray(dst, np.int32)))
+        copies_D = []
+        for sh in shards:
+            src, dst = [], []
+            for c in sh.slots:
+                if c is None or c.prefix is None or not c.prefix.complete:
+                    continue
+                entry = c.prefix
+                n_full = len(entry.tokens) // ps
+                sh.pool.share(entry.pages[:n_full])
+                c.pages = entry.pages[:n_full] + ([c.tail] if c.tail is not None else [])
+                if c.tail is not None:
+                    src.append(entry.pages[n_full])
+                    dst.append(c.tail)
+                c.written, c.prefix, c.tail, c.shareable = len(entry.tokens), None, None, False
+                entry.waiting -= 1
+                sh.waiting[entry.key] -= 1
+                if entry.waiting == 0:
+                    sh.pool.release(entry.pages)
+                    del sh.prefixes[entry.key]
+            copies_D.append((src, dst))
+        longest = max(len(src) for src, _ in copies_D)
+        if longest:
+            rows = len(shards[0].slots)
+            n = -(-longest // rows) * rows  # one program shape
+            pad = lambda x: x + [pa.TRASH_PAGE] * (n - len(x))  # noqa: E731
+            src_D = np.asarray([pad(src) for src, _ in copies_D], np.int32)
+            dst_D = np.asarray([pad(dst) for _, dst in copies_D], np.int32)
+            self.pages = _copy_jit(self.pages, self._put_rows(src_D), self._put_rows(dst_D),
+                                   batch_axes=self._batch_axes)
 
     def _exit_after(self, queue, num_rows: int) -> int:
         """Finished rows that end a decode chunk early: enough to refill a quarter of the slots (or all the
@@ -566,21 +700,16 @@ class Engine:
         return max(1, min(len(queue), -(-num_rows // EXIT_FRACTION)))
 
     def _row_bucket(self, num_rows: int) -> int:
-        """Rows of a prefill or decode call: a power-of-two bucket of the rows with work (at least MIN_ROWS, at
-        most the slot rows), a multiple of the data shards: a round that prefills one new prompt, or decodes the
-        last rows of a draining queue, must not pay for max_slots rows."""
-        r = min(1 << (max(num_rows, MIN_ROWS) - 1).bit_length(), self._rows())
-        return -(-r // self.data_shards) * self.data_shards
+        """Rows of a prefill or decode call (per shard): a power-of-two bucket of the rows with work (at least
+        MIN_ROWS, at most a shard's slots): a round that prefills one new prompt, or decodes the last rows of a
+        draining queue, must not pay for max_slots rows."""
+        return min(1 << (max(num_rows, MIN_ROWS) - 1).bit_length(), self._slots_per_shard())
 
     def _prefill_width(self, longest: int) -> int:
         """Tokens per row of a prefill call: MIN_PREFILL_WIDTH when every chunk left to write fits it, else
         prefill_chunk. Two widths only (each multiplies the prefill programs), but short prompts (and multi-turn
         appends) do not pay for prefill_chunk columns."""
         return min(self.engine_config.prefill_chunk, MIN_PREFILL_WIDTH if longest <= MIN_PREFILL_WIDTH else 1 << 30)
-
-    def _rows(self) -> int:
-        """Batch rows of every program: max_slots rounded up to a multiple of the data shards."""
-        return -(-self.engine_config.max_slots // self.data_shards) * self.data_shards
 
     def _width(self, num_pages: int) -> int:
         """Page-table width of a call: a power-of-two bucket of the live pages, at least MIN_WIDTH pages (few
@@ -591,36 +720,36 @@ class Engine:
         max_pos = getattr(self.config, "max_position_embeddings", None) or 1 << 20
         return paged_kv.pages_for(max_pos, self.engine_config.page_size)
 
-    def _grow(self, slots, queue, prefixes) -> None:
-        """Give every ready row the pages its next chunk writes into. On a short pool preempt the most recently
-        admitted rows (back to the queue front, recomputed later) until the rest fit; with one row left, drop the
-        prefix entries no row in a slot is waiting for."""
+    def _grow(self, sh: _Shard) -> None:
+        """Give every ready row of a shard the pages its next chunk writes into. On a short pool preempt the most
+        recently admitted rows (back to the queue front, recomputed later) until the rest fit; with one row left,
+        drop the prefix entries no row in a slot is waiting for."""
         while True:
-            growth = self._growth(slots)
+            growth = self._growth(sh.slots)
             if not growth:
                 return
-            if sum(max(n, 0) for _, n in growth) <= self.live_pool.num_free:
+            if sum(max(n, 0) for _, n in growth) <= sh.pool.num_free:
                 for c, n in growth:
                     if n > 0:
-                        c.pages += self.live_pool.alloc(n)
+                        c.pages += sh.pool.alloc(n)
                 return
-            rows = sorted((c for c in slots if c is not None), key=lambda c: c.admitted)
+            rows = sorted((c for c in sh.slots if c is not None), key=lambda c: c.admitted)
             if len(rows) > 1:  # the oldest row always keeps going: no livelock
-                self._preempt(rows[-1], slots, queue)
+                self._preempt(rows[-1], sh)
                 continue
-            if not self._drop_idle_prefix(slots, prefixes):
+            if not self._drop_idle_prefix(sh):
                 raise paged_kv.PagesExhausted(
-                    f"one row needs {growth[0][1]} more pages, {self.live_pool.num_free} free: raise "
+                    f"one row needs {growth[0][1]} more pages, {sh.pool.num_free} free: raise "
                     f"sampling.engine.num_pages")
 
-    def _drop_idle_prefix(self, slots, prefixes) -> bool:
-        """Free the pages of one prefix entry that no row in a slot waits for (it is prefilled again when its
-        next sample is admitted); False if there is none."""
-        idle = [e for e in prefixes.values() if not any(c is not None and c.prefix is e for c in slots)]
+    def _drop_idle_prefix(self, sh: _Shard) -> bool:
+        """Free the pages of one of a shard's prefix entries that no row in a slot waits for (it is prefilled
+        again when its next sample is admitted); False if there is none."""
+        idle = [e for e in sh.prefixes.values() if not any(c is not None and c.prefix is e for c in sh.slots)]
         if not idle:
             return False
-        self.live_pool.release(idle[0].pages)
-        del prefixes[idle[0].key]
+        sh.pool.release(idle[0].pages)
+        del sh.prefixes[idle[0].key]
         return True
 
     def _growth(self, slots) -> list[tuple[Conversation, int]]:
@@ -630,55 +759,65 @@ class Engine:
         return [(c, paged_kv.pages_for(c.written + min(ec.decode_chunk, c.budget - c.step), ec.page_size)
                  - len(c.pages)) for c in ready]
 
-    def _preempt(self, c: Conversation, slots, queue) -> None:
-        """Free a row's pages and requeue it at the front. A row still waiting for its prompt's prefix just
-        gives back its reserved tail page; any other row is recomputed later (same draws, same tokens)."""
+    def _preempt(self, c: Conversation, sh: _Shard) -> None:
+        """Free a row's pages and requeue it at its shard's queue front. A row still waiting for its prompt's
+        prefix just gives back its reserved tail page; any other row is recomputed later (same draws, same
+        tokens)."""
         if c.prefix is not None:
             if c.tail is not None:
-                self.live_pool.release([c.tail])
+                sh.pool.release([c.tail])
             c.prefix, c.tail = None, None
         else:
-            self.live_pool.release(c.pages)
+            sh.pool.release(c.pages)
             c.pages, c.written, c.shareable = [], 0, False
             c.turn_tokens, c.turn_logprobs = [], []
             self.stats["recomputes"] += 1
-        slots[slots.index(c)] = None
-        queue.appendleft(c)
+        sh.slots[sh.slots.index(c)] = None
+        sh.queue.appendleft(c)
 
-    def _decode_round(self, slots, queue, scalars, keep, prefixes) -> bool:
-        """Up to decode_chunk steps of every ready slot; record the tokens and retire finished rows."""
+    def _decode_round(self, shards: list[_Shard], scalars, keep) -> bool:
+        """Up to decode_chunk steps of every ready slot of every shard (one program); record the tokens and
+        retire finished rows."""
         ec = self.engine_config
-        if not any(c is not None and c.ready for c in slots):
+        if not any(sh.ready() for sh in shards):
             return False
-        self._grow(slots, queue, prefixes)
-        if not any(c is not None and c.ready for c in slots):
+        for sh in shards:
+            if sh.ready():
+                self._grow(sh)
+        ready_D = [sh.ready() for sh in shards]
+        if not any(ready_D):
             return True  # everything ready was preempted: the pages went back, the queue goes on
-        ready = [(s, c) for s, c in enumerate(slots) if c is not None and c.ready]
-        S = self._row_bucket(len(ready))  # the ready rows, compacted: a draining tail does not pay for max_slots
-        live = [c for _, c in ready] + [None] * (S - len(ready))
-        width = self._width(max(len(c.pages) for c in live if c is not None))
-        table = paged_kv.page_table([c.pages if c else [] for c in live], width)
-        arr = lambda f, dt=np.int32: self._put(np.asarray([f(c) if c else 0 for c in live], dt))  # noqa: E731
+        # the ready rows, compacted: a draining tail does not pay for max_slots
+        S = self._row_bucket(max(len(ready) for ready in ready_D))
+        live_D = [[c for _, c in ready] + [None] * (S - len(ready)) for ready in ready_D]
+        width = self._width(max(len(c.pages) for live in live_D for c in live if c is not None))
+        table = np.stack([paged_kv.page_table([c.pages if c else [] for c in live], width) for live in live_D])
+        arr = lambda f, dt=np.int32: self._put_rows(  # noqa: E731
+            np.asarray([[f(c) if c else 0 for c in live] for live in live_D], dt))
+        exit_after = np.asarray([self._exit_after(sh.queue, S) for sh in shards], np.int32)
         self.pages, toks, lps, n, eos = _decode_jit(
-            self.graphdef, self.state, self.pages, self._put(table), arr(lambda c: c.tokens[-1]),
+            self.graphdef, self.state, self.pages, self._put_rows(table), arr(lambda c: c.tokens[-1]),
             arr(lambda c: c.written), arr(lambda c: c.step), arr(lambda c: c.budget),
             arr(lambda c: True, bool), arr(lambda c: c.prompt_index, np.uint32), arr(lambda c: c.sample, np.uint32),
-            self._put(np.int32(self._exit_after(queue, S))), *scalars, steps=ec.decode_chunk,
-            page_size=ec.page_size, pad_id=self.pad_id)
+            self._put_rows(exit_after), *scalars, steps=ec.decode_chunk, page_size=ec.page_size, pad_id=self.pad_id,
+            batch_axes=self._batch_axes)
         toks, lps, n, eos = jax.device_get((toks, lps, n, eos))
+        if not self._batch_axes:  # one shard: its rows without the shard axis
+            toks, lps, n, eos = (x[None] for x in (toks, lps, n, eos))
         self.stats["decode_chunks"] += 1
         self.stats["decode_steps"] += int(n.max(initial=0))
-        for r, (s, c) in enumerate(ready):
-            k = int(n[r])
-            c.turn_tokens += toks[r, :k].tolist()
-            c.turn_logprobs += lps[r, :k].tolist()
-            c.written += k
-            if eos[r] or c.step >= c.budget:
-                c.finished_eos = bool(eos[r])
-                slots[s] = None
-                if not keep:
-                    self.live_pool.release(c.pages)
-                    c.pages, c.closed = [], True
+        for sh, ready, toks_S, lps_S, n_S, eos_S in zip(shards, ready_D, toks, lps, n, eos):
+            for r, (s, c) in enumerate(ready):
+                k = int(n_S[r])
+                c.turn_tokens += toks_S[r, :k].tolist()
+                c.turn_logprobs += lps_S[r, :k].tolist()
+                c.written += k
+                if eos_S[r] or c.step >= c.budget:
+                    c.finished_eos = bool(eos_S[r])
+                    sh.slots[s] = None
+                    if not keep:
+                        sh.pool.release(c.pages)
+                        c.pages, c.closed = [], True
         return True
 
 
@@ -692,21 +831,19 @@ def generate(model: nnx.Module, prompt_ids: Sequence[Sequence[int]], *, max_new_
 
 
 def engine_unsupported(mesh: Mesh | None) -> str | None:
-    """Why the engine cannot run here (None if it can): its host scheduler drives one process, and its slots and
-    page pool are not split over the data axes (a data-parallel mesh would decode every slot on every replica)."""
+    """Why the engine cannot run here (None if it can): its host scheduler drives one process. Any mesh of that
+    process is fine (a data-split one gives each data shard its own slots and page pool)."""
+    del mesh  # every single-process mesh runs (kept: the callers' question is per mesh)
     if distributed.is_multiprocess():
         return f"the run has {jax.process_count()} processes (the engine's scheduler runs in one)"
-    shards = model_sharding.batch_shards(mesh)
-    if mesh is not None and shards > 1:
-        return (f"the mesh splits the batch over {shards} data shards {model_sharding.batch_axes(mesh)} (the "
-                f"engine's slots are not split over data axes yet)")
     return None
 
 
 def make_generator(model: nnx.Module, *, config: EngineConfig, max_new_tokens: int, mesh: Mesh | None = None,
                    cache_dtype=jnp.float32, pad_id: int | None = None) -> Engine | Sampler:
     """The generator for `config.enabled`: the engine (true), the static sampler (false), or (auto) the engine
-    wherever it runs and the responses may be long enough to pay (max_new_tokens >= auto_min_new_tokens), the
+    wherever it runs (one process, any mesh: over data shards each has its own slots and page pool) and the
+    responses may be long enough to pay (max_new_tokens >= auto_min_new_tokens), the
     static sampler elsewhere. Both draw the same samples. enabled=true where the engine cannot run is a
     ValueError naming sampling.engine.enabled and the reason."""
     reason = engine_unsupported(mesh)

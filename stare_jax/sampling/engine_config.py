@@ -15,17 +15,20 @@ class EngineConfig:
     enabled: bool | Literal["auto"] = option(
         "auto", "generate with the rollout engine (continuous batching, paged KV cache, one prefill per prompt) "
                 "instead of the static sampler (same samples): true, false, or auto = the engine wherever it runs "
-                "(one process, the batch not split over data/fsdp mesh axes) and pays (max_new_tokens >= "
+                "(one process; a mesh split over data/fsdp axes gives each data shard its own slots and pages) "
+                "and pays (max_new_tokens >= "
                 "auto_min_new_tokens), the static sampler elsewhere")
     auto_min_new_tokens: int = option(
         128, "with enabled=auto, the shortest response budget (sampling.max_new_tokens) that uses the engine: "
              "for a few tokens per response there is no tail to refill and the static sampler's single program "
              "is faster (the CPU toy's 8 tokens: ~1.4-2.5x)", lo=1)
-    max_slots: int = option(64, "decode slots: rows decoded together per step (the decode batch)", lo=1)
+    max_slots: int = option(64, "decode slots: rows decoded together per step (the decode batch; split over the "
+                                "mesh's data shards)", lo=1)
     page_size: int = option(16, "tokens per KV page (the unit of allocation and of prefix sharing)", lo=1)
-    num_pages: int = option(0, "pages in the pool, page 0 reserved; 0 = auto (max_slots x the longest request's "
-                               "pages + prefix staging: never preempts); fewer bound memory, and rows are then "
-                               "preempted and recomputed when the pool runs out", lo=0)
+    num_pages: int = option(0, "pages in the pool (split over the mesh's data shards; page 0 of each reserved); 0 = "
+                               "auto (max_slots x the longest request's pages + prefix staging: never preempts); "
+                               "fewer bound memory, and rows are then preempted and recomputed when the pool runs "
+                               "out", lo=0)
     decode_chunk: int = option(16, "decode steps (K) per jitted decode program between host scheduling rounds",
                                lo=1)
     prefill_chunk: int = option(256, "prompt tokens per row written per round (chunked prefill)", lo=1)
