@@ -14,6 +14,12 @@ the tool rollouts too) and adds its checks:
   <= 0.2 at every evaluation of both arms;
 - tool use rises under RL: held-out tool calls per response, mean of the last 3 evaluations above the value before
   RL, for both arms.
+
+The default's "target >= 0.55 x STARE's first-step entropy" is not checked there: the tool warm start's entropy
+(~0.8 nats/token) is mostly its deliberate noise (guessed answers of random digits), while a policy that always
+answers correctly has at most ~ln|set| x k / (~20 model tokens) ~ 0.2 nats/token (the choice of D is the only
+free part of a correct response); its target (0.2) sits at that ceiling, and GRPO-ds must still fall below
+0.7 x it.
 """
 from __future__ import annotations
 
@@ -68,8 +74,9 @@ def demo_checks(grpo_dir, stare_dir, *, tool: bool = False) -> list[tuple[str, f
 
     ratio = g["last10_entropy"] / g["first_entropy"] if g["first_entropy"] else None
     add("GRPO-ds last-10 entropy / first-step entropy", ratio, "< 0.5", ratio is not None and ratio < 0.5)
-    t_ratio = target / s["first_entropy"] if s["first_entropy"] else None
-    add("STARE target / first-step entropy", t_ratio, ">= 0.55", t_ratio is not None and t_ratio >= 0.55)
+    if not tool:  # the tool warm start's entropy is mostly its deliberate noise (guessed answers): no such bound
+        t_ratio = target / s["first_entropy"] if s["first_entropy"] else None
+        add("STARE target / first-step entropy", t_ratio, ">= 0.55", t_ratio is not None and t_ratio >= 0.55)
     band = s["last_quarter_in_band"]
     add("STARE last-quarter steps within +-30% of target", band, ">= 0.9", band is not None and band >= 0.9)
     gq = g["last_quarter_entropy"] / target if target else None

@@ -225,14 +225,14 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
     pad_id = tok.pad_id
     assert pad_id is not None  # train_sentencepiece gives the tokenizer a pad piece
     if cfg.task == "tool_mul":
-        rows = [(r["problem"], task.parse_spec(r["answer"])) for r in train]
+        tool_rows = [(r["problem"], task.parse_spec(r["answer"])) for r in train]
         longest = MAX_POSITIONS
 
     def sample_batch(rng: np.random.Generator, batch_size: int):
         picks = rng.integers(0, len(prompts), size=batch_size)
         if cfg.task == "tool_mul":
-            return pack_masked([encode_transcript(tok, rows[int(i)][0],
-                                                  tool_transcript(cfg, rows[int(i)][1], rng_answers))
+            return pack_masked([encode_transcript(tok, tool_rows[int(i)][0],
+                                                  tool_transcript(cfg, tool_rows[int(i)][1], rng_answers))
                                 for i in picks], pad_id, length=longest)
         examples = []
         for i in picks:

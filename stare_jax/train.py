@@ -167,9 +167,9 @@ class Run:
             return {}
         self.refresh_sampler()
         s = self.cfg.sampling
-        kw = dict(tokenizer=self.tokenizer, reward_fn=self.reward_fn, prompt_len=self.prompt_len,
-                  max_new_tokens=s.max_new_tokens, seed=batch_seed(self.cfg.seed, step, 99_991),
-                  batch_prompts=s.max_prompts_per_call or 256)
+        kw: dict[str, Any] = dict(tokenizer=self.tokenizer, reward_fn=self.reward_fn, prompt_len=self.prompt_len,
+                                  max_new_tokens=s.max_new_tokens, seed=batch_seed(self.cfg.seed, step, 99_991),
+                                  batch_prompts=s.max_prompts_per_call or 256)
         out = evaluate(self.sampler, self.eval_sets, tool=self.cfg.tool, tool_pool=self.tool_pool, **kw)
         if self.cfg.tool.enabled and self.cfg.tool.eval_without_tool:
             out.update({k.replace("eval/", "eval_notool/", 1): v
