@@ -2,7 +2,7 @@
 data order change; the cached tokenizer and warm start are shared, as the demo specifies) and prints each seed's
 checks plus how many seeds pass them all.
 
-    python benchmarks/demo_seeds.py --seeds 0 1 2 --out runs/demo_seeds
+    python benchmarks/demo_seeds.py --seeds 0 1 2 --out runs/demo_seeds [--scenario tool]
 """
 import argparse
 import pathlib
@@ -16,6 +16,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default="runs/demo_seeds")
+    ap.add_argument("--scenario", default="default", help="the demo's scenario: default or tool")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     passed = 0
@@ -23,7 +24,7 @@ def main() -> None:
     for seed in args.seeds:
         t0 = time.time()
         res = run_demo(pathlib.Path(args.out) / f"seed{seed}", [f"seed={seed}", f"data.seed={seed}", *args.overrides],
-                       log=lambda *_: None)
+                       scenario=args.scenario, log=lambda *_: None)
         ok = all(c[3] for c in res["checks"])
         passed += ok
         report.append(f"## seed {seed}: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f} s, plot {res['plot']})\n\n"

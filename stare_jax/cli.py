@@ -1,6 +1,7 @@
 """The `stare-jax` command line: one entry point with subcommands.
 
-  stare-jax demo     [--run-dir DIR] [KEY=VALUE ...]  the README's main job: both arms of the embedded CPU default
+  stare-jax demo     [--run-dir DIR] [--scenario default|tool] [KEY=VALUE ...]  the README's main job: both arms of
+                     the embedded CPU default (tool: multi-turn tool use with the code interpreter)
   stare-jax compare  [--run-dir DIR] [--methods a,b] [--seeds 0,1] [KEY=VALUE ...]  the entropy-control methods on
                      the embedded CPU default: one plot, one table
   stare-jax eval     --checkpoint DIR --benchmarks a,b [--limit N] [--n N]   avg@N / pass@k per benchmark
@@ -44,7 +45,7 @@ from stare_jax.compare import DEFAULT_METHODS, METHODS, parse_methods, run_compa
 from stare_jax.checkpoint import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from stare_jax.config import ConfigError, load_config, save_config, to_dict
 from stare_jax.data.prompts import DataError, format_prompt
-from stare_jax.demo import run_demo
+from stare_jax.demo import SCENARIOS, run_demo
 from stare_jax.eval.benchmarks import DEFAULT_PROTOCOL, format_results_json, format_results_markdown, load_benchmark
 from stare_jax.eval.runner import EvalSet, evaluate_sets
 from stare_jax.models.gguf_convert import convert_gguf_to_hf, ensure_smollm2_hf
@@ -296,7 +297,7 @@ def _cmd_demo(args) -> int:
         print("stare-jax demo: --config is not used (the demo runs configs/tiny_cpu_*.yaml); pass KEY=VALUE "
               "overrides instead", file=sys.stderr)
         return 2
-    run_demo(args.run_dir, args.overrides)
+    run_demo(args.run_dir, args.overrides, scenario=args.scenario)
     return 0
 
 
@@ -403,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the main job: GRPO-ds and STARE-O1 on the embedded CPU default, plot + table")
     p.add_argument("--run-dir", default="runs/demo")
+    p.add_argument("--scenario", default="default", choices=sorted(SCENARIOS),
+                   help="default: the digit-set task; tool: multi-turn tool use with the code interpreter "
+                        "(tool_mul task) (default: %(default)s)")
     _add_config_args(p)
     p.set_defaults(func=_cmd_demo)
 

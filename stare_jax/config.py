@@ -72,7 +72,7 @@ class DataConfig:
     eval_paths: dict = option({}, doc="benchmark name -> jsonl path")
     prompt_field: str = option("problem")
     answer_field: str = option("answer")
-    task: Literal["math", "digit_set", "digit_sum"] = option(
+    task: Literal["math", "digit_set", "digit_sum", "tool_mul"] = option(
         "math", doc="verifier: math answers (sandboxed) or one of the toy tasks")
     prompt_template: Literal["paper", "chat", "raw"] = option("paper", doc="paper instruction, chat template, or raw")
     max_prompt_len: int = option(1024, lo=1)
@@ -199,7 +199,7 @@ class ToyConfig:
 
     enabled: bool = option(False)
     cache_dir: str = option(".cache/toy")
-    task: Literal["digit_set", "digit_sum"] = option("digit_set")
+    task: Literal["digit_set", "digit_sum", "tool_mul"] = option("digit_set")
     seed: int = option(0, lo=0)
     num_train: int = option(4000, lo=1)
     num_eval: int = option(200, lo=1)
@@ -210,6 +210,9 @@ class ToyConfig:
     sft_steps: int = option(150, lo=0)
     sft_lr: float = option(3e-3, lo=0.0, lo_open=True)
     sft_noise: float = option(0.3, lo=0.0, hi=1.0, doc="fraction of warm-start answer digits replaced by random ones")
+    sft_direct_frac: float = option(0.0, lo=0.0, hi=1.0, doc="tool_mul: fraction of warm-start answers guessed "
+                                                             "without calling the tool")
+    vocab_size: int = option(40, lo=8, doc="the toy tokenizer's vocabulary size")
 
 
 @dataclass

@@ -171,9 +171,15 @@ def build_figure(
 
     ax_gate: Any = None  # gate and W/M panels: not in the compact form
     ax_w: Any = None
+    ax_calls: Any = None  # tool panels: runs with tool rollouts, not in the compact form
+    ax_notool: Any = None
+    with_tool = any("tool/calls_per_response" in r for recs in runs for r in recs)
     if compact:
         fig = Figure(figsize=(13, 9), layout="constrained")
         ax_h, ax_r, ax_acc, ax_len = fig.subplots(2, 2).ravel()
+    elif with_tool:
+        fig = Figure(figsize=(12, 15), layout="constrained")
+        ax_h, ax_r, ax_acc, ax_len, ax_gate, ax_w, ax_calls, ax_notool = fig.subplots(4, 2).ravel()
     else:
         fig = Figure(figsize=(12, 11.5), layout="constrained")
         ax_h, ax_r, ax_acc, ax_len, ax_gate, ax_w = fig.subplots(3, 2).ravel()
@@ -241,6 +247,14 @@ def build_figure(
         wlabel = "" if stare_on else " (no STARE: 1)"
         _line(ax_w, ws, wv, label=f"{label} W{wlabel}", **st)
         _line(ax_w, ms_, mv, label=f"{label} M{wlabel}", **{**st, "ls": "--"})
+        if ax_calls is not None:
+            _line(ax_calls, *series(records, "tool/calls_per_response"), label=f"{label}: training rollouts", **st)
+            _line(ax_calls, *_held_out(records, "tool/calls_per_response"), color=c, marker="o", ls="--", ms=6 - i,
+                  lw=0.9, label=f"{label}: held-out eval")
+            _line(ax_notool, *_held_out(records, "accuracy", "_notool"), color=c, marker="o", ls="--",
+                  ms=6 - i, lw=0.9, label=label)
+            _line(ax_notool, *_held_out(records, "accuracy"), color=c, lw=0.9, alpha=0.5,
+                  label=f"{label}: with the tool")
 
     gate_title = ("STARE gate: share of the last " + (f"{window} steps" if window > 1 else "step")
                   + " with reweighting on")
@@ -254,6 +268,10 @@ def build_figure(
     if not compact:
         panels += [(ax_gate, gate_title, "fraction of steps"),
                    (ax_w, "STARE token weights: W amplifies (solid), M attenuates (dashed)", "weight (1 = unweighted)")]
+    if ax_calls is not None:
+        panels += [(ax_calls, "tool calls per response: training rollouts (lines), held-out eval (dots; step 0 = "
+                              "before RL)", "calls"),
+                   (ax_notool, "held-out accuracy with the tool disabled (dots; step 0 = before RL)", "accuracy")]
     for ax, name, ylabel in panels:
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("RL step")
@@ -268,6 +286,14 @@ def build_figure(
     if title:
         fig.suptitle(title)
     return fig
+
+
+def _held_out(records: Sequence[dict], key: str, kind: str = "") -> tuple[list[int], list[float]]:
+    """The held-out series eval<kind>/<key> with the evaluation before RL (eval_start<kind>/<key>) at step 0
+    (kind "" or "_notool": the evaluation with the tool disabled)."""
+    steps, vals = series(records, f"eval{kind}/{key}")
+    start = [r[f"eval_start{kind}/{key}"] for r in records if _finite(r.get(f"eval_start{kind}/{key}"))]
+    return ([0] + steps, start[:1] + vals) if start else (steps, vals)
 
 
 def _mean(xs: Sequence[float]) -> float | None:

@@ -1,8 +1,17 @@
 """The embedded CPU default: toy prompts with many valid answers (tasks.digit_set by default, or tasks.digit_sum),
 a SentencePiece tokenizer trained for them, and a tiny Qwen2-shaped transformer warm-started by a short SFT phase on
 uniformly random answers, a fraction `sft_noise` of whose digits are replaced by random ones (so it starts with high
-entropy and accuracy well below 1). Everything is built once per asset config and cached under `cache_dir/<hash>/`, so
-both arms of the demo (GRPO-ds and STARE) start from the very same checkpoint and data.
+entropy and accuracy well below 1).
+
+task tool_mul (`stare-jax demo --scenario tool`): the warm start is multi-turn - prompt, the model's
+`<code>print(m*D)</code>` call, the interpreter's observation (loss mask 0: assistant-only loss, as in
+stare_jax.sft's conversation SFT) and the copied answer. It is deliberately imperfect so RL has something to gain:
+a fraction `sft_direct_frac` of the examples answer with a guessed number without calling the tool, and a fraction
+`sft_noise` of D's digits are replaced by digits outside the set. The retool tags and the newline are user-defined
+pieces of the tokenizer, so each closing tag is one stop token.
+
+Everything is built once per asset config and cached under `cache_dir/<hash>/`, so both arms of the demo (GRPO-ds
+and STARE) start from the very same checkpoint and data.
 
 Layout of a prepared asset folder:
     train.jsonl, eval.jsonl     {id, problem, answer} rows (answer = the task's spec, e.g. 'K:DIGITS', read by its
@@ -23,10 +32,15 @@ import time
 
 import numpy as np
 
-from stare_jax.tasks import TASKS, digit_set, digit_sum
+from stare_jax.tasks import TASKS, digit_set, digit_sum, tool_mul
 from stare_jax import models
-from stare_jax.sft import SFTConfig, pack_examples, sft_train
+from stare_jax.sft import SFTConfig, pack_examples, pack_masked, sft_train
 from stare_jax.tokenizer import load_tokenizer, train_sentencepiece
+from stare_jax.tools.calls import RETOOL, call_tags
+
+
+MAX_POSITIONS = 64  # the toy model's context: prompt + response (tool_mul: call, observation and answer)
+TOOL_MUL_M_RANGE = (11, 99)  # tool_mul's multipliers (multiples of 10 left out by the task)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +54,7 @@ class ToyAssetConfig:
     eval_holdout_frac: float = 0.2
     set_size: int = 3
     sft_noise: float = 0.3
+    sft_direct_frac: float = 0.0  # tool_mul: warm-start answers guessed without calling the tool
     vocab_size: int = 40
     hidden_size: int = 128
     num_layers: int = 4
@@ -72,6 +87,8 @@ def _is_heldout(spec: str, frac: float) -> bool:
 def _specs(cfg: ToyAssetConfig) -> list[tuple]:
     if cfg.task == "digit_set":
         return digit_set.all_specs((cfg.k_min, cfg.k_max), cfg.set_size)
+    if cfg.task == "tool_mul":
+        return tool_mul.all_specs(TOOL_MUL_M_RANGE, (cfg.k_min, cfg.k_max), cfg.set_size)
     return [(k, s) for k in range(cfg.k_min, cfg.k_max + 1) for s in range(9 * k + 1)
             if digit_sum.count_strings(k, s) >= 10]
 
@@ -99,7 +116,42 @@ def make_splits(cfg: ToyAssetConfig) -> tuple[list[dict], list[dict]]:
 def _tokenizer_corpus(cfg: ToyAssetConfig) -> list[str]:
     task = TASKS[cfg.task]
     rng = random.Random(cfg.seed + 1)
+    if cfg.task == "tool_mul":
+        return [task.prompt_text(*sp) + " " + "".join(text for text, _ in tool_transcript(cfg, sp, rng))
+                for sp in _specs(cfg)]
     return [task.prompt_text(*sp) + " " + task.sample_answer(*sp, rng) for sp in _specs(cfg)]
+
+
+def _user_symbols(cfg: ToyAssetConfig) -> tuple[str, ...]:
+    """Pieces the tokenizer keeps whole: tool_mul's retool tags (one stop token per closing tag) and the newline
+    of its observations."""
+    return (*call_tags("retool"), "<interpreter>", "</interpreter>", "\n") if cfg.task == "tool_mul" else ()
+
+
+def tool_transcript(cfg: ToyAssetConfig, sp: tuple, rng: random.Random) -> list[tuple[str, int]]:
+    """One tool_mul warm-start response as (text, trained) segments after the prompt: the call (each digit of D
+    replaced by a random digit with probability sft_noise), the interpreter's observation (not trained on) and the
+    copied answer; or, with probability sft_direct_frac, a guessed number of the right length and no call."""
+    m, k, digits = sp
+    if rng.random() < cfg.sft_direct_frac:
+        n = len(tool_mul.sample_answer(m, k, digits, rng))
+        return [(str(rng.randrange(10 ** (n - 1), 10 ** n)), 1)]
+    factor = "".join(str(rng.randrange(1, 10)) if rng.random() < cfg.sft_noise else c
+                     for c in tool_mul.sample_factor(k, digits, rng))
+    product = str(m * int(factor))
+    return [(tool_mul.call_text(m, factor), 1), (RETOOL.wrap(product), 0), (product, 1)]
+
+
+def encode_transcript(tok, problem: str, segments: list[tuple[str, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, loss mask) of a prompt and its response segments, each segment encoded on its own as the tool
+    rollout does (the model's turns, then the observation text by itself), EOS (trained) at the end."""
+    ids = encode_example(tok, problem)
+    mask = [0] * len(ids)
+    for text, trained in segments:
+        seg = tok.encode(text, add_bos=False)
+        ids += seg
+        mask += [trained] * len(seg)
+    return np.asarray(ids + [tok.eos_id], np.int32), np.asarray(mask + [1], np.int32)
 
 
 def noisy_answer(cfg: ToyAssetConfig, sp: tuple, rng: random.Random) -> str:
@@ -130,8 +182,8 @@ def model_config(cfg: ToyAssetConfig, **token_ids):
 
     fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                   num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size,
-                  max_position_embeddings=64, rope_theta=10000.0, qkv_bias=True, architecture="Qwen2ForCausalLM",
-                  tie_word_embeddings=True, initializer_range=0.05)
+                  max_position_embeddings=MAX_POSITIONS, rope_theta=10000.0, qkv_bias=True,
+                  architecture="Qwen2ForCausalLM", tie_word_embeddings=True, initializer_range=0.05)
     return models.ModelConfig(**{**fields, **token_ids})
 
 
@@ -155,7 +207,8 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
     model_dir = tmp / "model"
     model_dir.mkdir()
     sp_path = train_sentencepiece(_tokenizer_corpus(cfg), cfg.vocab_size, model_dir / "tokenizer",
-                                  byte_fallback=False, model_type="bpe", seed=cfg.seed)
+                                  byte_fallback=False, model_type="bpe", seed=cfg.seed,
+                                  user_defined_symbols=_user_symbols(cfg))
     sp_path.rename(model_dir / "tokenizer.model")
     for extra in model_dir.glob("tokenizer.vocab"):
         extra.unlink()
@@ -171,9 +224,16 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
     rng_answers = random.Random(cfg.seed + 2)
     pad_id = tok.pad_id
     assert pad_id is not None  # train_sentencepiece gives the tokenizer a pad piece
+    if cfg.task == "tool_mul":
+        tool_rows = [(r["problem"], task.parse_spec(r["answer"])) for r in train]
+        longest = MAX_POSITIONS
 
     def sample_batch(rng: np.random.Generator, batch_size: int):
         picks = rng.integers(0, len(prompts), size=batch_size)
+        if cfg.task == "tool_mul":
+            return pack_masked([encode_transcript(tok, tool_rows[int(i)][0],
+                                                  tool_transcript(cfg, tool_rows[int(i)][1], rng_answers))
+                                for i in picks], pad_id, length=longest)
         examples = []
         for i in picks:
             p, sp = prompts[int(i)]

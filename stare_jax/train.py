@@ -161,14 +161,20 @@ class Run:
         return jax.device_get(m), time.time() - t0
 
     def evaluate(self, step: int) -> dict:
-        """eval/* metrics of the current policy on the eval sets (empty without eval sets)."""
+        """eval/* metrics of the current policy on the eval sets (empty without eval sets), through the tool
+        rollouts when tool.enabled (and eval_notool/* without them when tool.eval_without_tool)."""
         if not self.eval_sets:
             return {}
         self.refresh_sampler()
         s = self.cfg.sampling
-        return evaluate(self.sampler, self.eval_sets, tokenizer=self.tokenizer, reward_fn=self.reward_fn,
-                        prompt_len=self.prompt_len, max_new_tokens=s.max_new_tokens,
-                        seed=batch_seed(self.cfg.seed, step, 99_991), batch_prompts=s.max_prompts_per_call or 256)
+        kw: dict[str, Any] = dict(tokenizer=self.tokenizer, reward_fn=self.reward_fn, prompt_len=self.prompt_len,
+                                  max_new_tokens=s.max_new_tokens, seed=batch_seed(self.cfg.seed, step, 99_991),
+                                  batch_prompts=s.max_prompts_per_call or 256)
+        out = evaluate(self.sampler, self.eval_sets, tool=self.cfg.tool, tool_pool=self.tool_pool, **kw)
+        if self.cfg.tool.enabled and self.cfg.tool.eval_without_tool:
+            out.update({k.replace("eval/", "eval_notool/", 1): v
+                        for k, v in evaluate(self.sampler, self.eval_sets, **kw).items()})
+        return out
 
     def eval_due(self, done: int) -> bool:
         every = self.cfg.logging.eval_every_steps
@@ -230,8 +236,9 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
     summary: dict = {"steps_run": 0, "stopped": None, "new_compiles_per_step": []}
     last_record: dict = {}
     try:
-        # the policy before any RL update is evaluated once; step 1's record carries it as eval_start/*
-        pending = ({k.replace("eval/", "eval_start/", 1): v for k, v in run.evaluate(0).items()}
+        # the policy before any RL update is evaluated once; step 1's record carries it as eval_start/* (and
+        # eval_start_notool/*)
+        pending = ({k.replace("eval", "eval_start", 1): v for k, v in run.evaluate(0).items()}
                    if cfg.logging.eval_every_steps and run.start_step == 0 else {})
         for step in range(run.start_step, cfg.total_steps):
             t0, compiles_before = time.time(), compile_count()

@@ -1,6 +1,10 @@
 """Evaluation runs: avg@N / pass@k / mean response length per benchmark, for `stare-jax eval` and for the periodic
 evaluation inside training (the same code path).
 
+With a ToolConfig whose `enabled` is set (and its SandboxPool), the responses are multi-turn tool rollouts
+(rollouts.generate_tool_rollouts, the RL collection's own path): the text after the last observation is scored and
+the tool counts are summed into the results' "tool" entry.
+
 Benchmarks that share sampling settings (samples per problem, temperature, top-p) are generated together, in prompt
 chunks of `batch_prompts`, so a large evaluation keeps the sampler's batch full instead of running one small
 benchmark at a time.
@@ -15,7 +19,10 @@ import numpy as np
 
 from stare_jax.eval.benchmarks import benchmark_metrics
 from stare_jax.rewards.reward_fn import RewardFn
-from stare_jax.rollouts import generate_rollouts
+from stare_jax.rollouts import add_counts_all, generate_rollouts, generate_tool_rollouts
+from stare_jax.tools.config import ToolConfig
+from stare_jax.tools.pool import SandboxPool
+from stare_jax.tools.rollout import tool_metrics
 
 
 @dataclasses.dataclass
@@ -31,8 +38,14 @@ class EvalSet:
 
 
 def evaluate_sets(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn: RewardFn, prompt_len: int,
-                  max_new_tokens: int, seed: int, ks: Sequence[int] = (1,), batch_prompts: int = 256) -> dict:
-    """{benchmark: benchmark_metrics(...)} (avg@N, pass@k for k in ks that fit N, mean_response_len)."""
+                  max_new_tokens: int, seed: int, ks: Sequence[int] = (1,), batch_prompts: int = 256,
+                  tool: ToolConfig | None = None, tool_pool: SandboxPool | None = None) -> dict:
+    """{benchmark: benchmark_metrics(...)} (avg@N, pass@k for k in ks that fit N, mean_response_len); with tool
+    rollouts also {"tool": tool_counts summed over every benchmark}."""
+    use_tool = tool is not None and tool.enabled
+    if use_tool and tool_pool is None:
+        raise ValueError("evaluate_sets: tool.enabled needs a tool_pool (stare_jax.tools.make_pool)")
+    tool_totals: dict = {}
     correct: dict[str, list[np.ndarray]] = {es.name: [] for es in eval_sets}
     lengths: dict[str, list[np.ndarray]] = {es.name: [] for es in eval_sets}
     key = lambda es: (es.num_samples, es.temperature, es.top_p)  # noqa: E731
@@ -40,24 +53,39 @@ def evaluate_sets(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn
         items = [(es.name, p, a) for es in group for p, a in zip(es.prompts, es.answers)]
         for start in range(0, len(items), batch_prompts):
             chunk = items[start:start + batch_prompts]
-            r, _, _ = generate_rollouts(sampler, [p for _, p, _ in chunk], [a for _, _, a in chunk],
-                                        tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
-                                        max_new_tokens=max_new_tokens, num_samples=n, temperature=temp, top_p=top_p,
-                                        top_k=0, seed=seed, index_offset=start)
+            kw = dict(tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                      num_samples=n, temperature=temp, top_p=top_p, top_k=0, seed=seed, index_offset=start)
+            prompts, answers = [p for _, p, _ in chunk], [a for _, _, a in chunk]
+            if use_tool:
+                assert tool is not None and tool_pool is not None
+                r, _, _, counts, model_lengths = generate_tool_rollouts(sampler, prompts, answers, tool=tool,
+                                                                        pool=tool_pool, **kw)
+                add_counts_all(tool_totals, counts)
+                lengths_PxG = model_lengths.reshape(len(chunk), n)
+            else:
+                r, _, _ = generate_rollouts(sampler, prompts, answers, **kw)
+                lengths_PxG = r.lengths_PxG
             for i, (name, _, _) in enumerate(chunk):
                 correct[name].append(r.correct_PxG[i])
-                lengths[name].append(r.lengths_PxG[i])
-    return {es.name: benchmark_metrics(np.stack(correct[es.name]), np.stack(lengths[es.name]),
-                                       ks=[k for k in ks if k <= es.num_samples]) for es in eval_sets}
+                lengths[name].append(lengths_PxG[i])
+    out: dict = {es.name: benchmark_metrics(np.stack(correct[es.name]), np.stack(lengths[es.name]),
+                                            ks=[k for k in ks if k <= es.num_samples]) for es in eval_sets}
+    if use_tool:
+        out["tool"] = tool_totals
+    return out
 
 
 def evaluate(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn: RewardFn, prompt_len: int,
-             max_new_tokens: int, seed: int, batch_prompts: int = 256) -> dict:
+             max_new_tokens: int, seed: int, batch_prompts: int = 256, tool: ToolConfig | None = None,
+             tool_pool: SandboxPool | None = None) -> dict:
     """Flat metrics for the training log: eval/<name>/accuracy (avg@N), eval/<name>/response_len_mean and their
-    mean over benchmarks as eval/accuracy."""
+    mean over benchmarks as eval/accuracy; with tool rollouts also eval/tool/* (tool_metrics over every
+    benchmark)."""
     results = evaluate_sets(sampler, eval_sets, tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
-                            max_new_tokens=max_new_tokens, seed=seed, batch_prompts=batch_prompts)
-    out = {}
+                            max_new_tokens=max_new_tokens, seed=seed, batch_prompts=batch_prompts, tool=tool,
+                            tool_pool=tool_pool)
+    tool_counts = results.pop("tool", None)
+    out = {f"eval/{k}": v for k, v in tool_metrics(tool_counts).items()} if tool_counts else {}
     for name, m in results.items():
         out[f"eval/{name}/accuracy"] = m[f"avg@{m['n_samples']}"]
         out[f"eval/{name}/response_len_mean"] = m["mean_response_len"]

@@ -6,11 +6,11 @@ task here but the sandboxed verifier of stare_jax.rewards."""
 
 from types import ModuleType
 
-from stare_jax.tasks import digit_set, digit_sum
+from stare_jax.tasks import digit_set, digit_sum, tool_mul
 
-__all__ = ["TASKS", "digit_set", "digit_sum", "get_task"]
+__all__ = ["TASKS", "digit_set", "digit_sum", "get_task", "tool_mul"]
 
-TASKS: dict[str, ModuleType] = {"digit_set": digit_set, "digit_sum": digit_sum}
+TASKS: dict[str, ModuleType] = {"digit_set": digit_set, "digit_sum": digit_sum, "tool_mul": tool_mul}
 
 
 def get_task(name: str) -> ModuleType:

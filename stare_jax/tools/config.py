@@ -44,6 +44,9 @@ class ToolConfig:
     isolation: Literal["auto", "namespaces", "rlimits"] = option(
         "auto", "auto: the strongest this machine allows (sandbox_capabilities()); namespaces: fail the calls "
                 "where they are not available; rlimits: the fallback only")
+    eval_without_tool: bool = option(False, "each periodic evaluation also runs with the tool disabled "
+                                            "(eval_notool/*: a call gets no reply), the ablation that shows the task "
+                                            "needs the tool")
 
     def __post_init__(self):
         validate_fields(self, "tool")
