@@ -350,14 +350,16 @@ def phase_peaks(plan: dict) -> dict[str, float]:
     """Per-phase peak bytes per device of an `estimate` result, as stare_jax.aot defines the phases: sampling =
     the sampler's buffers + the params and AdamW moments that stay resident; training = the train step. With
     rl.offload.optimizer the moments are in host memory while sampling, and in the train step only the update
-    (params, gradients, moments) holds them: training = max(the rest, that update)."""
+    (params, gradients, moments; and the frozen reference of rl.kl, an argument of the whole step) holds them:
+    training = max(the rest, that update)."""
     mem = plan["memory_bytes"]
     opt = mem["train/optimizer"]
+    ref = mem.get("train/reference_params", 0.0)
     off = plan.get("offload_optimizer", False)
     train = sum(v for k, v in mem.items() if k.startswith("train/"))
     if off:
-        train = max(train - opt, mem["train/params"] + mem["train/grads"] + opt)
-    return {"sampling": mem["train/params"] + (0.0 if off else opt) + mem.get("train/reference_params", 0.0)
+        train = max(train - opt, mem["train/params"] + mem["train/grads"] + opt + ref)
+    return {"sampling": mem["train/params"] + (0.0 if off else opt) + ref
             + sum(v for k, v in mem.items() if k.startswith("sample/")),
             "training": train}
 

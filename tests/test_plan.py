@@ -151,3 +151,22 @@ def test_plan_models_packing_and_the_optimizer_offload():
     assert p_on["sampling"] - p_off["sampling"] == pytest.approx(opt)
     assert p_off["training"] <= p_on["training"] and off["peak_bytes_per_device"] < padded["peak_bytes_per_device"]
     assert "optimizer offloaded" in format_plan(off) and "packing (assumed lengths" in format_plan(packed)
+
+
+def test_plan_counts_the_kl_reference_with_packing():
+    """rl.kl with rl.packing (and the optimizer offload): the frozen reference's parameters (the policy's shardings)
+    are resident in both phases, the offloaded update included, and its no-grad forward over the packed rows
+    doubles the old-log-prob pass, as in the padded layout."""
+    from stare_jax.plan import phase_peaks
+
+    base = "configs/paper/qwen3-8b-base_stare_o1.yaml"
+    kl = ["rl.kl.reference=initial", "rl.kl.coef=0.001"]
+    for packed in (["rl.packing.enabled=true", "rl.micro_batch_tokens=16384"],
+                   ["rl.packing.enabled=true", "rl.micro_batch_tokens=16384", "rl.offload.optimizer=true"]):
+        without, with_kl = estimate(load_config(base, packed)), estimate(load_config(base, packed + kl))
+        ref = with_kl["memory_bytes"]["train/reference_params"]
+        assert ref == pytest.approx(with_kl["memory_bytes"]["train/params"]) and ref > 0
+        for phase, peak in phase_peaks(with_kl).items():
+            assert peak == pytest.approx(phase_peaks(without)[phase] + ref), (packed, phase)
+    flops = with_kl["flops_per_step"]["old_logprob_pass"]
+    assert flops == pytest.approx(2 * without["flops_per_step"]["old_logprob_pass"])

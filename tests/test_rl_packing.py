@@ -11,13 +11,14 @@ import pytest
 
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
+from stare_jax.rl.kl_config import KLConfig
 from stare_jax.rl.packing import (first_fit_decreasing, fill_rate, host_layout, pack_batch, packed_stats,
                                   trim_padded_batch)
 from stare_jax.rl.packing_config import PackingConfig
 from stare_jax.rl.policy_loss_config import PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare import StareConfig, init_stare_state
 from stare_jax.rl.train_step import (OptimizerConfig, TrainStepConfig, init_train_state, make_train_step,
-                                     place_train_state)
+                                     place_train_state, split_model)
 
 from _model_fixtures import COMMON
 from _rl_fixtures import random_train_batch
@@ -152,17 +153,21 @@ def test_packed_rows_give_each_sequence_its_own_hidden_states(family, impl):
 
 
 def _run(cfg, batch, model_cfg, mesh=None):
-    """The step's outputs on `batch` laid out for cfg, from the same initial parameters (seed 0)."""
+    """The step's outputs on `batch` laid out for cfg, from the same initial parameters (seed 0); with rl.kl the
+    reference is another policy (seed 1), sharded like the params on a mesh."""
     graphdef, ts = init_train_state(init_model(model_cfg, seed=0), cfg)
+    ref = split_model(init_model(model_cfg, seed=1))[1] if cfg.kl.enabled else None
     shards = 1
     if mesh is not None:
         graphdef, ts_s = init_train_state(init_model(model_cfg, seed=0, mesh=mesh), cfg)
         shard = jax.tree.map(lambda x: x.sharding, ts_s.params)
         ts = place_train_state(dataclasses.replace(ts_s, params=jax.device_put(ts.params, shard)), mesh)
+        ref = None if ref is None else jax.device_put(ref, shard)
         shards = mesh.size
     step = make_train_step(graphdef, cfg, mesh=mesh, train_state=ts if mesh is not None else None, donate=False)
     init = jax.device_get(ts.params)
-    new, ss, met = step(ts, _layout(batch, cfg, shards), init_stare_state(cfg.stare))
+    refs = [ref] if cfg.kl.enabled else []
+    new, ss, met = step(ts, _layout(batch, cfg, shards), init_stare_state(cfg.stare), *refs)
     return jax.device_get(met), jax.device_get(new.params), init
 
 
@@ -173,9 +178,10 @@ def _per_sequence(x, mask):
 
 def _assert_same(padded, packed, tol=1e-5):
     (m1, p1, init), (m2, p2, _) = padded, packed
-    for k in ("loss", "entropy", "grad_norm", "clipfrac", "approx_kl", "omega_mean_used"):
-        np.testing.assert_allclose(m2[k], m1[k], rtol=tol, atol=tol, err_msg=k)
     assert set(m1) == set(m2)
+    kl_keys = [k for k in ("kl", "kl_loss", "kl/reward_penalty") if k in m1]
+    for k in ["loss", "entropy", "grad_norm", "clipfrac", "approx_kl", "omega_mean_used"] + kl_keys:
+        np.testing.assert_allclose(m2[k], m1[k], rtol=tol, atol=tol, err_msg=k)
     for k in ["response_tokens", "gate_on", "skipped_updates"] + [k for k in m1 if k.startswith("stare/")]:
         np.testing.assert_allclose(float(m2[k]), float(m1[k]), rtol=1e-6, err_msg=k)
     lm1, lm2 = m1["debug/loss_mask"], m2["debug/loss_mask"]
@@ -224,6 +230,58 @@ def test_packed_step_equals_padded_on_an_8_device_mesh():
                               loss_agg="seq-mean-token-mean")
     mesh = make_mesh({"data": 2, "fsdp": 4})
     _assert_same(_run(cfg, batch, model_cfg), _run(_packed_cfg(cfg, tokens=ROW), batch, model_cfg, mesh=mesh))
+
+
+def _with_rewards(batch, seed=3):
+    """batch + rewards_B (0/1 scores, each group of 4 with one of each): what rl.kl.use_as 'reward' reads."""
+    acc = np.random.default_rng(seed).integers(0, 2, size=(B // 4, 4)).astype(np.float32)
+    acc[:, 0], acc[:, 1] = 1, 0
+    return dict(batch, rewards_B=acc.reshape(-1))
+
+
+KL_CASES = {  # rl.kl as a loss term (verl use_kl_loss, each estimator family) and in the reward (use_kl_in_reward)
+    "loss_low_var_kl": (KLConfig(coef=0.05, reference="initial"), "token-mean"),
+    "loss_k1": (KLConfig(coef=0.05, estimator="k1", reference="initial"), "seq-mean-token-sum"),
+    "reward_kl": (KLConfig(coef=0.1, use_as="reward", reference="initial"), "seq-mean-token-mean"),
+}
+
+
+def _kl_cfg(case, **kw):
+    kl, agg = KL_CASES[case]
+    return dataclasses.replace(BASE, kl=kl, loss_agg=agg, group_size=4, **kw)
+
+
+@pytest.mark.parametrize("case", ["loss_low_var_kl", pytest.param("loss_k1", marks=pytest.mark.slow),
+                                  pytest.param("reward_kl", marks=pytest.mark.slow)])
+def test_packed_step_with_kl_equals_padded(case):
+    """rl.kl with packing, one device, STARE-O1 on, 2 mini-batches: the reference's log-probs come from the packed
+    rows (segment ids, per-segment positions), so kl, the KL loss term / the per-sequence KL-in-reward sums, the
+    loss and the gradient are the padded layout's to 1e-5 (slow cases: ~35 s each uncached on 2 cores)."""
+    model_cfg = _family("qwen2", num_layers=1)
+    batch = _with_rewards(random_train_batch(model_cfg.vocab_size, B, L, 4))
+    cfg = _kl_cfg(case, num_mini_batches=2)
+    padded, packed = _run(cfg, batch, model_cfg), _run(_packed_cfg(cfg, tokens=ROW), batch, model_cfg)
+    assert abs(float(padded[0]["kl"])) > 1e-3  # the reference is another policy: the KL term is not trivially 0
+    _assert_same(padded, packed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["loss_low_var_kl", "reward_kl"])
+def test_packed_step_with_kl_on_an_8_device_mesh_equals_padded(case):
+    """data 2 x fsdp 4, STARE-O1 on, the reference sharded like the policy: packed on the mesh == padded on one
+    device (slow: ~60 s each uncached on 2 cores)."""
+    model_cfg = _family("qwen3", num_layers=1)
+    batch = _with_rewards(random_train_batch(model_cfg.vocab_size, B, L, 5))
+    cfg = _kl_cfg(case)
+    mesh = make_mesh({"data": 2, "fsdp": 4})
+    _assert_same(_run(cfg, batch, model_cfg), _run(_packed_cfg(cfg, tokens=ROW), batch, model_cfg, mesh=mesh))
+
+
+def test_pack_batch_carries_the_rewards_for_the_kl_in_reward_advantage():
+    batch = _with_rewards(random_train_batch(96, B, L, 0))
+    packed = pack_batch(batch, row_tokens=ROW, rows_per_micro=2)
+    np.testing.assert_array_equal(packed["rewards_B"], batch["rewards_B"])
+    assert "rewards_B" not in pack_batch(random_train_batch(96, B, L, 0), row_tokens=ROW, rows_per_micro=2)
 
 
 def test_micro_batch_scoped_selections_are_refused_with_packing():

@@ -11,6 +11,7 @@ whole into rows of `row_tokens` tokens by first-fit-decreasing, per mini-batch:
                                       segment ids) and RoPE positions restart at each (models.default_positions)
     response_mask_RxT int32 [NR, Lr]  1 on response tokens
     advantages_B      float [B]       per sequence, in the padded batch's order
+    rewards_B         float [B]       (only when the padded batch has it: rl.kl.use_as "reward") the same, per sequence
     seq_row_B         int32 [B]       the row of sequence b
     seq_col_B         int32 [B]       the column of its first token
     seq_len_B         int32 [B]       its number of tokens (prompt + response; 0: a sequence without tokens)
@@ -46,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 PACKED_KEYS = ("input_ids_RxT", "segment_ids_RxT", "response_mask_RxT", "advantages_B", "seq_row_B", "seq_col_B",
                "seq_len_B")
+SEQUENCE_KEYS = ("advantages_B", "rewards_B")  # per-sequence values pack_batch carries as they are (when present)
 MIN_BUCKET = 16  # shortest padded length bucket of trim_padded_batch
 
 
@@ -147,9 +149,9 @@ def pack_batch(batch: dict, *, row_tokens: int, rows_per_micro: int, num_mini_ba
                 out_seg[row, dst] = k + 1
                 row_B[b], col_B[b] = row, col
                 col += n[b]
-    return {"input_ids_RxT": out_ids, "segment_ids_RxT": out_seg, "response_mask_RxT": out_resp,
-            "advantages_B": np.asarray(batch["advantages_B"], np.float32), "seq_row_B": row_B, "seq_col_B": col_B,
-            "seq_len_B": n.astype(np.int32)}
+    per_seq = {k: np.asarray(batch[k], np.float32) for k in SEQUENCE_KEYS if k in batch}
+    return {"input_ids_RxT": out_ids, "segment_ids_RxT": out_seg, "response_mask_RxT": out_resp, **per_seq,
+            "seq_row_B": row_B, "seq_col_B": col_B, "seq_len_B": n.astype(np.int32)}
 
 
 def packed_stats(packed: dict, rows_per_micro: int) -> dict:

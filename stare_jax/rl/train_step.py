@@ -16,7 +16,9 @@ and its loss mask is response_mask[:, 1:] * attention_mask[:, 1:].
 With cfg.packing (rl.packing) the batch is the packed layout instead (stare_jax.rl.packing.PACKED_KEYS: rows of
 whole sequences told apart by segment ids); the model runs on the rows and every per-token array above is its
 per-sequence view [B, Lr - 1], so steps 2-6 below are the same code on the same tokens. The layout is the one
-object that differs (PaddedLayout here, packing.PackedLayout): its no-grad pass and its micro-batches.
+object that differs (PaddedLayout here, packing.PackedLayout): its no-grad pass and its micro-batches. rl.kl's
+reference forward runs in that same no-grad pass (on the packed rows: segment ids, per-segment positions), so its
+log-probs are read back per sequence like the policy's and the KL term / KL-in-reward sums are the padded ones.
 cfg.micro_batch_tokens sizes micro-batches by tokens per device (packed rows, or sequences of the batch's length
 bucket); cfg.offload.optimizer keeps the AdamW moments in host memory between updates.
 
@@ -131,9 +133,6 @@ class TrainStepConfig:
         if self.advantage.entropy_adv and self.stare.enabled:
             raise ValueError("advantage.entropy_adv is not combined with STARE (stare.enabled)")
 
-        if self.packing.enabled and self.kl.enabled:
-            raise ValueError("rl.packing.enabled is not combined with rl.kl yet (the reference's log-probs and the "
-                             "rewards_B key are not carried through the packed layout)")
 
 
 @jax.tree_util.register_dataclass
