@@ -24,7 +24,8 @@ from stare_jax.tools.rollout import (final_text, observation_wrapper, rows_to_ar
                                      tool_reward_shaping, tool_rollouts)
 
 __all__ = ["REWARD_COUNTERS", "CollectedBatch", "RewardFn", "Rollouts", "add_counts", "batch_seed", "collect_batch",
-           "generate_rollouts", "generate_tool_rollouts", "left_pad", "train_batch_from_rollouts"]
+           "generate_any_rollouts", "generate_rollouts", "generate_tool_rollouts", "left_pad",
+           "train_batch_from_rollouts"]
 
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -152,6 +153,23 @@ def generate_tool_rollouts(engine, prompts: Sequence[Sequence[int]], answers: Se
     return r, texts, stats, tool_counts(rows, correct), arr["model_lengths_PxG"].reshape(-1)
 
 
+def generate_any_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *,
+                          tool: ToolConfig | None, tool_pool: SandboxPool | None, tool_totals: dict,
+                          max_prompts_per_call: int = 0, **kw):
+    """The rollouts of the training collect and of the evaluation: generate_tool_rollouts when tool.enabled (its
+    counts summed into tool_totals; sampler: a rollout Engine, tool_pool: the sandbox), else generate_rollouts.
+    Returns (Rollouts, reward stats, lengths [P*G] that count the model's tokens only)."""
+    if tool is not None and tool.enabled:
+        if tool_pool is None:
+            raise ValueError("tool.enabled needs a tool_pool (stare_jax.tools.make_pool)")
+        r, _, stats, counts, model_lengths = generate_tool_rollouts(sampler, prompts, answers, tool=tool,
+                                                                    pool=tool_pool, **kw)
+        add_counts_all(tool_totals, counts)
+        return r, stats, model_lengths
+    r, _, stats = generate_rollouts(sampler, prompts, answers, max_prompts_per_call=max_prompts_per_call, **kw)
+    return r, stats, r.lengths_PxG.reshape(-1)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The RL loop's collection stage
 
@@ -230,17 +248,10 @@ def collect_batch(sampler, prompt_batches: Iterator[list], prompt_ids: Callable[
                   temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                   seed=batch_seed(seed, step, j), index_offset=j * rl.gen_batch_size)
         prompts, answers = [prompt_ids(x) for x in rows], [x.answer for x in rows]
-        if tool is not None and tool.enabled:
-            if tool_pool is None:
-                raise ValueError("collect_batch: tool.enabled needs a tool_pool (stare_jax.tools.make_pool)")
-            r, _, stats, counts, model_lengths = generate_tool_rollouts(sampler, prompts, answers, tool=tool,
-                                                                        pool=tool_pool, **kw)
-            add_counts_all(tool_totals, counts)
-            lengths.append(model_lengths)
-        else:
-            r, _, stats = generate_rollouts(sampler, prompts, answers, **kw,
-                                            max_prompts_per_call=sampling.max_prompts_per_call)
-            lengths.append(r.lengths_PxG.reshape(-1))
+        r, stats, model_lengths = generate_any_rollouts(sampler, prompts, answers, tool=tool, tool_pool=tool_pool,
+                                                        tool_totals=tool_totals,
+                                                        max_prompts_per_call=sampling.max_prompts_per_call, **kw)
+        lengths.append(model_lengths)
         correct.append(r.correct_PxG.reshape(-1))
         add_counts(reward_stats, stats)
         keep = (np.asarray(dynamic_sampling_keep_mask(r.correct_PxG)) if rl.dynamic_sampling

@@ -19,7 +19,7 @@ import numpy as np
 
 from stare_jax.eval.benchmarks import benchmark_metrics
 from stare_jax.rewards.reward_fn import RewardFn
-from stare_jax.rollouts import add_counts_all, generate_rollouts, generate_tool_rollouts
+from stare_jax.rollouts import generate_any_rollouts
 from stare_jax.tools.config import ToolConfig
 from stare_jax.tools.pool import SandboxPool
 from stare_jax.tools.rollout import tool_metrics
@@ -42,9 +42,6 @@ def evaluate_sets(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn
                   tool: ToolConfig | None = None, tool_pool: SandboxPool | None = None) -> dict:
     """{benchmark: benchmark_metrics(...)} (avg@N, pass@k for k in ks that fit N, mean_response_len); with tool
     rollouts also {"tool": tool_counts summed over every benchmark}."""
-    use_tool = tool is not None and tool.enabled
-    if use_tool and tool_pool is None:
-        raise ValueError("evaluate_sets: tool.enabled needs a tool_pool (stare_jax.tools.make_pool)")
     tool_totals: dict = {}
     correct: dict[str, list[np.ndarray]] = {es.name: [] for es in eval_sets}
     lengths: dict[str, list[np.ndarray]] = {es.name: [] for es in eval_sets}
@@ -56,21 +53,15 @@ def evaluate_sets(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn
             kw = dict(tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
                       num_samples=n, temperature=temp, top_p=top_p, top_k=0, seed=seed, index_offset=start)
             prompts, answers = [p for _, p, _ in chunk], [a for _, _, a in chunk]
-            if use_tool:
-                assert tool is not None and tool_pool is not None
-                r, _, _, counts, model_lengths = generate_tool_rollouts(sampler, prompts, answers, tool=tool,
-                                                                        pool=tool_pool, **kw)
-                add_counts_all(tool_totals, counts)
-                lengths_PxG = model_lengths.reshape(len(chunk), n)
-            else:
-                r, _, _ = generate_rollouts(sampler, prompts, answers, **kw)
-                lengths_PxG = r.lengths_PxG
+            r, _, model_lengths = generate_any_rollouts(sampler, prompts, answers, tool=tool, tool_pool=tool_pool,
+                                                        tool_totals=tool_totals, **kw)
+            lengths_PxG = model_lengths.reshape(len(chunk), n)
             for i, (name, _, _) in enumerate(chunk):
                 correct[name].append(r.correct_PxG[i])
                 lengths[name].append(lengths_PxG[i])
     out: dict = {es.name: benchmark_metrics(np.stack(correct[es.name]), np.stack(lengths[es.name]),
                                             ks=[k for k in ks if k <= es.num_samples]) for es in eval_sets}
-    if use_tool:
+    if tool is not None and tool.enabled:
         out["tool"] = tool_totals
     return out
 
