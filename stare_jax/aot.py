@@ -8,16 +8,19 @@ builds the real TPU executable for them on a CPU host. The figures below are the
 Nothing here is a copy of a program: the run's own code paths are given abstract inputs.
 - The model is `models.abstract_model` (jax.ShapeDtypeStruct parameters with their NamedShardings on the
   topology's mesh); the train state comes from `init_train_state` (its abstract path), the step from
-  `make_train_step`, the sampler program from `Sampler.lower`, the trainer -> sampler weight program from
-  `reshard_for_sampling`'s jitted program. No weights are read and no device is queried.
+  `make_train_step`, the sampler program from `Sampler.trace` (or, where the run generates with the rollout
+  engine - one host, long responses, tool use -, the engine's decode and prefill programs from
+  `Engine.trace_programs` at their largest shapes, with the page pool the run allocates), the trainer -> sampler
+  weight program from `reshard_for_sampling`'s jitted program. No weights are read and no device is queried.
 - Per-step FLOPs: XLA's cost analysis counts a loop body once (the micro-batch scan, the update scan, the decode
   while loop), so the FLOPs are counted from the traced jaxpr instead, with every scan's length and the decode
   loop's worst-case trip count (max_new_tokens) applied. XLA's `optimal_seconds` is scaled by the same ratio
   (our per-device FLOPs / XLA's body-once FLOPs): an approximation, labelled as such.
 - Collectives are read from the optimized HLO text (count and output bytes by kind, as they appear in the
   program: a collective inside a loop body is listed once).
-- Phases: sampling = the sampler program + the train state (params + AdamW moments) and the frozen reference policy
-  (rl.kl; the policy's shapes and shardings) that stay resident; the weight reshard = its program + the optimizer
+- Phases: sampling = the sampler program (the larger of the engine's decode and prefill) + the train state
+  (params + AdamW moments) and the frozen reference policy (rl.kl; the policy's shapes and shardings) that stay
+  resident; the weight reshard = its program + the optimizer
   moments + the reference; training = the train step (its arguments are the train state, the batch and the
   reference; the sampler's copy is released before it, see Sampler.release).
 """
@@ -49,6 +52,7 @@ from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.train_step import ShardedStep, init_train_state, make_train_step
 from stare_jax.run_setup import train_step_config
 from stare_jax.sampling import Sampler, next_bucket
+from stare_jax.sampling.engine import Engine
 from stare_jax.sampling.sharding import reshard_program, sampler_param_sharding
 
 HEADROOM = 0.10  # a config fits when every phase's compiled peak is <= 90% of HBM
@@ -310,6 +314,48 @@ def sampler_key(cfg, topology: str, model_cfg=None) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _compile_static_sampler(cfg, model, mesh, programs: dict, log) -> int:
+    """Compile the static sampler's program at the run's buckets into programs["sampler"] (FLOPs per generation
+    batch); returns the sampler weight copy's bytes per device."""
+    sampler = Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype)
+    call_prompts = sampler_call_prompts(cfg)
+    prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)
+    log(f"compiling the sampler: {call_prompts} prompts x {cfg.rl.group_size} samples, prompt bucket "
+        f"{prompt_bucket}, {cfg.sampling.max_new_tokens} new tokens")
+    traced = sampler.trace(call_prompts, prompt_bucket, max_new_tokens=cfg.sampling.max_new_tokens,
+                           num_samples=cfg.rl.group_size)
+    programs["sampler"] = Program.compile("sampler", traced, sampler.program_context, mesh.size,
+                                          while_trips=cfg.sampling.max_new_tokens - 1)
+    gen_calls = math.ceil(cfg.rl.gen_batch_size / call_prompts)
+    programs["sampler"].flops_per_step *= gen_calls  # calls per generation batch (one batch: no top-up)
+    return tree_bytes_per_device(sampler.state)
+
+
+def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log) -> int:
+    """Compile the rollout engine's decode and prefill programs at their largest shapes (every slot live, the
+    page table of the longest request, the pool the run allocates: Engine.trace_programs) into programs["sampler"]
+    (decode) and programs["sampler_prefill"]; their FLOPs per generation batch are the worst case (every response
+    at max_new_tokens, one prefill per prompt). Returns the engine's weight copy's bytes per device."""
+    engine = Engine(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, config=engine_cfg)
+    prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)
+    longest = prompt_bucket + cfg.sampling.max_new_tokens
+    log(f"compiling the rollout engine: {engine_cfg.max_slots} slots over {engine.data_shards} data shard(s), "
+        f"pages of {engine_cfg.page_size} tokens, decode chunks of {engine_cfg.decode_chunk} steps, prefill chunks "
+        f"of {engine_cfg.prefill_chunk} tokens, requests of up to {longest} tokens")
+    traced = engine.trace_programs(longest)
+    decode = Program.compile("sampler", traced["decode"], engine.program_context, mesh.size,
+                             while_trips=engine_cfg.decode_chunk)
+    prefill = Program.compile("sampler_prefill", traced["prefill"], engine.program_context, mesh.size)
+    rows = cfg.rl.gen_batch_size * cfg.rl.group_size
+    slots = engine._slots_per_shard() * engine.data_shards
+    decode.flops_per_step *= math.ceil(rows / slots) * math.ceil(cfg.sampling.max_new_tokens / engine_cfg.decode_chunk)
+    prefill_rows = engine._slots_per_shard() * engine.data_shards
+    prefill.flops_per_step *= math.ceil(cfg.rl.gen_batch_size / prefill_rows) * math.ceil(
+        prompt_bucket / min(engine_cfg.prefill_chunk, longest))
+    programs["sampler"], programs["sampler_prefill"] = decode, prefill
+    return tree_bytes_per_device(engine.state)
+
+
 def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampler: dict | None = None,
                 log=print) -> dict:
     """Compile the train step, the sampler program and the weight reshard of run config `cfg` for a TPU slice
@@ -336,12 +382,7 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
         engine_cfg = tool_engine_config(cfg, hosts, batch_shards(mesh))
     except ValueError as e:
         raise CompileError(f"topology {topology}: {e}") from None
-    run_cfg = cfg  # the estimate beside the compiled figures is the run's own (engine included)
-    if run_generator(engine_cfg, hosts, batch_shards(mesh), cfg.sampling.max_new_tokens) == "engine":
-        log("note: this run generates with the rollout engine, which has no ahead-of-time path yet: the static "
-            "sampler's program is compiled (and estimated) in its place")
-        cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(
-            cfg.sampling, engine=dataclasses.replace(cfg.sampling.engine, enabled=False)))
+    generator = run_generator(engine_cfg, hosts, batch_shards(mesh), cfg.sampling.max_new_tokens)
     model_cfg = model_cfg or run_model_config(cfg)
     key = sampler_key(cfg, topology, model_cfg)
     if reuse_sampler is not None and reuse_sampler.get("sampler_key") != key:
@@ -357,8 +398,9 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     programs = {"train_step": train_program}
     if reuse_sampler is not None:
         log("sampler and weight reshard: the same programs as in the given report (same sampler_key), reused")
-        for name in ("weight_reshard", "sampler"):
-            programs[name] = Program(**reuse_sampler["compiled"][name])
+        for name in ("weight_reshard", "sampler", "sampler_prefill"):
+            if name in reuse_sampler["compiled"]:
+                programs[name] = Program(**reuse_sampler["compiled"][name])
         sampler_weights_b = reuse_sampler["state_bytes_per_device"]["sampler_weights"]
     else:
         # the trainer -> sampler weight program (cast to the compute dtype + reshard)
@@ -368,41 +410,33 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
         log("compiling the trainer -> sampler weight reshard")
         programs["weight_reshard"] = Program.compile("weight_reshard", reshard.trace(state),
                                                      lambda: jax.set_mesh(mesh), n)
-        # the sampler program at the run's buckets
-        sampler = Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype)
-        call_prompts = sampler_call_prompts(cfg)
-        prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)
-        log(f"compiling the sampler: {call_prompts} prompts x {cfg.rl.group_size} samples, prompt bucket "
-            f"{prompt_bucket}, {cfg.sampling.max_new_tokens} new tokens")
-        traced = sampler.trace(call_prompts, prompt_bucket, max_new_tokens=cfg.sampling.max_new_tokens,
-                               num_samples=cfg.rl.group_size)
-        programs["sampler"] = Program.compile("sampler", traced, sampler.program_context, n,
-                                              while_trips=cfg.sampling.max_new_tokens - 1)
-        gen_calls = math.ceil(cfg.rl.gen_batch_size / call_prompts)
-        programs["sampler"].flops_per_step *= gen_calls  # calls per generation batch (one batch: no top-up)
-        sampler_weights_b = tree_bytes_per_device(sampler.state)
+        if generator == "engine":
+            sampler_weights_b = _compile_engine(cfg, engine_cfg, model, mesh, programs, log)
+        else:
+            sampler_weights_b = _compile_static_sampler(cfg, model, mesh, programs, log)
 
     params_b = tree_bytes_per_device(train_state.params)
     opt_b = tree_bytes_per_device(train_state.opt_state)
     ref_b = params_b if tcfg.kl.enabled else 0  # the reference: the policy's shapes and shardings, no optimizer state
     opt_dev_b = 0 if tcfg.offload.optimizer else opt_b  # rl.offload.optimizer: the moments wait in host memory
     resident_train = params_b + opt_dev_b + ref_b
-    t, r, s = programs["train_step"], programs["weight_reshard"], programs["sampler"]
+    t, r = programs["train_step"], programs["weight_reshard"]
+    sampler_peak = max(programs[k].peak_bytes for k in ("sampler", "sampler_prefill") if k in programs)
     phases = {
-        "sampling": {"peak_bytes": max(s.peak_bytes + resident_train, r.peak_bytes + opt_dev_b + ref_b),
-                     "program_peak_bytes": s.peak_bytes, "resident_bytes": resident_train,
+        "sampling": {"peak_bytes": max(sampler_peak + resident_train, r.peak_bytes + opt_dev_b + ref_b),
+                     "program_peak_bytes": sampler_peak, "resident_bytes": resident_train,
                      "reshard_peak_bytes": r.peak_bytes + opt_dev_b + ref_b},
         "training": {"peak_bytes": t.peak_bytes, "program_peak_bytes": t.peak_bytes, "resident_bytes": 0},
     }
     hbm = hbm_bytes_per_device(topology, devices)
     peak = max(p["peak_bytes"] for p in phases.values())
     try:
-        est = estimate(run_cfg, accelerator) if accelerator else None
+        est = estimate(cfg, accelerator) if accelerator else None
     except ValueError as e:
         est = {"error": str(e)}
     return {
         "topology": topology, "accelerator": accelerator, "devices": n, "mesh": dict(mesh.shape),
-        "hbm_bytes_per_device": hbm, "sampler_key": key,
+        "hbm_bytes_per_device": hbm, "sampler_key": key, "generator": generator,
         "sampler_reused": reuse_sampler is not None,
         "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
         "state_bytes_per_device": {"params": params_b, "optimizer": opt_b, "reference_params": ref_b,

@@ -164,3 +164,26 @@ def test_paper_config_fits_its_slice(config):
     assert r["fits"] is True
     for phase, e in phase_peaks(estimate(cfg)).items():
         assert abs(e / r["phases"][phase]["peak_bytes"] - 1) <= 0.2, (phase, e, r["phases"][phase])
+
+
+def test_engine_run_compiles_the_engine_programs():
+    """A run that generates with the rollout engine (tool use: one host, multi-turn) compiles the engine's decode
+    and prefill programs at their largest shapes, with the page pool the run allocates as their argument (each data
+    shard's pool on its own devices), instead of the static sampler's; the sampling phase holds the larger."""
+    cfg = load_config("configs/tiny_cpu_tool_stare.yaml", ["model.dtype=bfloat16",
+                                                           "sampling.engine.max_slots=16",
+                                                           "rl.micro_batch_size=16", "launch.accelerator=v5p-8"])
+    r = aot.compile_run(cfg, log=lambda _: None)  # the topology of launch.accelerator: v5p:2x2x1
+    assert r["generator"] == "engine" and r["topology"] == "v5p:2x2x1"
+    assert "peak_bytes_per_device" in r["estimate"], r["estimate"]  # the plan's estimate beside the compiler's
+    decode, prefill = r["compiled"]["sampler"], r["compiled"]["sampler_prefill"]
+    m = aot.run_model_config(cfg)
+    # auto pool: (4 slots per shard + 1) x (pages of 32 + 40 tokens + 1) + 1, per layer k and v, one shard per
+    # device (mesh fsdp 4 = 4 data shards)
+    pages = (16 // 4 + 1) * (-(-(32 + 40) // 16) + 1) + 1
+    pool_b = 2 * m.num_layers * pages * 16 * m.num_kv_heads * m.head_dim * 4  # float32 cache (the tool config's)
+    assert decode["argument_bytes"] >= pool_b + r["state_bytes_per_device"]["sampler_weights"]
+    assert decode["alias_bytes"] >= pool_b and prefill["alias_bytes"] >= pool_b  # the pool is donated
+    assert r["phases"]["sampling"]["program_peak_bytes"] == max(decode["peak_bytes"], prefill["peak_bytes"])
+    assert not any(k == "all-gather" and v["bytes"] >= pool_b // 4 for k, v in decode["collectives"].items())
+    assert r["fits"] is True

@@ -404,6 +404,48 @@ class Engine:
                             finish_reasons=["eos" if c.finished_eos else "length" for c in convs],
                             lengths=[len(c.turn_tokens) for c in convs])
 
+    @property
+    def abstract(self) -> bool:
+        """True when the engine holds jax.ShapeDtypeStructs (built from models.abstract_model): its programs can
+        be traced and lowered (`trace_programs`), not run."""
+        return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.state))
+
+    def trace_programs(self, longest_tokens: int) -> dict[str, Any]:
+        """The jax `Traced` decode and prefill programs (lower them under program_context()) at their largest
+        shapes for requests of up to `longest_tokens` tokens (prompt + response): every slot of every data shard
+        live, the page table as wide as the longest request's pages, a full prefill chunk per row, the pool as
+        the run allocates it (`_pages_per_shard`), in the layouts the scheduler passes. For an ahead-of-time
+        compile (e.g. a TPU slice on a CPU host: stare_jax.aot); needs an abstract engine."""
+        if not self.abstract:
+            raise ValueError("Engine.trace_programs needs an abstract engine (built from models.abstract_model)")
+        cfg, ec = self.config, self.engine_config
+        num = self._pages_per_shard(longest_tokens)
+        lead = (self.data_shards,) if self._batch_axes else ()
+        pool = (*lead, num, ec.page_size, cfg.num_kv_heads, cfg.head_dim)
+        page = jax.ShapeDtypeStruct(pool, jnp.dtype(self.cache_dtype),
+                                    sharding=self._pool_sharding(pool) if self.mesh is not None else None)
+        pages = [{"k": page, "v": page} for _ in range(cfg.num_layers)]
+        rows = self._slots_per_shard()
+        width = self._width(paged_kv.pages_for(longest_tokens, ec.page_size))
+        split = self._split if self._split is not None else self._replicated
+
+        def arg(shape, dtype=jnp.int32):
+            return jax.ShapeDtypeStruct((*lead, *shape), jnp.dtype(dtype), sharding=split)
+
+        rep = self._replicated
+        scalars = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
+                   for x in jax.eval_shape(lambda: self._scalars((1.0, 1.0, 0, None, 0)))]
+        with self.program_context():
+            decode = _decode_jit.trace(
+                self.graphdef, self.state, pages, arg((rows, width)), *(arg((rows,)) for _ in range(4)),
+                arg((rows,), bool), arg((rows,), np.uint32), arg((rows,), np.uint32), arg((), np.int32), *scalars,
+                steps=ec.decode_chunk, page_size=ec.page_size, pad_id=self.pad_id, batch_axes=self._batch_axes)
+            chunk = min(ec.prefill_chunk, longest_tokens)
+            prefill = _prefill_jit.trace(
+                self.graphdef, self.state, pages, arg((rows, chunk)), arg((rows, chunk)), arg((rows, chunk), bool),
+                arg((rows, width)), page_size=ec.page_size, batch_axes=self._batch_axes)
+        return {"decode": decode, "prefill": prefill}
+
     # ------------------------------------------------------------------ multi-turn API
     def start(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
               temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None, seed: int = 0,
@@ -494,8 +536,7 @@ class Engine:
         ec, D = self.engine_config, self.data_shards
         longest = max(len(c.seq) + (c.budget - c.turn_start) for c in convs)
         one = paged_kv.pages_for(longest, ec.page_size) + 1  # + the prefix entry's staging page
-        num = (-(-ec.num_pages // D) if ec.num_pages else
-               dataclasses.replace(ec, max_slots=self._slots_per_shard()).pool_pages(longest))
+        num = self._pages_per_shard(longest)
         if ec.num_pages == 0 and self.pools is not None:
             if self.pools[0].num_pages >= num or not all(p.all_free() for p in self.pools):
                 num = self.pools[0].num_pages  # never shrink; with live conversations keep it (preemption copes)
@@ -511,6 +552,13 @@ class Engine:
             self.pages = None
             self.pages = self._init_pages(num)
             self.pools = [paged_kv.PagePool(num) for _ in range(D)]
+
+    def _pages_per_shard(self, longest_tokens: int) -> int:
+        """Pages of each data shard's pool for requests of up to `longest_tokens` tokens: num_pages / D, or in auto
+        mode (num_pages 0) enough for every slot of the shard (EngineConfig.pool_pages)."""
+        ec, D = self.engine_config, self.data_shards
+        return (-(-ec.num_pages // D) if ec.num_pages else
+                dataclasses.replace(ec, max_slots=self._slots_per_shard()).pool_pages(longest_tokens))
 
     def _init_pages(self, num: int):
         """The zeroed device pool of `num` pages per shard, made in its layout (a data-split pool is never whole
