@@ -351,7 +351,7 @@ def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log) -> int:
     decode.flops_per_step *= math.ceil(rows / slots) * math.ceil(cfg.sampling.max_new_tokens / engine_cfg.decode_chunk)
     prefill_rows = engine._slots_per_shard() * engine.data_shards
     prefill.flops_per_step *= math.ceil(cfg.rl.gen_batch_size / prefill_rows) * math.ceil(
-        prompt_bucket / min(engine_cfg.prefill_chunk, longest))
+        prompt_bucket / engine._prefill_width(longest))
     programs["sampler"], programs["sampler_prefill"] = decode, prefill
     return tree_bytes_per_device(engine.state)
 
