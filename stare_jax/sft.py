@@ -289,7 +289,10 @@ def run_conversation_sft(cfg: ConversationSFTConfig, log=print) -> dict:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"sft: out_dir {out} exists and is not empty")
     t0 = time.time()
-    mesh = mesh_for_config(cfg.mesh)
+    try:
+        mesh = mesh_for_config(cfg.mesh)
+    except ValueError as e:
+        raise ConfigError(f"sft.mesh: {e}") from None
     train_cfg = cfg.train_config(batch_shards(mesh))  # a batch that does not split fails before any loading
     assert cfg.model.path  # load_sft_config requires it
     tokenizer_dir = pathlib.Path(cfg.model.tokenizer_path or cfg.model.path)
