@@ -210,7 +210,8 @@ def _cmd_eval(args) -> int:
                          f"training run folder (config.yaml + checkpoints/)")
     tool = _eval_tool_config(args, ckpt)
     if tool.enabled and args.engine == "off":
-        raise UsageError("--tool on: multi-turn tool rollouts need the rollout engine (--engine auto or on)")
+        raise UsageError("multi-turn tool rollouts (--tool on, or tool.enabled in the tool section) need the rollout "
+                         "engine: --engine auto or on")
     init_distributed(args.coordinator_address, args.num_processes, args.process_id)
     n_dev = jax.device_count()
     if args.tensor < 1 or n_dev % args.tensor:
@@ -302,13 +303,13 @@ def _eval_tool_config(args, checkpoint: pathlib.Path) -> ToolConfig:
     bad = [o for o in args.overrides if not o.lstrip("-").startswith("tool.")]
     if bad:
         raise UsageError(f"eval takes tool.KEY=VALUE overrides only, got {' '.join(bad)}")
+    if args.tool == "off":  # no config is read (an older run folder's config.yaml need not load)
+        return ToolConfig()
     source = args.config
     if source is None and (checkpoint / "config.yaml").is_file() and not (checkpoint / "config.json").is_file():
         source = checkpoint / "config.yaml"  # a training run folder: its own tool section
     tool = load_config(source, args.overrides).tool
-    if args.tool != "auto":
-        tool = dataclasses.replace(tool, enabled=args.tool == "on")
-    return tool
+    return dataclasses.replace(tool, enabled=True) if args.tool == "on" else tool
 
 
 def _cmd_export(args) -> int:

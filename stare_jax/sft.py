@@ -149,11 +149,11 @@ def sft_train(model: nnx.Module, sample_batch: Callable[[np.random.Generator, in
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         if not np.isfinite(losses[-1]):
-            nnx.update(model, state.params)
+            nnx.update(model, state.params, state.rest)
             raise FloatingPointError(f"SFT loss is {losses[-1]} at step {i}")
         if log is not None:
             log(i, losses[-1])
-    nnx.update(model, state.params)
+    nnx.update(model, state.params, state.rest)
     return losses
 
 

@@ -1,7 +1,8 @@
 """`stare-jax sft` on a mesh: the SFT step sharded over 8 (fake CPU) devices equals the single-device step, and
 micro-batches with gradient accumulation equal the whole batch (losses and parameters, fp32), on a tiny random
 Hugging Face folder loaded the way `run_conversation_sft` loads it; bf16 compute keeps fp32 master weights; a
-batch that does not split over the mesh is a config error naming the keys."""
+batch that does not split over the mesh is a config error naming the keys. (Remat: the ahead-of-time SFT compile in
+tests/test_aot.py, with the shipped config's remat_policy full.)"""
 import jax
 import numpy as np
 import pytest
@@ -76,7 +77,7 @@ def test_mesh_equals_one_device(hf_folder, single):
 
 
 def test_bf16_compute_keeps_fp32_master_weights(hf_folder, single):
-    losses, params, _ = _train(hf_folder, CFG, dtype="bfloat16", param_dtype="float32", remat_policy="full")
+    losses, params, _ = _train(hf_folder, CFG, dtype="bfloat16", param_dtype="float32")
     assert all(v.dtype == np.float32 for v in params.values())
     np.testing.assert_allclose(losses, single[0], rtol=2e-2)
 

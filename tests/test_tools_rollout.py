@@ -573,7 +573,7 @@ def test_eval_tool_section_and_bad_input(tmp_path, capsys):
     paper = REPO / "configs/paper/qwen2.5-7b-tool_stare_o1.yaml"
     t = resolve("--config", str(paper), "tool.max_turns=3")
     assert t.enabled and t.max_turns == 3 and t.timeout_s == 10.0
-    assert not resolve("--config", str(paper), "--tool", "off").enabled
+    assert resolve("--config", str(paper), "--tool", "off") == ToolConfig()
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text("tool: {enabled: true, format: retool}\n")
@@ -584,4 +584,5 @@ def test_eval_tool_section_and_bad_input(tmp_path, capsys):
     assert "eval takes tool.KEY=VALUE overrides only, got rl.lr=1" in capsys.readouterr().err
     assert cli.main(["eval", "--checkpoint", str(tmp_path), "--benchmarks", "math500", "--data-dir",
                      str(REPO.parent / "shared/data/math"), "--tool", "on", "--engine", "off"]) == 2
-    assert "--tool on: multi-turn tool rollouts need the rollout engine" in capsys.readouterr().err
+    assert "multi-turn tool rollouts (--tool on, or tool.enabled in the tool section) need the rollout engine" in \
+        capsys.readouterr().err
