@@ -54,6 +54,7 @@ from stare_jax.run_setup import train_step_config
 from stare_jax.sampling import Sampler, next_bucket
 from stare_jax.sampling.engine import Engine
 from stare_jax.sampling.sharding import reshard_program, sampler_param_sharding
+from stare_jax.sft import SFT_KEYS, init_sft_state, make_sft_step
 
 HEADROOM = 0.10  # a config fits when every phase's compiled peak is <= 90% of HBM
 
@@ -504,8 +505,6 @@ def compile_sft(cfg, *, topology: str | None = None, log=print) -> dict:
     max_len tokens, in its micro-batches) and report the compiler's figures: the step's arguments are the train
     state (fp32 parameters and AdamW moments, sharded by the model's rules; donated) and the batch, so its peak is
     the run's per-device peak."""
-    from stare_jax.sft import SFT_KEYS, init_sft_state, make_sft_step  # sft imports the RL step's modules
-
     accelerator, topology, devices, mesh = slice_mesh(cfg, topology)
     model_cfg = run_model_config(cfg)
     train_cfg = cfg.train_config(batch_shards(mesh))
