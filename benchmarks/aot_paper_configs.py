@@ -27,7 +27,11 @@ GiB = 1024**3
 
 
 def paper_configs(only: list[str]) -> list[pathlib.Path]:
-    files = sorted(p for p in (REPO / "configs" / "paper").glob("*.yaml") if not p.name.startswith("_"))
+    """The paper's run configs (not the cold-start SFT config: `stare-jax plan --sft CONFIG --compile`)."""
+    from stare_jax.config import is_sft_config_file
+
+    files = sorted(p for p in (REPO / "configs" / "paper").glob("*.yaml")
+                   if not p.name.startswith("_") and not is_sft_config_file(p))
     return [p for p in files if not only or any(s in p.name for s in only)]
 
 

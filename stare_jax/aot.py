@@ -54,6 +54,7 @@ from stare_jax.run_setup import train_step_config
 from stare_jax.sampling import Sampler, next_bucket
 from stare_jax.sampling.engine import Engine
 from stare_jax.sampling.sharding import reshard_program, sampler_param_sharding
+from stare_jax.sft import SFT_KEYS, init_sft_state, make_sft_step
 
 HEADROOM = 0.10  # a config fits when every phase's compiled peak is <= 90% of HBM
 
@@ -356,6 +357,24 @@ def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log) -> int:
     return tree_bytes_per_device(engine.state)
 
 
+def slice_mesh(cfg, topology: str | None = None) -> tuple[str | None, str, list, jax.sharding.Mesh]:
+    """(accelerator, topology, abstract devices, the config's mesh over them) of a run or SFT config: the slice
+    of cfg.launch.accelerator unless `topology` names one."""
+    accelerator = getattr(getattr(cfg, "launch", None), "accelerator", None)
+    if topology is None:
+        if not accelerator:
+            raise CompileError("no accelerator: set launch.accelerator in the config or pass --topology")
+        topology = topology_for(accelerator)
+    devices = list(get_topology(topology).devices)
+    try:
+        mesh = mesh_for_config(cfg.mesh, devices)
+    except ValueError as e:
+        raise CompileError(f"topology {topology} ({len(devices)} devices): {e}") from None
+    if mesh is None:
+        mesh = make_mesh({"fsdp": 1}, devices=devices)
+    return accelerator, topology, devices, mesh
+
+
 def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampler: dict | None = None,
                 log=print) -> dict:
     """Compile the train step, the sampler program and the weight reshard of run config `cfg` for a TPU slice
@@ -363,20 +382,8 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     `model_cfg` replaces the run's model (e.g. a few-layer variant for a quick study). `reuse_sampler`: an
     earlier report of a config with the same sampler_key; its sampler and reshard figures are taken instead of
     compiling the same programs again (a CompileError if the keys differ)."""
-    accelerator = getattr(getattr(cfg, "launch", None), "accelerator", None)
-    if topology is None:
-        if not accelerator:
-            raise CompileError("no accelerator: set launch.accelerator in the config or pass --topology")
-        topology = topology_for(accelerator)
-    topo = get_topology(topology)
-    devices = list(topo.devices)
+    accelerator, topology, devices, mesh = slice_mesh(cfg, topology)
     n = len(devices)
-    try:
-        mesh = mesh_for_config(cfg.mesh, devices)
-    except ValueError as e:
-        raise CompileError(f"topology {topology} ({n} devices): {e}") from None
-    if mesh is None:
-        mesh = make_mesh({"fsdp": 1}, devices=devices)
     hosts = len({getattr(d, "process_index", 0) for d in devices})
     try:  # with tool.enabled: the engine, and only where it runs (plan.tool_engine_config)
         engine_cfg = tool_engine_config(cfg, hosts, batch_shards(mesh))
@@ -490,3 +497,35 @@ def summary_row(report: dict) -> dict[str, Any]:
             "hbm_gib": (report["hbm_bytes_per_device"] or 0) / GiB, "fits": report["fits"],
             "estimate_gib": (est.get("peak_bytes_per_device") or 0) / GiB,
             "compile_s": sum(p["compile_s"] for p in report["compiled"].values())}
+
+
+def compile_sft(cfg, *, topology: str | None = None, log=print) -> dict:
+    """Compile the SFT step of `stare-jax sft` config `cfg` (stare_jax.sft.ConversationSFTConfig) for a TPU slice
+    (`topology`, default: the one of cfg.launch.accelerator) at its largest batch (batch_size conversations of
+    max_len tokens, in its micro-batches) and report the compiler's figures: the step's arguments are the train
+    state (fp32 parameters and AdamW moments, sharded by the model's rules; donated) and the batch, so its peak is
+    the run's per-device peak."""
+    accelerator, topology, devices, mesh = slice_mesh(cfg, topology)
+    model_cfg = run_model_config(cfg)
+    train_cfg = cfg.train_config(batch_shards(mesh))
+    graphdef, state = init_sft_state(models.abstract_model(model_cfg, mesh), train_cfg, mesh)
+    step = make_sft_step(graphdef, train_cfg, mesh=mesh, train_state=state)
+    assert isinstance(step, ShardedStep)  # a mesh is given
+    shape = (cfg.batch_size, cfg.padded_length())
+    batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=step.batch_shardings[k]) for k in SFT_KEYS}
+    log(f"compiling the SFT step for {topology} ({len(devices)} devices, mesh {dict(mesh.shape)}): batch "
+        f"{list(shape)} in {train_cfg.micro_batches} micro-batch(es), remat {model_cfg.remat_policy}")
+    program = Program.compile("sft_step", step.trace(state, batch), step.context, mesh.size)
+    hbm = hbm_bytes_per_device(topology, devices)
+    return {
+        "topology": topology, "accelerator": accelerator, "devices": len(devices), "mesh": dict(mesh.shape),
+        "hbm_bytes_per_device": hbm, "batch": list(shape), "micro_batches": train_cfg.micro_batches,
+        "compiled": {"sft_step": dataclasses.asdict(program)},
+        "state_bytes_per_device": {"params": tree_bytes_per_device(state.params),
+                                   "optimizer": tree_bytes_per_device(state.opt_state)},
+        "phases": {"training": {"peak_bytes": program.peak_bytes, "program_peak_bytes": program.peak_bytes,
+                                "resident_bytes": 0}},
+        "peak_bytes": program.peak_bytes,
+        "fits": None if hbm is None else bool(program.peak_bytes <= (1 - HEADROOM) * hbm),
+        "estimate": None,
+    }

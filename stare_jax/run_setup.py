@@ -24,7 +24,6 @@ from stare_jax.rl.train_step import TrainState, TrainStepConfig, init_train_stat
 from stare_jax.run_dir import is_remote, local_copy
 from stare_jax.sampling import Engine, Sampler
 from stare_jax.sampling.engine import make_generator
-from stare_jax.tools.calls import CODE_TOOL_SCHEMA
 from stare_jax.tools.config import make_pool
 from stare_jax.tools.pool import SandboxPool
 
@@ -96,10 +95,9 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, Run
 def encode_rows(rows: Sequence[PromptRow], tokenizer, cfg: Config) -> tuple[list[list[int]], list[int]]:
     """Token ids of each row's prompt; rows longer than data.max_prompt_len are reported and left out. With
     tool.enabled (hermes format) a chat template is given the code interpreter's schema."""
-    tools = [CODE_TOOL_SCHEMA] if cfg.tool.enabled and cfg.tool.format == "hermes" else None
     ids, keep = [], []
     for i, row in enumerate(rows):
-        text = format_prompt(row.problem, cfg.data.prompt_template, tokenizer, tools=tools)
+        text = format_prompt(row.problem, cfg.data.prompt_template, tokenizer, tools=cfg.tool.prompt_tools())
         # a rendered chat template carries its own special tokens; otherwise the tokenizer's default BOS rule
         toks = tokenizer.encode(text, add_bos=False if cfg.data.prompt_template == "chat" else None)
         if len(toks) <= cfg.data.max_prompt_len:

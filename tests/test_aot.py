@@ -187,3 +187,28 @@ def test_engine_run_compiles_the_engine_programs():
     assert r["phases"]["sampling"]["program_peak_bytes"] == max(decode["peak_bytes"], prefill["peak_bytes"])
     assert not any(k == "all-gather" and v["bytes"] >= pool_b // 4 for k, v in decode["collectives"].items())
     assert r["fits"] is True
+
+
+def test_sft_step_compiles_sharded_with_micro_batches(tmp_path):
+    """`stare-jax plan --sft CONFIG --compile`: the SFT step of a tiny model on v5p:2x2x1 (fsdp 4, 2 micro-batches
+    of one conversation per device, splash through Mosaic): the train state is sharded and donated, the batch and
+    the whole fp32 state fit, and the report is the plan's table."""
+    from stare_jax import models
+    from stare_jax.sft import load_sft_config
+
+    model_cfg = models.ModelConfig(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4,
+                                   head_dim=128, intermediate_size=256, max_position_embeddings=1024,
+                                   architecture="Qwen2ForCausalLM", qkv_bias=True, tie_word_embeddings=True)
+    models.save_pretrained(models.init_model(model_cfg), tmp_path)  # plan reads only its config.json
+    cfg = load_sft_config("configs/sft_tool_cold_start.yaml", [
+        f"model.path={tmp_path}", "model.attention_impl=splash", "max_len=256", "chunk_size=64", "batch_size=8",
+        "micro_batch_size=1", "launch.accelerator=v5p-8"])
+    r = aot.compile_sft(cfg, log=lambda _: None)
+    assert r["topology"] == "v5p:2x2x1" and r["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert r["batch"] == [8, 257] and r["micro_batches"] == 2
+    p, s = r["compiled"]["sft_step"], r["state_bytes_per_device"]
+    assert s["optimizer"] - 2 * s["params"] == 8  # AdamW moments sharded like the fp32 params
+    assert p["alias_bytes"] >= s["params"] + s["optimizer"]  # the train state is donated
+    assert p["mosaic_kernels"] > 0 and "all-gather" in p["collectives"]  # splash; FSDP gathers the weights
+    assert r["fits"] is True and r["peak_bytes"] == p["peak_bytes"]
+    assert "sft_step" in aot.format_compiled(r)

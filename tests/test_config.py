@@ -106,13 +106,14 @@ def test_resolved_config_round_trip(tmp_path):
 
 
 def test_every_shipped_config_loads():
-    """Every run config loads as a run config, every SFT config (configs/sft_*.yaml) as an SFT config."""
+    """Every run config loads as a run config, every SFT config (configs/sft_*.yaml, *_sft.yaml) as an SFT config."""
+    from stare_jax.config import is_sft_config_file
     from stare_jax.sft import load_sft_config
 
     files = sorted(CONFIGS.rglob("*.yaml"))
     assert files, "configs/ has no YAML files"
     for f in files:
-        load_sft_config(f) if f.name.startswith("sft_") else load_config(f)
+        load_sft_config(f) if is_sft_config_file(f) else load_config(f)
 
 
 def test_rl_stare_is_the_step_stare_config():

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from stare_jax.cli import main
-from stare_jax.config import load_config, to_dict
+from stare_jax.config import is_sft_config_file, load_config, to_dict
 from stare_jax.models import PRESETS
 from stare_jax.plan import estimate, phase_peaks
 
@@ -45,10 +45,11 @@ TOOL = "qwen2.5-7b-tool"  # the tool-use scenario: Qwen2.5-7B-Base after cold-st
 
 
 def test_exactly_the_run_files():
-    """5 models x (3 arms + grpo_kl), and the tool-use scenario's 3 arms."""
+    """5 models x (3 arms + grpo_kl), and the tool-use scenario's 3 arms and its cold-start SFT config."""
     names = sorted(p.name for p in PAPER.glob("*.yaml") if not p.name.startswith("_"))
     assert names == sorted([f"{m}_{a}.yaml" for m in MODELS for a in ARMS + [KL_ARM]]
-                           + [f"{TOOL}_{a}.yaml" for a in ARMS])
+                           + [f"{TOOL}_{a}.yaml" for a in ARMS] + [f"{TOOL}_sft.yaml"])
+    assert [n for n in names if is_sft_config_file(n)] == [f"{TOOL}_sft.yaml"]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -267,3 +268,17 @@ def test_tool_plan_cli_rejects_a_multi_host_slice(capsys):
     assert main(["plan", str(_path(TOOL, "stare_c2")), "--accelerator", "v5p-64", "mesh.fsdp=-1"]) == 2
     err = capsys.readouterr().err
     assert "tool.enabled" in err and "single-host slice" in err
+
+
+def test_tool_cold_start_sft_config(tool_cfgs):
+    """configs/paper/qwen2.5-7b-tool_sft.yaml: the cold-start SFT of the arms' model at the paper's size (8k tokens,
+    batch 32) on the arms' slice and mesh, with their model numerics; micro-batches split the batch."""
+    from stare_jax.sft import load_sft_config
+
+    sft = load_sft_config(PAPER / f"{TOOL}_sft.yaml")
+    arm = tool_cfgs["stare_o1"]
+    assert (sft.max_len, sft.batch_size, sft.tools) == (8192, 32, "code_interpreter")
+    assert sft.launch.accelerator == arm.launch.accelerator and sft.mesh == arm.mesh
+    for key in ("preset", "dtype", "param_dtype", "attention_impl", "remat_policy", "scan_layers"):
+        assert getattr(sft.model, key) == getattr(arm.model, key), key
+    assert sft.micro_batches(arm.mesh.data * arm.mesh.fsdp) > 1

@@ -179,14 +179,18 @@ def test_sft_cli_loss_drops_and_writes_an_hf_folder(qwen_dir, tmp_path, capsys):
     data = tmp_path / "retool_sft.jsonl"
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
     cfg = tmp_path / "sft.yaml"
-    cfg.write_text(f"model_path: {model_dir}\ntrain_path: {data}\nout_dir: {tmp_path / 'out'}\nsteps: 30\n"
-                   f"batch_size: 4\nlr: 3.0e-3\nmax_len: 1024\nchunk_size: 128\n")
+    # on the 8 fake devices (fsdp 2 x tensor 4), 2 micro-batches of one conversation per data shard; no tool
+    # schema in the system prompt (tools: none), so the padded length is 385 instead of 1025 (3x faster)
+    cfg.write_text(f"model: {{path: {model_dir}}}\ntrain_path: {data}\nout_dir: {tmp_path / 'out'}\nsteps: 30\n"
+                   f"batch_size: 4\nmicro_batch_size: 1\nlr: 3.0e-3\nmax_len: 1024\nchunk_size: 128\n"
+                   f"mesh: {{data: 1, fsdp: 2, tensor: 4}}\ntools: none\n")
     assert main(["sft", "--config", str(cfg)]) == 0
     out = tmp_path / "out"
     losses = [json.loads(line)["loss"] for line in (out / "sft_log.jsonl").read_text().splitlines()]
     assert len(losses) == 30 and np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
     summary = json.loads((out / "sft_summary.json").read_text())
     assert summary["conversations"] == 3 and summary["assistant_tokens"] > 0
+    assert summary["mesh"] == {"data": 1, "fsdp": 2, "tensor": 4} and summary["micro_batches"] == 2
     # the RL run's model.path: an HF folder with weights, config and the tokenizer + chat template
     reloaded = models.from_pretrained(out)
     assert reloaded.config.vocab_size == tok.vocab_size
@@ -216,16 +220,20 @@ def test_shipped_config_loads_and_tokenizer_files_agree():
 
 def test_sft_config_errors(tmp_path):
     path = tmp_path / "s.yaml"
-    path.write_text("model_path: m\ntrain_path: t\nout_dir: o\nstep: 3\n")
+    path.write_text("model: {path: m}\ntrain_path: t\nout_dir: o\nstep: 3\n")
     with pytest.raises(ConfigError, match=r"s.yaml: unknown key 'sft.step'; did you mean 'sft.steps'"):
         load_sft_config(path)
-    path.write_text("model_path: m\ntrain_path: t\nout_dir: o\n")
+    path.write_text("model: {path: m}\ntrain_path: t\nout_dir: o\n")
     with pytest.raises(ConfigError, match=r"override 'truncation=left'.*'sft.truncation' = 'left' is not accepted"):
         load_sft_config(path, ["truncation=left"])
     with pytest.raises(ConfigError, match=r"'sft.max_len' = 1 is out of range"):
         load_sft_config(path, ["sft.max_len=1"])
+    with pytest.raises(ConfigError, match=r"override 'mesh.fsdp=0'.*'sft.mesh.fsdp' = 0 is not accepted"):
+        load_sft_config(path, ["mesh.fsdp=0"])
+    with pytest.raises(ConfigError, match=r"unknown key 'sft.model.pth'; did you mean 'sft.model.path'"):
+        load_sft_config(path, ["sft.model.pth=x"])
     path.write_text("train_path: t\nout_dir: o\n")
-    with pytest.raises(ConfigError, match=r"'sft.model_path' is required"):
+    with pytest.raises(ConfigError, match=r"'sft.model.path' is required"):
         load_sft_config(path)
 
 
@@ -251,10 +259,12 @@ def test_sft_cli_wrong_inputs_are_one_line(tmp_path, capsys):
     assert main(["sft"]) == 2
     assert "--config FILE is required" in capsys.readouterr().err
     assert main(["sft", "--config", str(tmp_path / "nope.yaml")]) == 2
-    assert "No such file or directory" in capsys.readouterr().err
+    assert "config file not found" in capsys.readouterr().err
     cfg = tmp_path / "s.yaml"
-    cfg.write_text(f"model_path: {tmp_path}\ntrain_path: {tmp_path / 'c.jsonl'}\nout_dir: {tmp_path}\n")
+    cfg.write_text(f"model: {{path: {tmp_path}}}\ntrain_path: {tmp_path / 'c.jsonl'}\nout_dir: {tmp_path}\n")
     assert main(["sft", "--config", str(cfg)]) == 2  # out_dir exists and is not empty
     assert "exists and is not empty" in capsys.readouterr().err
     assert main(["sft", "--config", str(cfg), "lr=-1"]) == 2
     assert "'sft.lr' = -1.0 is out of range" in capsys.readouterr().err
+    assert main(["sft", "--config", str(cfg), "mesh.fsdp=3", f"out_dir={tmp_path / 'new'}"]) == 2  # 8 devices
+    assert "sft.mesh: mesh {'data': 1, 'fsdp': 3, 'tensor': 1} has 3 devices" in capsys.readouterr().err

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from stare_jax.config import Config, ConfigError, RLConfig, SamplingConfig, load_config
 from stare_jax.data.prompts import PAPER_INSTRUCTION, PromptRow
 from stare_jax.metrics import read_metrics
-from stare_jax.models import ModelConfig, init_model
+from stare_jax.models import ModelConfig, init_model, save_pretrained
 from stare_jax.rewards.reward_fn import RewardFn
 from stare_jax.rl.losses import policy_loss
 from stare_jax.rl.stare import StareConfig, init_stare_state
@@ -525,3 +526,63 @@ def test_smollm2_gsm8k_tool_rollouts_two_steps(tmp_path):
         print(f"step {r['step']}: {r['step_time_s']:.1f} s (generation {r['gen_time_s']:.1f} s), "
               f"tool calls/response {r['tool/calls_per_response']:.2f}, "
               f"observation-token fraction {r['tool/observation_token_frac']:.3f}")
+
+
+def test_eval_cli_runs_multi_turn_with_the_tool(tokenizer, tmp_path):
+    """`stare-jax eval --tool on`: the benchmark prompts go through the engine's multi-turn rollouts and the sandbox
+    (the bigram model closes the call the raw prompt opens, the interpreter answers 42, the model ends its turn), and
+    the output has the tool row: one call per response, none errored or timed out, two turns per response."""
+    folder = tmp_path / "model"
+    shutil.copytree(pathlib.Path(tokenizer.name_or_path), folder)
+    model = _bigram_model(tokenizer, {"}": "</tool_call>", ")": "</code>"}, default="<|im_end|>")
+    save_pretrained(model, folder)
+    data = tmp_path / "data"
+    data.mkdir()
+    problem = CALL.format(name="code_interpreter", code="print(6 * 7)").split("assistant\n", 1)[1]
+    (data / "math500.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": problem, "answer": "42"}) + "\n"
+                                                for i in range(2)))
+    out = tmp_path / "eval"
+    cmd = [sys.executable, "-m", "stare_jax.cli", "eval", "--checkpoint", str(folder), "--benchmarks", "math500",
+           "--data-dir", str(data), "--n", "2", "--max-new-tokens", "96", "--max-prompt-len", "128",
+           "--prompt-template", "raw", "--slots", "4", "--workers", "1", "--out", str(out), "--tool", "on",
+           "tool.timeout_s=5", "tool.max_turns=2"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "multi-turn with the code interpreter (hermes, up to 2 calls, local sandbox)" in p.stderr
+    results = json.loads((out / "eval.json").read_text())
+    assert results["math500"]["n_samples"] == 2
+    t = results["tool"]
+    assert t["tool/calls_per_response"] == 1.0 and t["tool/calls"] == 4.0
+    assert t["tool/errored_calls"] == 0.0 and t["tool/timeout_calls"] == 0.0 and t["tool/turns_per_response"] == 2.0
+    assert 0 < t["tool/observation_token_frac"] < 1 and t["tool/with_tool_frac"] == 1.0
+    assert "| all (tool use) | 1.0000 |" in (out / "eval.md").read_text()
+
+
+def test_eval_tool_section_and_bad_input(tmp_path, capsys):
+    """--tool auto takes the tool section of --config (else of a run folder's config.yaml, else the defaults),
+    tool.KEY=VALUE overrides on top; other overrides and --tool on without the engine are one-line errors."""
+    from stare_jax import cli
+
+    def resolve(*argv, checkpoint=tmp_path):
+        args = cli.build_parser().parse_args(["eval", "--checkpoint", str(checkpoint), *argv])
+        return cli._eval_tool_config(args, checkpoint)
+
+    assert resolve() == ToolConfig()
+    paper = REPO / "configs/paper/qwen2.5-7b-tool_stare_o1.yaml"
+    t = resolve("--config", str(paper), "tool.max_turns=3")
+    assert t.enabled and t.max_turns == 3 and t.timeout_s == 10.0
+    assert resolve("--config", str(paper), "--tool", "off") == ToolConfig()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("tool: {enabled: true, format: retool}\n")
+    assert resolve(checkpoint=run) == ToolConfig(enabled=True, format="retool")
+    assert resolve("--tool", "on").enabled
+    assert cli.main(["eval", "--checkpoint", str(tmp_path), "--benchmarks", "math500", "--data-dir",
+                     str(REPO.parent / "shared/data/math"), "rl.lr=1"]) == 2
+    assert "eval takes tool.KEY=VALUE overrides only, got rl.lr=1" in capsys.readouterr().err
+    assert cli.main(["eval", "--checkpoint", str(tmp_path), "--benchmarks", "math500", "--data-dir",
+                     str(REPO.parent / "shared/data/math"), "--tool", "on", "--engine", "off"]) == 2
+    assert "multi-turn tool rollouts (--tool on, or tool.enabled in the tool section) need the rollout engine" in \
+        capsys.readouterr().err

@@ -306,6 +306,44 @@ def _masked_mean(x, m):
     return jnp.sum(jnp.where(m > 0, x, 0.0)) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+def accumulate_gradients(loss_and_grad: Callable, params, scan_xs: dict, zeros_aux):
+    """(gradient, loss, aux) summed over micro-batches: a lax.scan over scan_xs' leading axis calling
+    loss_and_grad(xs) -> ((loss, aux), gradient) on each (gradient accumulation: with every micro-batch's loss
+    normalised by the whole batch's count, the sums are the whole batch's loss and gradient, one micro-batch's
+    activations alive at a time). A micro-batch whose xs["run"] is False is skipped (zeros: an empty packed one)."""
+    zeros_g = jax.tree.map(jnp.zeros_like, params)
+
+    def acc(c, xs):
+        g_sum, l_sum, a_sum = c
+        if "run" in xs:
+            (loss, aux), g = jax.lax.cond(xs["run"], lambda: loss_and_grad(xs),
+                                          lambda: ((jnp.float32(0.0), zeros_aux), zeros_g))
+        else:
+            (loss, aux), g = loss_and_grad(xs)
+        return (jax.tree.map(jnp.add, g_sum, g), l_sum + loss, jax.tree.map(jnp.add, a_sum, aux)), None
+
+    (grads, loss, aux), _ = jax.lax.scan(acc, (zeros_g, jnp.float32(0.0), zeros_aux), scan_xs)
+    return grads, loss, aux
+
+
+def guarded_update(tx: optax.GradientTransformation, grads, loss, params, opt_state, *, offload: bool = False):
+    """(new params, new optimizer state, gradient norm, finite): one optax update, skipped (params and optimizer
+    state unchanged) when the loss or the gradient norm is not finite. offload: the optimizer state lives in host
+    memory and comes in for the update only (rl.offload.optimizer)."""
+    gnorm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+    safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    if offload:
+        opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
+    updates, new_opt = tx.update(safe_grads, opt_state, params)
+    new_p = optax.apply_updates(params, updates)
+    new_p = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_p, params)
+    new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt, opt_state)
+    if offload:
+        new_opt = jax.device_put(new_opt, jax.memory.Space.Host)
+    return new_p, new_opt, gnorm, finite
+
+
 def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH_AXES) -> Callable:
     """The pure (un-jitted) step function (train_state, batch, stare_state) -> (train_state, stare_state, metrics)."""
     tx = make_optimizer(cfg.optimizer)
@@ -480,42 +518,21 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
                 normalizer = policy_loss_normalizer(loss_name, mb_seq[0], cfg.loss_agg)
             micro_xs, nonempty, micro_fn = lay.micro_batches(j, mb_seq)
             grad_fn = jax.value_and_grad(functools.partial(micro_loss, micro_fn=micro_fn), has_aux=True)
-            zeros_g = jax.tree.map(jnp.zeros_like, p)
             zeros_m = {k: jnp.float32(0.0) for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum",
                                                       "token_count", "omega_sum") + (("kl_agg",) if kl.as_loss else ())}
 
-            def acc(c, xs):
-                g_sum, l_sum, m_sum = c
+            def loss_and_grad(xs):
                 key = jax.random.fold_in(step_key, u * micro_n + xs["i"]) if with_key else None
-
-                def run():
-                    return grad_fn(p, xs["x"], normalizer, ent_normalizer, key)
-
-                if "run" in xs:  # a packed micro-batch left empty costs nothing
-                    (loss, met), g = jax.lax.cond(xs["run"], run, lambda: ((jnp.float32(0.0), zeros_m), zeros_g))
-                else:
-                    (loss, met), g = run()
-                g_sum = jax.tree.map(jnp.add, g_sum, g)
-                m_sum = jax.tree.map(jnp.add, m_sum, met)
-                return (g_sum, l_sum + loss, m_sum), None
+                return grad_fn(p, xs["x"], normalizer, ent_normalizer, key)
 
             scan_xs = {"x": micro_xs}
             if with_key:
                 scan_xs["i"] = jnp.arange(micro_n)
-            if nonempty is not None:
+            if nonempty is not None:  # a packed micro-batch left empty costs nothing
                 scan_xs["run"] = nonempty
-            (grads, loss, msum), _ = jax.lax.scan(acc, (zeros_g, jnp.float32(0.0), zeros_m), scan_xs)
-            gnorm = optax.tree.norm(grads)
-            finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-            safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
-            if cfg.offload.optimizer:  # the moments come in for the update only (rl.offload.optimizer)
-                opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
-            updates, new_opt = tx.update(safe_grads, opt_state, p)
-            new_p = optax.apply_updates(p, updates)
-            new_p = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_p, p)
-            new_opt = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_opt, opt_state)
-            if cfg.offload.optimizer:
-                new_opt = jax.device_put(new_opt, jax.memory.Space.Host)
+            grads, loss, msum = accumulate_gradients(loss_and_grad, p, scan_xs, zeros_m)
+            new_p, new_opt, gnorm, finite = guarded_update(tx, grads, loss, p, opt_state,
+                                                           offload=cfg.offload.optimizer)
             out = dict(msum, loss=loss, grad_norm=gnorm, skipped=(~finite).astype(jnp.float32))
             if cfg.debug_outputs:
                 out["grads"] = grads
@@ -574,24 +591,36 @@ def batch_shardings(mesh, batch_axes=BATCH_AXES, keys=BATCH_KEYS):
 
 def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: TrainState | None = None,
                     rules=None, batch_axes=BATCH_AXES, donate: bool = True) -> Callable:
-    """jax.jit-compiled step. With a mesh: in/out shardings = the train_state's current shardings (pass the
-    initialised train_state), batch sharded over batch_axes on its leading axis, controller state and metrics
+    """jax.jit-compiled step (jit_step). With a mesh: in/out shardings = the train_state's current shardings (pass
+    the initialised train_state), batch sharded over batch_axes on its leading axis, controller state and metrics
     replicated, reference parameters (cfg.kl.enabled) sharded like the params and not donated; the model's
     activation constraints use `rules` (default: stare_jax.models.sharding rules)."""
     step_fn = build_step_fn(graphdef, cfg, mesh=mesh, batch_axes=batch_axes if mesh is not None else ())
+    return jit_step(step_fn, mesh=mesh, train_state=train_state, keys=batch_keys(cfg), with_ref=cfg.kl.enabled,
+                    rules=rules, batch_axes=batch_axes, donate=donate)
+
+
+def jit_step(step_fn: Callable, *, mesh=None, train_state: TrainState | None = None, keys: tuple = BATCH_KEYS,
+             state_args: int = 1, with_ref: bool = False, rules=None, batch_axes=BATCH_AXES,
+             donate: bool = True) -> Callable:
+    """step_fn(train_state, batch, *state [, ref_params]) -> (train_state, *state, metrics), jitted with the train
+    state donated: plain jax.jit without a mesh; on a mesh a ShardedStep whose train state keeps its current
+    shardings (pass the initialised train_state), batch keys sharded over batch_axes, the `state_args` state
+    arguments (the RL step's controller state; none for the SFT step) and the metrics replicated, the reference
+    parameters (with_ref) sharded like the params and not donated."""
     donate_argnums = (0,) if donate else ()
     if mesh is None:
         return jax.jit(step_fn, donate_argnums=donate_argnums)
     if train_state is None:
-        raise ValueError("make_train_step(mesh=...) needs the initialised train_state to read its shardings")
+        raise ValueError("a step on a mesh needs the initialised train_state to read its shardings")
     rules = DEFAULT_RULES if rules is None else rules
     rep = NamedSharding(mesh, P())
     state_sh = train_state_shardings(train_state, mesh)
-    keys = batch_keys(cfg)
-    in_sh = (state_sh, batch_shardings(mesh, batch_axes, keys), rep) + ((state_sh.params,) if cfg.kl.enabled else ())
-    jitted = jax.jit(step_fn, in_shardings=in_sh, out_shardings=(state_sh, rep, rep), donate_argnums=donate_argnums)
-
-    return ShardedStep(jitted, mesh, rules, tuple(batch_axes), keys, cfg.kl.enabled)
+    in_sh = ((state_sh, batch_shardings(mesh, batch_axes, keys)) + (rep,) * state_args
+             + ((state_sh.params,) if with_ref else ()))
+    out_sh = (state_sh,) + (rep,) * (state_args + 1)
+    jitted = jax.jit(step_fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate_argnums)
+    return ShardedStep(jitted, mesh, rules, tuple(batch_axes), tuple(keys), with_ref, state_args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -605,7 +634,8 @@ class ShardedStep:
     rules: Any
     batch_axes: tuple
     keys: tuple = BATCH_KEYS  # the batch keys the step reads (batch_keys)
-    with_ref: bool = False  # takes the frozen reference's parameters as a fourth argument
+    with_ref: bool = False  # takes the frozen reference's parameters after its state arguments
+    state_args: int = 1  # arguments after the batch: the RL step's controller state; 0 for the SFT step
 
     @property
     def batch_shardings(self) -> dict:
@@ -615,7 +645,10 @@ class ShardedStep:
         """The mesh and activation rules the step is traced under."""
         return program_context(self.mesh, self.rules)
 
-    def __call__(self, train_state, batch, stare_state, ref_params=None):
+    def __call__(self, train_state, batch, *args):
+        """step(train_state, batch, *state [, ref_params]): the RL step's state is its controller state."""
+        state, extra = args[:self.state_args], args[self.state_args:]
+        ref_params = extra[0] if extra else None
         missing = [k for k in self.keys if k not in batch]
         if missing:
             raise ValueError(f"train batch is missing keys {missing}; expected {list(self.keys)}")
@@ -628,7 +661,7 @@ class ShardedStep:
                 raise ValueError(f"batch[{k!r}] has {jnp.shape(v)[0]} rows, not divisible by the {shards} devices "
                                  f"of mesh axes {self.batch_axes}")
         with self.context():
-            return self.jitted(train_state, batch, stare_state, *((ref_params,) if self.with_ref else ()))
+            return self.jitted(train_state, batch, *state, *((ref_params,) if self.with_ref else ()))
 
     def trace(self, *args) -> jax.stages.Traced:
         with self.context():

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Literal
 
 from stare_jax.options import ConfigError, option, validate_fields
+from stare_jax.tools.calls import CODE_TOOL_SCHEMA
 from stare_jax.tools.pool import Backend, LocalBackend, SandboxPool
 from stare_jax.tools.sandbox_fusion import SandboxFusionBackend
 
@@ -54,6 +55,11 @@ class ToolConfig:
             raise ConfigError("tool: 'backend' = 'sandbox_fusion' needs 'sandbox_fusion_url' (http://host:port)")
         if self.sandbox_fusion_url is not None and not self.sandbox_fusion_url.startswith(("http://", "https://")):
             raise ConfigError(f"tool: 'sandbox_fusion_url' = {self.sandbox_fusion_url!r} is not an http(s) URL")
+
+    def prompt_tools(self) -> list[dict] | None:
+        """The tool schemas a chat-template prompt lists: [the code interpreter] when enabled in the hermes format
+        (Qwen2.5's template writes them into its tool-use system prompt), else None."""
+        return [CODE_TOOL_SCHEMA] if self.enabled and self.format == "hermes" else None
 
 
 def make_backend(cfg: ToolConfig) -> Backend:
