@@ -238,7 +238,9 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     if generator == "engine":
         # each data shard's page pool (allocated once: sampling.engine.num_pages / dp, or auto-sized for its
         # max_slots / dp requests) on its devices, kv heads split over the tensor axis where it divides them;
-        # per decode step one layer's gathered pages of the shard's slots
+        # per decode step one layer's gathered pages of the shard's slots; per prefill call one layer's fp32
+        # attention logits and probabilities of a prefill chunk per slot over the longest request (the pure-JAX
+        # gather path: the larger program on long contexts, 15.6 GiB per chip for the 7B tool configs)
         ec = engine_cfg
         slots = -(-ec.max_slots // dp)
         pool_pages = -(-ec.num_pages // dp) if ec.num_pages else dataclasses.replace(
@@ -249,6 +251,8 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
             "kv_page_pool": 2 * L * pool_pages * ec.page_size * heads_dev * dh * kvb,
             "kv_gathered_pages": 2 * slots * seq_len * heads_dev * dh * cb,
             "sampler_logits": slots * (V / tensor) * 4 * 2,
+            "prefill_attention_scores": 2 * slots * min(ec.prefill_chunk, seq_len) * seq_len
+            * model_cfg.num_heads / tensor * 4,
         }
     else:
         # one sampler call holds sampling.max_prompts_per_call prompts (0: the whole generation batch), padded as

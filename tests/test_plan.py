@@ -123,6 +123,10 @@ def test_plan_models_the_engine_page_pool():
     assert fsdp["memory_bytes"]["sample/kv_page_pool"] == shard_pool * mc.head_dim * 2
     forced = estimate(load_config(None, base + ["sampling.engine.enabled=true"]), "v5p-64", num_params=n)
     assert any("sampling.engine.enabled=true" in w for w in forced["warnings"])  # 8 hosts: refused
+    # the prefill program's fp32 attention logits + probabilities: a prefill chunk per slot over the longest request,
+    # the query heads split over the tensor axis (the compiled prefill's temps, see BUILD.md's tool rows)
+    scores = 2 * ec.max_slots * ec.prefill_chunk * 4096 * (mc.num_heads / 4) * 4
+    assert tp["memory_bytes"]["sample/prefill_attention_scores"] == scores
 
 
 def test_plan_models_packing_and_the_optimizer_offload():

@@ -48,6 +48,8 @@ Design (host scheduler + three jitted programs):
   [K, N, P, Dh], kv heads first; this pool is [N, P, K, Dh] and decode uses the gather path everywhere), and
   multi-process (the host scheduler drives one process). Where that is needed, `make_generator`
   (sampling.engine.enabled=auto) picks the static sampler.
+- Ahead of time: `Engine.trace_programs` traces the decode and prefill programs at their largest shapes on an
+  abstract engine (models.abstract_model), for stare_jax.aot to compile for a TPU slice on a CPU host.
 """
 from __future__ import annotations
 
