@@ -20,9 +20,9 @@ Nothing here is a copy of a program: the run's own code paths are given abstract
   program: a collective inside a loop body is listed once).
 - Phases: sampling = the sampler program (the larger of the engine's decode and prefill) + the train state
   (params + AdamW moments) and the frozen reference policy (rl.kl; the policy's shapes and shardings) that stay
-  resident; the weight reshard = its program + the optimizer
-  moments + the reference; training = the train step (its arguments are the train state, the batch and the
-  reference; the sampler's copy is released before it, see Sampler.release).
+  resident; the weight reshard = its program + the optimizer moments + the reference; training = the train step
+  (its arguments are the train state, the batch and the reference; the sampler's copy is released before it, see
+  Sampler.release).
 """
 from __future__ import annotations
 
@@ -348,11 +348,10 @@ def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log) -> int:
                              while_trips=engine_cfg.decode_chunk)
     prefill = Program.compile("sampler_prefill", traced["prefill"], engine.program_context, mesh.size)
     rows = cfg.rl.gen_batch_size * cfg.rl.group_size
-    slots = engine._slots_per_shard() * engine.data_shards
+    slots = engine._slots_per_shard() * engine.data_shards  # rows of one decode or prefill call
     decode.flops_per_step *= math.ceil(rows / slots) * math.ceil(cfg.sampling.max_new_tokens / engine_cfg.decode_chunk)
-    prefill_rows = engine._slots_per_shard() * engine.data_shards
-    prefill.flops_per_step *= math.ceil(cfg.rl.gen_batch_size / prefill_rows) * math.ceil(
-        prompt_bucket / engine._prefill_width(longest))
+    prefill.flops_per_step *= math.ceil(cfg.rl.gen_batch_size / slots) * math.ceil(
+        prompt_bucket / engine_cfg.prefill_width(longest))
     programs["sampler"], programs["sampler_prefill"] = decode, prefill
     return tree_bytes_per_device(engine.state)
 

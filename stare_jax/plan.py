@@ -251,7 +251,7 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
             "kv_page_pool": 2 * L * pool_pages * ec.page_size * heads_dev * dh * kvb,
             "kv_gathered_pages": 2 * slots * seq_len * heads_dev * dh * cb,
             "sampler_logits": slots * (V / tensor) * 4 * 2,
-            "prefill_attention_scores": 2 * slots * min(ec.prefill_chunk, seq_len) * seq_len
+            "prefill_attention_scores": 2 * slots * ec.prefill_width(seq_len) * seq_len
             * model_cfg.num_heads / tensor * 4,
         }
     else:

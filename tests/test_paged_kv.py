@@ -46,3 +46,14 @@ def test_page_table_and_buckets():
     assert [pages_for(n, 4) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
     assert [width_bucket(n, 16) for n in (0, 1, 3, 5, 16)] == [1, 1, 4, 8, 16]
     assert width_bucket(9, 10) == 10 and width_bucket(11, 10) == 11  # capped at the context; beyond: exact
+
+
+def test_prefill_width_is_a_power_of_two_bucket_of_the_longest_chunk():
+    """A prefill call's row width: at least 32, the power of two covering its longest chunk, at most prefill_chunk
+    (33-64-token prompts take 64 columns, not 256); the engine, its AOT trace and the plan all use this rule."""
+    from stare_jax.sampling.engine_config import EngineConfig
+
+    ec = EngineConfig(prefill_chunk=256)
+    assert [ec.prefill_width(n) for n in (1, 32, 33, 64, 65, 200, 256, 9216)] == [32, 32, 64, 64, 128, 256, 256, 256]
+    assert EngineConfig(prefill_chunk=20).prefill_width(5) == 20  # a chunk below 32 caps it
+    assert EngineConfig(prefill_chunk=100).prefill_width(70) == 100  # not a power of two: capped there

@@ -77,7 +77,6 @@ from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, Sampler, _ch
 
 EXIT_FRACTION = 4  # a decode chunk ends early once 1/EXIT_FRACTION of the slots can be refilled
 MIN_ROWS = 4  # smallest prefill / decode batch (fewer compiled shapes)
-MIN_PREFILL_WIDTH = 32  # smallest tokens per row of a prefill call (buckets: powers of two up to prefill_chunk)
 MIN_WIDTH = 1  # smallest page-table width (pages) of a program (buckets: powers of two)
 
 # ----------------------------------------------------------------------------------------------- config
@@ -442,7 +441,7 @@ class Engine:
                 self.graphdef, self.state, pages, arg((rows, width)), *(arg((rows,)) for _ in range(4)),
                 arg((rows,), bool), arg((rows,), np.uint32), arg((rows,), np.uint32), arg((), np.int32), *scalars,
                 steps=ec.decode_chunk, page_size=ec.page_size, pad_id=self.pad_id, batch_axes=self._batch_axes)
-            chunk = self._prefill_width(longest_tokens)
+            chunk = ec.prefill_width(longest_tokens)
             prefill = _prefill_jit.trace(
                 self.graphdef, self.state, pages, arg((rows, chunk)), arg((rows, chunk)), arg((rows, chunk), bool),
                 arg((rows, width)), page_size=ec.page_size, batch_axes=self._batch_axes)
@@ -687,7 +686,7 @@ class Engine:
         every = [j for jobs in jobs_D for j in jobs]
         if not every:
             return False
-        C = self._prefill_width(max(len(toks) - start for _, toks, start, _ in every))
+        C = ec.prefill_width(max(len(toks) - start for _, toks, start, _ in every))
         R = self._row_bucket(max(len(jobs) for jobs in jobs_D))
         width = self._width(max(len(j[3]) for j in every))
         D = len(shards)
@@ -754,13 +753,6 @@ class Engine:
         MIN_ROWS, at most a shard's slots): a round that prefills one new prompt, or decodes the last rows of a
         draining queue, must not pay for max_slots rows."""
         return min(1 << (max(num_rows, MIN_ROWS) - 1).bit_length(), self._slots_per_shard())
-
-    def _prefill_width(self, longest: int) -> int:
-        """Tokens per row of a prefill call: the power-of-two bucket of the longest chunk left to write, at least
-        MIN_PREFILL_WIDTH, at most prefill_chunk. A few widths (log2(prefill_chunk / MIN_PREFILL_WIDTH) + 1 programs),
-        and no call pads its rows to more than twice its longest chunk: prompts of 33-64 tokens must not pay for
-        prefill_chunk columns (a fixed 256 made a 64-prompt prefill 4x the static sampler's)."""
-        return min(self.engine_config.prefill_chunk, 1 << (max(longest, MIN_PREFILL_WIDTH) - 1).bit_length())
 
     def _width(self, num_pages: int) -> int:
         """Page-table width of a call: a power-of-two bucket of the live pages, at least MIN_WIDTH pages (few

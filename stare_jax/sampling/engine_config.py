@@ -7,6 +7,8 @@ from typing import Literal
 
 from stare_jax.options import ConfigError, option, validate_fields
 
+MIN_PREFILL_WIDTH = 32  # smallest tokens per row of a prefill call (buckets: powers of two up to prefill_chunk)
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -46,3 +48,11 @@ class EngineConfig:
         page (so the auto pool never preempts)."""
         one = -(-int(longest_tokens) // self.page_size) + 1
         return self.num_pages if self.num_pages else (self.max_slots + 1) * one + 1
+
+    def prefill_width(self, longest_chunk: int) -> int:
+        """Tokens per row of a prefill call whose longest chunk left to write is `longest_chunk`: its power-of-two
+        bucket, at least MIN_PREFILL_WIDTH, at most prefill_chunk. A few widths (log2(prefill_chunk /
+        MIN_PREFILL_WIDTH) + 1 programs), and no call pads its rows to more than twice its longest chunk: prompts
+        of 33-64 tokens must not pay for prefill_chunk columns (a fixed 256 made a 64-prompt prefill 4x the static
+        sampler's)."""
+        return min(self.prefill_chunk, 1 << (max(int(longest_chunk), MIN_PREFILL_WIDTH) - 1).bit_length())
