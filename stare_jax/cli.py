@@ -176,7 +176,9 @@ def _cmd_sft(args) -> int:
     if not args.config:
         raise UsageError("--config FILE is required: a YAML mapping with model.path, train_path, out_dir and the "
                          "other sft options (see configs/sft_tool_cold_start.yaml)")
-    run_conversation_sft(load_sft_config(args.config, args.overrides))
+    cfg = load_sft_config(args.config, args.overrides)
+    init_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    run_conversation_sft(cfg)
     return 0
 
 
@@ -543,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="cold-start SFT on multi-turn conversation jsonl (assistant tokens only) -> HF "
                                    "folder")
     _add_config_args(p)
+    _add_distributed_args(p)
     p.set_defaults(func=_cmd_sft)
 
     p = sub.add_parser("smoke", help="load a model and generate a few tokens")

@@ -16,6 +16,7 @@ config's model.path points at, on the config's mesh (the RL config's `mesh:` sec
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stare_jax import models
+from stare_jax import distributed, models
 from stare_jax.config import LaunchConfig, MeshConfig, ModelConfig, load_section
 from stare_jax.data.conversations import (RenderedConversation, end_of_turn_texts, read_conversations,
                                           render_conversation, truncate)
@@ -139,13 +140,17 @@ def sft_train(model: nnx.Module, sample_batch: Callable[[np.random.Generator, in
               log: Callable[[int, float], None] | None = None, *, mesh=None) -> list[float]:
     """Train `model` (sharded onto `mesh` when given) in place for cfg.steps steps. `sample_batch(rng,
     batch_size)` returns (ids, attn, resp) arrays of one fixed shape (so the step compiles once). Returns the loss
-    curve. The model's parameter buffers are donated to the step and written back at the end."""
+    curve. The model's parameter buffers are donated to the step and written back at the end. Several processes
+    (jax.distributed) draw the same host batch (same seed) and each feeds the rows its devices hold, as the RL
+    step does."""
     graphdef, state = init_sft_state(model, cfg, mesh)
     step = make_sft_step(graphdef, cfg, mesh=mesh, train_state=state)
     rng = np.random.default_rng(cfg.seed)
     losses = []
     for i in range(cfg.steps):
         batch = dict(zip(SFT_KEYS, sample_batch(rng, cfg.batch_size)))
+        if mesh is not None and distributed.is_multiprocess():  # the same host batch on every process
+            batch = distributed.global_batch(batch, mesh)
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
         if not np.isfinite(losses[-1]):
@@ -284,10 +289,16 @@ def _padded_length(n: int, chunk: int) -> int:
 def run_conversation_sft(cfg: ConversationSFTConfig, log=print) -> dict:
     """Fine-tune cfg.model.path on cfg.train_path (loss on assistant tokens only) on the cfg.mesh mesh and write
     cfg.out_dir: the HF folder (weights, config, tokenizer files; generation_config's eos list gains the
-    end-of-turn token the model was trained to emit) plus sft_log.jsonl (loss per step) and sft_summary.json."""
+    end-of-turn token the model was trained to emit) plus sft_log.jsonl (loss per step) and sft_summary.json.
+    Several processes (jax.distributed, one per host) run the same steps on their shares of every batch; process 0
+    writes the folder (the weights are gathered to it) and logs."""
     out = pathlib.Path(cfg.out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    writer = jax.process_index() == 0
+    # one decision for all processes (a shared folder may already hold process 0's files when another looks)
+    if distributed.any_process(out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise FileExistsError(f"sft: out_dir {out} exists and is not empty")
+    if not writer:
+        log = _quiet
     t0 = time.time()
     try:
         mesh = mesh_for_config(cfg.mesh)
@@ -309,13 +320,32 @@ def run_conversation_sft(cfg: ConversationSFTConfig, log=print) -> dict:
         picks = rng.integers(0, len(rows), size=batch_size)
         return pack_masked([(rows[i].ids, rows[i].mask) for i in picks], pad, length)
 
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "sft_log.jsonl").open("w") as f:
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+    with (out / "sft_log.jsonl").open("w") if writer else contextlib.nullcontext() as f:
         def log_step(i: int, loss: float) -> None:
-            f.write(json.dumps({"sft_step": i, "loss": loss}) + "\n")
+            if f is not None:
+                f.write(json.dumps({"sft_step": i, "loss": loss}) + "\n")
 
         losses = sft_train(model, sample_batch, train_cfg, log=log_step, mesh=mesh)
-    models.save_pretrained(model, out, dtype=getattr(jnp, cfg.save_dtype))
+    models.save_pretrained(model, out, dtype=getattr(jnp, cfg.save_dtype))  # collective; process 0 writes
+    summary = {"conversations": len(rows), "assistant_tokens": n_tok, "steps": cfg.steps,
+               "loss_first": losses[0], "loss_last": losses[-1], "wall_s": time.time() - t0, "out_dir": str(out),
+               "mesh": None if mesh is None else dict(mesh.shape), "micro_batches": train_cfg.micro_batches,
+               "processes": jax.process_count(), "config": dataclasses.asdict(cfg)}
+    if writer:
+        _write_folder_extras(out, tok, tokenizer_dir, summary)
+    log(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {cfg.steps} steps, {summary['wall_s']:.0f}s; wrote {out}")
+    return summary
+
+
+def _quiet(*_args) -> None:
+    """The log of processes other than 0."""
+
+
+def _write_folder_extras(out: pathlib.Path, tok, tokenizer_dir: pathlib.Path, summary: dict) -> None:
+    """Next to the saved weights: generation_config's eos list with the end-of-turn token(s), the tokenizer files
+    and sft_summary.json."""
     gen_path = out / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     end_ids = [i for i in (tok.token_to_id(t) for t in end_of_turn_texts(tok)) if i is not None]
@@ -323,10 +353,4 @@ def run_conversation_sft(cfg: ConversationSFTConfig, log=print) -> dict:
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file() and not (out / name).exists():
             shutil.copy(tokenizer_dir / name, out / name)
-    summary = {"conversations": len(rows), "assistant_tokens": n_tok, "steps": cfg.steps,
-               "loss_first": losses[0], "loss_last": losses[-1], "wall_s": time.time() - t0, "out_dir": str(out),
-               "mesh": None if mesh is None else dict(mesh.shape), "micro_batches": train_cfg.micro_batches,
-               "config": dataclasses.asdict(cfg)}
     (out / "sft_summary.json").write_text(json.dumps(summary, indent=2))
-    log(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {cfg.steps} steps, {summary['wall_s']:.0f}s; wrote {out}")
-    return summary

@@ -53,11 +53,14 @@ def single(hf_folder):
     return _train(hf_folder, CFG)
 
 
-def _assert_same(a, b, tol=1e-5):
+def _assert_same(a, b, tol=1e-5, param_atol=1e-4):
+    """Losses to tol; parameters to param_atol (3% of one AdamW step of lr 3e-3): Adam divides each gradient by its
+    own running scale, so a near-zero gradient component whose few-ulp difference (another summation order on the
+    mesh) is large relative to itself moves its parameter by a visibly different fraction of lr (seen: 2.5e-5)."""
     np.testing.assert_allclose(a[0], b[0], rtol=tol, atol=tol)
     assert a[1].keys() == b[1].keys()
     for k in a[1]:
-        np.testing.assert_allclose(a[1][k], b[1][k], rtol=tol, atol=tol, err_msg=str(k))
+        np.testing.assert_allclose(a[1][k], b[1][k], rtol=tol, atol=param_atol, err_msg=str(k))
 
 
 def test_micro_batches_equal_the_whole_batch(hf_folder, single):
