@@ -367,9 +367,10 @@ class MetricsWriter:
             _fsync_append(self._timing_fh, dumps_record({"step": record["step"], **timing}))
         self._last_step = record["step"]
         numeric = _numeric_scalars(record)
-        if self._tb is not None:
+        if self._tb is not None:  # an undefined metric (NaN: e.g. accuracy over no such responses) is not plotted
             for key, value in numeric.items():
-                self._tb.add_scalar(key, value, record["step"])
+                if math.isfinite(value):
+                    self._tb.add_scalar(key, value, record["step"])
             self._tb.flush()
         if self._wandb_run is not None:
             self._wandb_run.log(numeric, step=record["step"])

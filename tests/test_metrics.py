@@ -191,11 +191,16 @@ def _read_tb_scalars(event_dir: pathlib.Path) -> dict[str, list[tuple[int, float
 def test_tensorboard_scalars(tmp_path):
     with M.MetricsWriter(tmp_path, tensorboard=True, is_main_process=True) as w:
         w.log(1, {"entropy": 0.5, "gate_on": True, "name": "x", "eval/accuracy": 0.25})
-        w.log(2, {"entropy": 0.75, "gate_on": False})
+        w.log(2, {"entropy": 0.75, "gate_on": False, "tool/accuracy_without_tool": float("nan")})
+        w.log(3, {"entropy": 1.0, "tool/accuracy_without_tool": 0.5})
     sc = _read_tb_scalars(tmp_path / "tensorboard")
-    assert sc["entropy"] == [(1, 0.5), (2, 0.75)]
+    assert sc["entropy"] == [(1, 0.5), (2, 0.75), (3, 1.0)]
     assert sc["gate_on"] == [(1, 1.0), (2, 0.0)] and sc["eval/accuracy"] == [(1, 0.25)]
     assert "name" not in sc
+    # an undefined metric (NaN: no response without the tool) stays in metrics.jsonl and is not plotted
+    assert sc["tool/accuracy_without_tool"] == [(3, 0.5)]
+    assert M.read_metrics(tmp_path)[1]["tool/accuracy_without_tool"] != M.read_metrics(tmp_path)[1][
+        "tool/accuracy_without_tool"]
 
 
 def test_wandb_missing_is_a_clear_error(tmp_path):
