@@ -5,6 +5,8 @@ prefix pages shared, one prefill per prompt); preemption; the 8-device mesh; mul
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -371,3 +373,30 @@ def test_running_batch_refuses_blocking_calls_and_close_cancels_it(model):
     engine.close(convs)  # an error path: the batch is cancelled, every page (prefix entries too) goes back
     assert not engine.running and engine.pool.all_free() and not any(c.running for c in convs)
     engine.generate(PROMPTS[:1], max_new_tokens=4)  # the engine is usable again
+
+
+def test_rows_parked_between_turns_give_their_pages_to_decoding_rows(model):
+    """More kept conversations than the pool holds: rows parked between turns (start with keep=True) are evicted
+    for the rows still decoding and recomputed on their next turn (the whole conversation prefilled again); the
+    tokens and log-probs equal a roomy pool's, and every page comes back."""
+    kw = dict(temperature=1.0, eos_ids=[], seed=7)
+    tool = [[200 + i, 201] for i in range(10)]
+
+    def two_turns(config):
+        engine = Engine(model, config=config)
+        convs = engine.start(PROMPTS, max_new_tokens=8, num_samples=2, **kw)
+        evicted = engine.stats["evictions"]
+        engine.extend(convs, tool, max_new_tokens=6, **kw)
+        out = [(c.tokens, c.response_mask, c.response_logprobs + c.turn_logprobs) for c in convs]
+        engine.close(convs)
+        assert engine.pool.all_free()
+        return out, evicted + engine.stats["evictions"]
+
+    roomy, n_roomy = two_turns(dataclasses.replace(SMALL, num_pages=200))
+    auto, n_auto = two_turns(SMALL)  # the auto pool holds max_slots + 1 requests, not 10 kept conversations
+    tight, n_tight = two_turns(EngineConfig(max_slots=2, page_size=4, decode_chunk=4, prefill_chunk=8, num_pages=24))
+    assert n_roomy == 0 and n_auto > 0 and n_tight > 0
+    for other in (auto, tight):
+        for (tok_a, mask_a, lp_a), (tok_b, mask_b, lp_b) in zip(roomy, other, strict=True):
+            assert tok_a == tok_b and mask_a == mask_b
+            np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)

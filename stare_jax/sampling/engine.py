@@ -21,13 +21,23 @@ Design (host scheduler + three jitted programs):
 - Randomness. Sample g of prompt p draws its token at response index i from
   uniform(fold_in(fold_in(fold_in(key(seed), p), g), i)) -- exactly the static Sampler's keys -- so the tokens
   do not depend on slot, max_slots, K, page layout or which other rows run (tests check all of these).
-- Pages exhausted. A row that cannot grow preempts the most recently admitted decoding row (LIFO): its pages
-  are freed and it goes back to the queue front; on re-admission it is recomputed (its whole conversation
+- Pages exhausted. Rows parked between turns (keep=True: a multi-turn row waiting on its tool call) give their
+  pages first, the most recently parked first (`stats["evictions"]`); their next turn prefills the whole
+  conversation again. Then a row that cannot grow preempts the most recently admitted decoding row (LIFO): its
+  pages are freed and it goes back to the queue front; on re-admission it is recomputed (its whole conversation
   prefilled again; same draws, same tokens). A request that cannot fit an empty pool is a ValueError naming
   sampling.engine.num_pages and the value needed.
 - Multi-turn. `start` keeps rows alive after their turn (`Conversation`); `extend` appends given tokens (a
   tool's output, loss mask 0, log-prob NaN) and continues sampling: only the new tokens are prefilled into the
-  row's pages, the conversation is never re-prefilled.
+  row's pages, the conversation is never re-prefilled. Both block until every turn ended, or with wait=False
+  only queue the rows into the running batch (`_Batch`: the shards' scheduler state, kept between calls while
+  rows are queued or decoding); `advance` then runs one round and returns the rows whose turn ended in it, and
+  `extend(..., wait=False)` of some of them queues their next turn while the other rows keep decoding (the
+  event-driven tool rollout: tools/rollout.py). A row whose turn ended gives its slot back at once (a row
+  waiting on a tool call never holds a slot or masks a decode row) and keeps its pages (its continuation
+  prefills only the appended tokens, unless a short pool evicted them). The rows of a batch share its sampling
+  arguments; a blocking call on an engine with a running batch is refused; `close` of a running row cancels the
+  batch (an error path).
 - Weights. `update_params` reshards the trainer's parameters on device into the sampler layout (as Sampler);
   the page pool is allocated on the first call and reused (donated through every program) until `release`
   frees it with the weight copy before the train step; nothing recompiles across RL steps once the page-table
@@ -320,6 +330,7 @@ class Engine:
         self.stats: dict = {}
         self._admitted = 0
         self._batch: _Batch | None = None  # the running batch (conversations queued or decoding)
+        self._parked: list[Conversation] = []  # rows between turns that keep their pages (keep=True), in park order
         self._replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
         self._batch_axes: tuple[str, ...] = ()  # the mesh axes of the leading shard axis (none: one shard)
         self._split: NamedSharding | None = None  # the layout of a per-shard argument [D, ...]
@@ -545,6 +556,7 @@ class Engine:
             sh.ended.clear()
         for c in ended:
             c.running = False
+        self._parked += [c for c in ended if not c.closed]
         if not b.busy():
             self._batch = None
         return ended
@@ -554,6 +566,7 @@ class Engine:
         running batch first (every row of it stops)."""
         if any(c.running for c in convs):
             self._cancel()
+        self._unpark(convs)
         for c in convs:
             if not c.closed:
                 self._pools()[c.shard].release(c.pages)
@@ -679,8 +692,8 @@ class Engine:
             return
         self._ensure_pool(convs)
         if b is None:
-            self.stats = dict(prefix_prefills=0, recomputes=0, prefill_calls=0, prefill_tokens=0, decode_chunks=0,
-                              decode_steps=0, peak_pages=0, rounds=0)
+            self.stats = dict(prefix_prefills=0, recomputes=0, evictions=0, prefill_calls=0, prefill_tokens=0,
+                              decode_chunks=0, decode_steps=0, peak_pages=0, rounds=0)
             b = _Batch([_Shard(pool, [None] * self._slots_per_shard()) for pool in self._pools()], sampling,
                        self._scalars(sampling), keep)
             for sh in b.shards:
@@ -688,12 +701,31 @@ class Engine:
             self._batch = b
         for sh, pool in zip(b.shards, self._pools()):
             sh.pool = pool  # _ensure_pool may have made new (empty) pools
+        self._unpark(convs)
         for c in convs:
             b.shards[c.shard].queue.append(c)
             b.shards[c.shard].waiting[c.prompt_pos] += c.shareable
             c.running = True
         while wait and self._batch is not None:
             self.advance()
+
+    def _unpark(self, convs: Sequence[Conversation]) -> None:
+        ids = {id(c) for c in convs}
+        self._parked = [c for c in self._parked if id(c) not in ids]
+
+    def _make_room(self, sh: _Shard, num: int) -> bool:
+        """True when `num` pages of a shard's pool are free, after freeing if needed the pages of rows parked
+        between turns, the most recently parked first (a row waiting on a tool call must not exhaust the pool for
+        the rows that decode); an evicted row's next turn prefills its whole conversation again."""
+        while num > sh.pool.num_free:
+            parked = [c for c in self._parked if c.pages and self._pools()[c.shard] is sh.pool]
+            if not parked:
+                return False
+            c = parked[-1]
+            sh.pool.release(c.pages)
+            c.pages, c.written = [], 0
+            self.stats["evictions"] += 1
+        return True
 
     def _cancel(self) -> None:
         """Drop the running batch (after an error, or the close of one of its rows): its prefix entries' pages and
@@ -723,7 +755,7 @@ class Engine:
                 entry = sh.prefixes.get(c.prompt_pos)
                 n_tail = 1 if (c.prompt_len - 1) % ec.page_size else 0
                 need = n_tail + (0 if entry else paged_kv.pages_for(c.prompt_len - 1, ec.page_size))
-                if need + reserve > sh.pool.num_free:
+                if not self._make_room(sh, need + reserve):
                     break
                 if entry is None:
                     entry = _Prefix(c.prompt_pos, c.seq[:-1], sh.pool.alloc(need - n_tail), sh.waiting[c.prompt_pos])
@@ -732,7 +764,7 @@ class Engine:
                 c.prefix, c.tail = entry, (sh.pool.alloc(1)[0] if n_tail else None)
             else:  # recompute / continuation / one-token prompt: its own pages for what it must prefill
                 need = paged_kv.pages_for(len(c.tokens) - 1, ec.page_size) - len(c.pages)
-                if need + reserve > sh.pool.num_free:
+                if not self._make_room(sh, need + reserve):
                     break
                 c.pages += sh.pool.alloc(max(need, 0))
             sh.queue.popleft()
@@ -836,14 +868,15 @@ class Engine:
         return paged_kv.pages_for(max_pos, self.engine_config.page_size)
 
     def _grow(self, sh: _Shard) -> None:
-        """Give every ready row of a shard the pages its next chunk writes into. On a short pool preempt the most
-        recently admitted rows (back to the queue front, recomputed later) until the rest fit; with one row left,
-        drop the prefix entries no row in a slot is waiting for."""
+        """Give every ready row of a shard the pages its next chunk writes into. On a short pool free the pages of
+        parked rows (`_make_room`), then preempt the most recently admitted rows (back to the queue front,
+        recomputed later) until the rest fit; with one row left, drop the prefix entries no row in a slot is
+        waiting for."""
         while True:
             growth = self._growth(sh.slots)
             if not growth:
                 return
-            if sum(max(n, 0) for _, n in growth) <= sh.pool.num_free:
+            if self._make_room(sh, sum(max(n, 0) for _, n in growth)):
                 for c, n in growth:
                     if n > 0:
                         c.pages += sh.pool.alloc(n)
