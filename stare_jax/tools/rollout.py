@@ -1,12 +1,20 @@
 """Multi-turn tool-use rollouts: sample, run the model's code in the sandbox, append the output, continue.
 
 For each of the G samples of each prompt the rollout engine samples until the model closes a tool call (the
-closing tag's token is a stop token) or ends its answer (an EOS id). The call is parsed (calls.parse_call); a good
-call's code goes to the SandboxPool - every call a turn produced is submitted before any result is awaited, so the
-calls of a batch run concurrently - and the rendered observation (calls.observation, tokenized with the model's own
-tokenizer) is appended with `Engine.extend`: one extend round per turn over every row that made a call, each row
-with what is left of its token budget; the conversation is never re-prefilled. A response ends on EOS or at its
-budget; a call past `tool.max_turns` (like any malformed call) is not run but answered with an observation saying
+closing tag's token is a stop token) or ends its answer (an EOS id). The loop is event-driven: the engine runs one
+scheduler round at a time (`Engine.advance`: admit, prefill, decode a chunk), and each row whose turn ended in that
+round is handled at once - its call parsed (calls.parse_call) and a good call's code submitted to the SandboxPool
+- while the engine goes on decoding the other rows (the waiting row gives its decode slot back and keeps its KV
+pages). When a call's future completes, its rendered observation (calls.observation, tokenized with the model's
+own tokenizer) is appended to that row with `Engine.extend(..., wait=False)` (only the appended tokens are
+prefilled; the turn gets what is left of the row's token budget) and the row rejoins decoding at the next round.
+A refused call, or a stop token that closed no call, is answered in the same way without the sandbox. With no row
+left to decode and calls in flight, the loop blocks on the first call to finish (concurrent.futures.wait), never
+spins. So a row that stops early does not idle until the slowest row of its turn, and sandbox time overlaps decode
+time. The tokens do not depend on the order the calls finish in (every draw is keyed by seed, prompt, sample and
+response position): `overlap=False`, the lock-step loop (a turn's calls are submitted once every row's turn
+ended, awaited together, and every observation appended together), gives the same rows. A response ends on EOS or
+at its budget; a call past `tool.max_turns` (like any malformed call) is not run but answered with an observation saying
 so, and counted. Budget: `max_new_tokens` counts every response token, the model's
 and the observations'. An observation that does not leave room for one more sampled token ends the response inside
 it (cut at the budget, `end == "budget"`, counted).
