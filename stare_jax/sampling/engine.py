@@ -506,10 +506,11 @@ class Engine:
             _check_sampling_args(n, 1, temperature, top_p, top_k)
         if len(appended) != len(convs):
             raise ValueError(f"{len(appended)} appended token lists for {len(convs)} conversations")
-        max_pos = getattr(self.config, "max_position_embeddings", None)
-        for c, extra, limit in zip(convs, appended, limits):
+        for c in convs:  # before any turn is opened
             if c.closed or c.running:
                 raise ValueError(f"conversation {c.index} is {'closed' if c.closed else 'still running'}")
+        max_pos = getattr(self.config, "max_position_embeddings", None)
+        for c, extra, limit in zip(convs, appended, limits):
             extra = [int(t) for t in extra]
             bad = [t for t in extra if not 0 <= t < int(self.config.vocab_size)]
             if bad:
