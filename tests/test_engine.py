@@ -5,6 +5,8 @@ prefix pages shared, one prefill per prompt); preemption; the 8-device mesh; mul
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -324,3 +326,77 @@ def test_slots_refilled_in_queue_order(model):
     assert engine.order == list(range(len(PROMPTS) * 3))
     assert max(engine.busy) == SMALL.max_slots and len(set(out.lengths)) > 1
     assert sum(b == SMALL.max_slots for b in engine.busy) >= len(engine.busy) // 2  # slots kept full while queued
+
+
+def test_extend_a_subset_while_other_rows_decode(model):
+    """The resumable batch (start / extend with wait=False, advance): each row's second turn is queued the round
+    its first turn ends, while the other rows still decode their first; the tokens, masks and log-probs equal two
+    blocking calls (start, then extend of every row), whatever joins when."""
+    kw = dict(temperature=1.0, eos_ids=EOS, seed=6)
+    tool = lambda c: [200 + c.index, 201]  # noqa: E731
+    ref_engine = Engine(model, config=SMALL)
+    ref = ref_engine.start(PROMPTS[:3], max_new_tokens=16, num_samples=2, **kw)
+    ref_engine.extend(ref, [tool(c) for c in ref], max_new_tokens=[4 + c.index for c in ref], **kw)
+    engine = Engine(model, config=SMALL)
+    convs = engine.start(PROMPTS[:3], max_new_tokens=16, num_samples=2, wait=False, **kw)
+    assert engine.running and all(c.running for c in convs) and not any(c.turn_tokens for c in convs)
+    turns, first_still_decoding = {}, []
+    while engine.running:
+        for c in engine.advance():
+            assert not c.running
+            turns[c.index] = turns.get(c.index, 0) + 1
+            if turns[c.index] == 1:
+                first_still_decoding.append(sum(t == 1 for t in turns.values()) < len(convs))
+                engine.extend([c], [tool(c)], max_new_tokens=4 + c.index, wait=False, **kw)
+    assert turns == {c.index: 2 for c in convs} and any(first_still_decoding)
+    for c, r in zip(convs, ref):
+        assert c.tokens == r.tokens and c.response_mask == r.response_mask and c.finished_eos == r.finished_eos
+        np.testing.assert_allclose(c.response_logprobs + c.turn_logprobs, r.response_logprobs + r.turn_logprobs,
+                                   atol=1e-5)
+    engine.close(convs)
+    ref_engine.close(ref)
+    assert engine.pool.all_free() and not engine.running
+
+
+def test_running_batch_refuses_blocking_calls_and_close_cancels_it(model):
+    kw = dict(temperature=1.0, eos_ids=EOS, seed=6)
+    engine = Engine(model, config=SMALL)
+    convs = engine.start(PROMPTS[:3], max_new_tokens=16, num_samples=2, wait=False, **kw)
+    engine.advance()  # prefix entries prefilled, rows in slots
+    with pytest.raises(ValueError, match="running conversations queued with wait=False"):
+        engine.generate(PROMPTS[:1], max_new_tokens=4)
+    with pytest.raises(ValueError, match="running conversations queued with wait=False"):
+        engine.start(PROMPTS[:1], max_new_tokens=4, wait=False, temperature=0.0)  # other sampling arguments
+    running = next(c for c in convs if c.running)
+    with pytest.raises(ValueError, match=f"conversation {running.index} is still running"):
+        engine.extend([running], [[1]], max_new_tokens=2, wait=False, **kw)
+    engine.close(convs)  # an error path: the batch is cancelled, every page (prefix entries too) goes back
+    assert not engine.running and engine.pool.all_free() and not any(c.running for c in convs)
+    engine.generate(PROMPTS[:1], max_new_tokens=4)  # the engine is usable again
+
+
+def test_rows_parked_between_turns_give_their_pages_to_decoding_rows(model):
+    """More kept conversations than the pool holds: rows parked between turns (start with keep=True) are evicted
+    for the rows still decoding and recomputed on their next turn (the whole conversation prefilled again); the
+    tokens and log-probs equal a roomy pool's, and every page comes back."""
+    kw = dict(temperature=1.0, eos_ids=[], seed=7)
+    tool = [[200 + i, 201] for i in range(10)]
+
+    def two_turns(config):
+        engine = Engine(model, config=config)
+        convs = engine.start(PROMPTS, max_new_tokens=8, num_samples=2, **kw)
+        evicted = engine.stats["evictions"]
+        engine.extend(convs, tool, max_new_tokens=6, **kw)
+        out = [(c.tokens, c.response_mask, c.response_logprobs + c.turn_logprobs) for c in convs]
+        engine.close(convs)
+        assert engine.pool.all_free()
+        return out, evicted + engine.stats["evictions"]
+
+    roomy, n_roomy = two_turns(dataclasses.replace(SMALL, num_pages=200))
+    auto, n_auto = two_turns(SMALL)  # the auto pool holds max_slots + 1 requests, not 10 kept conversations
+    tight, n_tight = two_turns(EngineConfig(max_slots=2, page_size=4, decode_chunk=4, prefill_chunk=8, num_pages=24))
+    assert n_roomy == 0 and n_auto > 0 and n_tight > 0
+    for other in (auto, tight):
+        for (tok_a, mask_a, lp_a), (tok_b, mask_b, lp_b) in zip(roomy, other, strict=True):
+            assert tok_a == tok_b and mask_a == mask_b
+            np.testing.assert_allclose(lp_a, lp_b, atol=1e-5)

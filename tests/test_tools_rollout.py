@@ -19,6 +19,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -43,6 +44,7 @@ from stare_jax.sampling.engine import Engine, EngineConfig
 from stare_jax.tokenizer import HFTokenizer
 from stare_jax.tools import CallStatus, SandboxPool, ToolConfig
 from stare_jax.tools.pool import LocalBackend
+from stare_jax.tools.sandbox import ExecResult
 from stare_jax.tools.calls import CODE_TOOL_SCHEMA, HERMES_QWEN25, ObservationFormat
 from stare_jax.tools.rollout import (ToolRow, call_stop_ids, final_text, observation_wrapper, rows_to_arrays,
                                      tool_counts, tool_metrics, tool_reward_shaping, tool_rollouts)
@@ -120,14 +122,15 @@ def test_prompts_give_the_chat_template_the_code_interpreter_schema(tmp_path):
     assert prompt("tool.enabled=true", "tool.format=retool") == plain
 
 
-def _bigram_model(tokenizer, rules: dict[str, str], default: str):
+def _bigram_model(tokenizer, rules: dict[str, str | tuple[str, ...]], default: str):
     """The real Qwen2 model whose next token is a function of the current token only: rules[char] after that
-    character, `default` after any other token (layers zeroed so the residual stream is the token's embedding)."""
+    character (a tuple: one of its tokens, each as likely), `default` after any other token (layers zeroed so the
+    residual stream is the token's embedding)."""
     cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64,
                       max_position_embeddings=256, qkv_bias=True, tie_word_embeddings=False, initializer_range=0.1,
                       eos_token_id=None, pad_token_id=0)
     model = init_model(cfg, seed=0)
-    targets = [default] + sorted(set(rules.values()) - {default})
+    targets = [default] + sorted(set(rules.values()) - {default}, key=str)
     dim = {t: i for i, t in enumerate(targets)}
     embed = np.zeros((V, 32), np.float32)
     embed[:, dim[default]] = 1.0
@@ -137,7 +140,8 @@ def _bigram_model(tokenizer, rules: dict[str, str], default: str):
         embed[i, dim[dst]] = 1.0
     head = np.zeros((V, 32), np.float32)
     for t, d in dim.items():
-        head[tokenizer.token_to_id(t), d] = 20.0
+        for tok in (t,) if isinstance(t, str) else t:
+            head[tokenizer.token_to_id(tok), d] = 20.0
     model.embed_tokens[...] = jnp.asarray(embed)
     model.lm_head[...] = jnp.asarray(head)
     model.norm.weight[...] = jnp.ones((32,))
@@ -330,6 +334,136 @@ def test_calls_of_a_batch_run_concurrently(engine, tokenizer):
     starts, ends = zip(*backend.spans)
     assert len(starts) == 6
     assert max(starts) < min(ends), f"the calls did not overlap: spans {backend.spans}"
+
+
+class _ScrambledBackend:
+    """Answers each call with a deterministic output of its code after a delay taken, in submission order, from
+    `delays` (so calls finish in another order than they were submitted); records the order they finished in."""
+
+    def __init__(self, delays):
+        self.delays, self.lock = delays, threading.Lock()
+        self.submitted: list[str] = []
+        self.finished: list[int] = []
+
+    def run(self, code):
+        with self.lock:
+            i = len(self.submitted)
+            self.submitted.append(code)
+        time.sleep(self.delays[i % len(self.delays)])
+        with self.lock:
+            self.finished.append(i)
+        return ExecResult(f"{sum(map(ord, code)) % 97}\n", "", 0, False, False)
+
+
+def _assert_same_rows(a: list[ToolRow], b: list[ToolRow]):
+    for x, y in zip(a, b, strict=True):
+        assert (x.prompt_pos, x.sample, x.tokens, x.model_mask) == (y.prompt_pos, y.sample, y.tokens, y.model_mask)
+        assert (x.statuses, x.turns, x.final_start, x.end) == (y.statuses, y.turns, y.final_start, y.end)
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)  # NaN at the same places
+
+
+def test_overlapped_rows_equal_lock_step_whatever_order_calls_finish(tokenizer):
+    """A model that answers each observation with another call (<code>D</code>, D one of 9 digits) or ends, each
+    half the time: rows make 1 to many calls (3 run, later ones refused) and end on EOS or cut inside an
+    observation. The event-driven rollout (each call submitted when its row stops, its observation appended when
+    it returns, while the other rows decode) gives exactly the lock-step rollout's rows, whatever order the
+    calls finish in (delays scrambled in submission order)."""
+    digits = tuple("123456789")
+    model = _bigram_model(tokenizer, {")": "</code>", "\n": ("<code>", "<|im_end|>"), "<code>": digits,
+                                      **{d: "</code>" for d in digits}}, default="<|im_end|>")
+    engine = Engine(model, config=EngineConfig(max_slots=4, page_size=8, decode_chunk=4, prefill_chunk=64),
+                    pad_id=tokenizer.pad_id)
+    prompts = [f"<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<code>\nprint({x})" for x in (1, 22, 333)]
+    runs = {}
+    for name, delays, overlap in [("lock-step", [0.0], False), ("overlap", [0.0], True),
+                                  ("overlap-scrambled", [0.2, 0.0, 0.1, 0.05, 0.0, 0.15], True),
+                                  ("lock-step-scrambled", [0.0, 0.1, 0.05], False)]:
+        backend = _ScrambledBackend(delays)
+        with SandboxPool(8, backend=backend) as pool:
+            cfg = ToolConfig(enabled=True, format="retool", max_turns=3)
+            runs[name] = tool_rollouts(engine, [_enc(tokenizer, p) for p in prompts], group_size=4, tool_cfg=cfg,
+                                       tokenizer=tokenizer, pool=pool, max_new_tokens=80, seed=3, overlap=overlap)
+        runs[name + "/finished"] = backend.finished
+        assert engine.pool.all_free() and not engine.running
+    ref = runs["lock-step"]
+    for name in ("overlap", "overlap-scrambled", "lock-step-scrambled"):
+        _assert_same_rows(runs[name], ref)
+    # the workload is varied: different numbers of turns, every way a response ends, refused calls
+    assert len({r.turns for r in ref}) >= 3 and {r.end for r in ref} >= {"eos", "budget"}
+    assert any(CallStatus.MAX_TURNS in r.statuses for r in ref)
+    for r in ref:
+        _check_row_invariants(r)
+    assert runs["overlap-scrambled/finished"] != sorted(runs["overlap-scrambled/finished"])
+
+
+class _GatedBackend:
+    """Logs when each call starts and ends into a shared event log; a call returns only once `release` is set."""
+
+    def __init__(self, log, lock):
+        self.log, self.lock, self.release = log, lock, threading.Event()
+
+    def run(self, code):
+        with self.lock:
+            self.log.append(("call_start", code))
+        self.release.wait(timeout=60)
+        with self.lock:
+            self.log.append(("call_end", code))
+        return ExecResult("42\n", "", 0, False, False)
+
+
+def _logged_rollout(tokenizer, prompts, *, overlap: bool, gate: bool):
+    """tool_rollouts with an engine whose decode rounds and ended turns go into the backend's event log; with
+    `gate`, a call returns only after a decode round ran while it was in flight (no clocks: the order of events)."""
+    model = _bigram_model(tokenizer, {"}": "</tool_call>", "a": "a"}, default="<|im_end|>")
+    engine = Engine(model, config=EngineConfig(max_slots=4, page_size=8, decode_chunk=8, prefill_chunk=64),
+                    pad_id=tokenizer.pad_id)
+    log, lock = [], threading.Lock()
+    backend = _GatedBackend(log, lock)
+    if not gate:
+        backend.release.set()
+    decode, advance = engine._decode_round, engine.advance
+
+    def logged_decode(*args):
+        ran = decode(*args)
+        with lock:
+            starts = sum(e[0] == "call_start" for e in log)
+            if ran:
+                log.append(("decode", starts - sum(e[0] == "call_end" for e in log)))
+            if ran and starts > sum(e[0] == "call_end" for e in log):
+                backend.release.set()  # a decode round ran while a call was in flight
+        return ran
+
+    def logged_advance():
+        ended = advance()
+        with lock:
+            log.extend(("ended", c.index) for c in ended)
+        return ended
+
+    engine._decode_round, engine.advance = logged_decode, logged_advance
+    with SandboxPool(2, backend=backend) as pool:
+        rows = tool_rollouts(engine, [_enc(tokenizer, p) for p in prompts], group_size=1,
+                             tool_cfg=ToolConfig(enabled=True), tokenizer=tokenizer, pool=pool, max_new_tokens=160,
+                             seed=1, overlap=overlap)
+    return rows, log
+
+
+def test_sandbox_calls_overlap_the_decoding_of_other_rows(tokenizer):
+    """Row 0 closes a call at its first token; row 1 writes 'a' until its budget (20 decode rounds). Event-driven:
+    row 0's call is submitted before row 1's turn ends and decode rounds run while it is in flight (the call
+    returns only after one did); lock-step: the call starts only after row 1 stopped and no decode round runs
+    during it. Both give the same rows."""
+    prompts = [CALL.format(name="code_interpreter", code="print(6 * 7)"),
+               "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na"]
+    rows, log = _logged_rollout(tokenizer, prompts, overlap=True, gate=True)
+    start, end = log.index(("call_start", "print(6 * 7)")), log.index(("call_end", "print(6 * 7)"))
+    assert start < log.index(("ended", 1)), log  # submitted before the last row of the turn stopped
+    assert any(e[0] == "decode" and start < k < end for k, e in enumerate(log)), log  # decoding while in flight
+    assert rows[0].statuses == [CallStatus.OK] and rows[0].end == "eos" and rows[1].end == "length"
+    assert len(rows[1].tokens) == 160 and rows[1].turns == 1
+    ref, ref_log = _logged_rollout(tokenizer, prompts, overlap=False, gate=False)
+    _assert_same_rows(rows, ref)
+    start, end = ref_log.index(("call_start", "print(6 * 7)")), ref_log.index(("call_end", "print(6 * 7)"))
+    assert ref_log.index(("ended", 1)) < start and not any(e[0] == "decode" for e in ref_log[start:end])
 
 
 def test_rows_to_arrays_and_reward_shaping(engine, tokenizer, pool):

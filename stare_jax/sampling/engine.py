@@ -21,13 +21,23 @@ Design (host scheduler + three jitted programs):
 - Randomness. Sample g of prompt p draws its token at response index i from
   uniform(fold_in(fold_in(fold_in(key(seed), p), g), i)) -- exactly the static Sampler's keys -- so the tokens
   do not depend on slot, max_slots, K, page layout or which other rows run (tests check all of these).
-- Pages exhausted. A row that cannot grow preempts the most recently admitted decoding row (LIFO): its pages
-  are freed and it goes back to the queue front; on re-admission it is recomputed (its whole conversation
+- Pages exhausted. Rows parked between turns (keep=True: a multi-turn row waiting on its tool call) give their
+  pages first, the most recently parked first (`stats["evictions"]`); their next turn prefills the whole
+  conversation again. Then a row that cannot grow preempts the most recently admitted decoding row (LIFO): its
+  pages are freed and it goes back to the queue front; on re-admission it is recomputed (its whole conversation
   prefilled again; same draws, same tokens). A request that cannot fit an empty pool is a ValueError naming
   sampling.engine.num_pages and the value needed.
 - Multi-turn. `start` keeps rows alive after their turn (`Conversation`); `extend` appends given tokens (a
   tool's output, loss mask 0, log-prob NaN) and continues sampling: only the new tokens are prefilled into the
-  row's pages, the conversation is never re-prefilled.
+  row's pages, the conversation is never re-prefilled. Both block until every turn ended, or with wait=False
+  only queue the rows into the running batch (`_Batch`: the shards' scheduler state, kept between calls while
+  rows are queued or decoding); `advance` then runs one round and returns the rows whose turn ended in it, and
+  `extend(..., wait=False)` of some of them queues their next turn while the other rows keep decoding (the
+  event-driven tool rollout: tools/rollout.py). A row whose turn ended gives its slot back at once (a row
+  waiting on a tool call never holds a slot or masks a decode row) and keeps its pages (its continuation
+  prefills only the appended tokens, unless a short pool evicted them). The rows of a batch share its sampling
+  arguments; a blocking call on an engine with a running batch is refused; `close` of a running row cancels the
+  batch (an error path).
 - Weights. `update_params` reshards the trainer's parameters on device into the sampler layout (as Sampler);
   the page pool is allocated on the first call and reused (donated through every program) until `release`
   frees it with the weight copy before the train step; nothing recompiles across RL steps once the page-table
@@ -222,6 +232,7 @@ class Conversation:
     shareable: bool = False  # a fresh first turn that may attach to its prompt's prefix entry
     prompt_pos: int = 0  # the prompt's position in the call (prefix entries are keyed by it)
     shard: int = 0  # the data shard whose slots and page pool hold it (page ids are that pool's)
+    running: bool = False  # queued or in a slot of the running batch (its turn has not ended)
 
     @property
     def tokens(self) -> list[int]:
@@ -252,6 +263,7 @@ class _Shard:
     queue: collections.deque = dataclasses.field(default_factory=collections.deque)
     prefixes: dict[int, _Prefix] = dataclasses.field(default_factory=dict)
     waiting: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # unattached samples
+    ended: list[Conversation] = dataclasses.field(default_factory=list)  # turns ended this round (slots freed)
 
     def busy(self) -> bool:
         return bool(self.queue) or any(c is not None for c in self.slots)
@@ -259,6 +271,20 @@ class _Shard:
     def ready(self) -> list[tuple[int, Conversation]]:
         """(slot, row) of every row ready to decode."""
         return [(s, c) for s, c in enumerate(self.slots) if c is not None and c.ready]
+
+
+@dataclasses.dataclass
+class _Batch:
+    """The running batch: every data shard's scheduler state and what its rows share (the sampling arguments, keep),
+    from the first conversation queued on an idle engine until no conversation is queued or decoding."""
+
+    shards: list[_Shard]
+    sampling: tuple
+    scalars: list
+    keep: bool
+
+    def busy(self) -> bool:
+        return any(sh.busy() for sh in self.shards)
 
 
 def assign_shards(work_P: Sequence[int], shards: int) -> list[int]:
@@ -303,6 +329,8 @@ class Engine:
         self.pools: list[paged_kv.PagePool] | None = None  # one per data shard
         self.stats: dict = {}
         self._admitted = 0
+        self._batch: _Batch | None = None  # the running batch (conversations queued or decoding)
+        self._parked: list[Conversation] = []  # rows between turns that keep their pages (keep=True), in park order
         self._replicated = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
         self._batch_axes: tuple[str, ...] = ()  # the mesh axes of the leading shard axis (none: one shard)
         self._split: NamedSharding | None = None  # the layout of a per-shard argument [D, ...]
@@ -340,7 +368,7 @@ class Engine:
         sampling and training never hold their largest buffers at once). `update_params` brings the weights back;
         the next call makes the pools again (the same shapes: nothing recompiles)."""
         self.state = None
-        if self.pools is None or all(p.all_free() for p in self.pools):
+        if self._batch is None and (self.pools is None or all(p.all_free() for p in self.pools)):
             self.pages = None
             self.pools = None
 
@@ -450,23 +478,26 @@ class Engine:
     # ------------------------------------------------------------------ multi-turn API
     def start(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
               temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None, seed: int = 0,
-              keep: bool = True, prompt_index=None) -> list[Conversation]:
+              keep: bool = True, prompt_index=None, wait: bool = True) -> list[Conversation]:
         """Sample the first turn of num_samples conversations per prompt (prompt-major). keep=True keeps each
-        conversation's pages alive for `extend` (free them with `close`)."""
+        conversation's pages alive for `extend` (free them with `close`). wait=False only queues them: `advance`
+        runs the scheduler round by round (an event-driven multi-turn rollout)."""
         _check_sampling_args(max_new_tokens, num_samples, temperature, top_p, top_k)
         prompts = _check_prompts(prompt_ids, self.config, max_new_tokens)
         index = range(len(prompts)) if prompt_index is None else [int(i) for i in prompt_index]
         return self._run_fresh(list(zip(range(len(prompts)), prompts, index)), max_new_tokens, num_samples,
-                               keep=keep, sampling=(temperature, top_p, top_k, eos_ids, seed))
+                               keep=keep, sampling=(temperature, top_p, top_k, eos_ids, seed), wait=wait)
 
     def extend(self, convs: Sequence[Conversation], appended: Sequence[Sequence[int]], *,
                max_new_tokens: int | Sequence[int], temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-               eos_ids=None, seed: int = 0, keep: bool = True) -> list[Conversation]:
+               eos_ids=None, seed: int = 0, keep: bool = True, wait: bool = True) -> list[Conversation]:
         """Append the given tokens (e.g. a tool's output; not sampled: mask 0, log-prob NaN) to each live
         conversation and sample its next turn. Only the new tokens (and the previous turn's last token) are
         prefilled into the conversation's pages. Use the same seed as `start` for reproducible draws.
         max_new_tokens: one limit for every conversation's turn, or one per conversation (e.g. what is left of
-        each response's token budget in a multi-turn rollout)."""
+        each response's token budget in a multi-turn rollout). wait=False queues them into the running batch (or
+        a new one) while its other rows go on decoding: the conversations whose turn ended (handed out by
+        `advance`) rejoin decoding at the next round; same sampling arguments and keep as the running batch."""
         limits = ([max_new_tokens] * len(convs) if isinstance(max_new_tokens, (int, np.integer))
                   else list(max_new_tokens))
         if len(limits) != len(convs):
@@ -475,10 +506,11 @@ class Engine:
             _check_sampling_args(n, 1, temperature, top_p, top_k)
         if len(appended) != len(convs):
             raise ValueError(f"{len(appended)} appended token lists for {len(convs)} conversations")
+        for c in convs:  # before any turn is opened
+            if c.closed or c.running:
+                raise ValueError(f"conversation {c.index} is {'closed' if c.closed else 'still running'}")
         max_pos = getattr(self.config, "max_position_embeddings", None)
         for c, extra, limit in zip(convs, appended, limits):
-            if c.closed:
-                raise ValueError(f"conversation {c.index} is closed")
             extra = [int(t) for t in extra]
             bad = [t for t in extra if not 0 <= t < int(self.config.vocab_size)]
             if bad:
@@ -487,11 +519,55 @@ class Engine:
             if max_pos is not None and total > max_pos:
                 raise ValueError(f"conversation {c.index}: {total} tokens exceed the model's context {max_pos}")
             self._new_turn(c, int(limit), appended=extra)
-        self._run(list(convs), keep=keep, sampling=(temperature, top_p, top_k, eos_ids, seed))
+        self._run(list(convs), keep=keep, sampling=(temperature, top_p, top_k, eos_ids, seed), wait=wait)
         return list(convs)
 
+    @property
+    def running(self) -> bool:
+        """Conversations are queued or decoding (queued with wait=False: `advance` runs them)."""
+        return self._batch is not None
+
+    def advance(self) -> list[Conversation]:
+        """One scheduler round of the running batch (module docstring: admit, prefill a chunk, attach, decode up to
+        decode_chunk steps, retire). Returns the conversations whose turn ended in it (EOS, a stop id or the turn's
+        limit), in slot order: their slots are free for other rows and, with keep=True, their pages kept, so a
+        multi-turn rollout can run their tool call while the other rows keep decoding and `extend(...,
+        wait=False)` them when it returns. [] when nothing is running."""
+        b = self._batch
+        if b is None:
+            return []
+        try:
+            with self.program_context():
+                self.stats["rounds"] += 1
+                progress = any([self._admit(sh) for sh in b.shards])
+                progress |= self._prefill_round(b.shards)
+                self._attach(b.shards)
+                progress |= self._decode_round(b.shards, b.scalars, b.keep)
+            if not progress and not any(self._drop_idle_prefix(sh) for sh in b.shards):
+                raise paged_kv.PagesExhausted(
+                    f"the page pool ({[sh.pool.num_pages for sh in b.shards]} pages per shard, "
+                    f"{[sh.pool.num_free for sh in b.shards]} free) cannot make progress: raise "
+                    f"sampling.engine.num_pages")
+        except BaseException:
+            self._cancel()
+            raise
+        self.stats["peak_pages"] = sum(sh.pool.peak_used for sh in b.shards)
+        ended = [c for sh in b.shards for c in sh.ended]
+        for sh in b.shards:
+            sh.ended.clear()
+        for c in ended:
+            c.running = False
+        self._parked += [c for c in ended if not c.closed]
+        if not b.busy():
+            self._batch = None
+        return ended
+
     def close(self, convs: Sequence[Conversation]) -> None:
-        """Free the pages of finished conversations."""
+        """Free the pages of finished conversations. Closing one that is still running (an error path) cancels the
+        running batch first (every row of it stops)."""
+        if any(c.running for c in convs):
+            self._cancel()
+        self._unpark(convs)
         for c in convs:
             if not c.closed:
                 self._pools()[c.shard].release(c.pages)
@@ -508,9 +584,9 @@ class Engine:
         c.turn_start = c.step
         c.budget = c.step + max_new_tokens
 
-    def _run_fresh(self, prompts, max_new_tokens, G, *, keep, sampling) -> list[Conversation]:
-        """Queue num_samples conversations of every (output position, prompt, prompt index) and run them; each
-        prompt's samples on one data shard (assign_shards by prompt + response tokens)."""
+    def _run_fresh(self, prompts, max_new_tokens, G, *, keep, sampling, wait=True) -> list[Conversation]:
+        """Queue num_samples conversations of every (output position, prompt, prompt index) and run them (wait) or
+        leave them queued; each prompt's samples on one data shard (assign_shards by prompt + response tokens)."""
         shard_P = assign_shards([len(prompt) + max_new_tokens for _, prompt, _ in prompts], self.data_shards)
         convs = []
         for (p, prompt, pidx), d in zip(prompts, shard_P):
@@ -519,7 +595,7 @@ class Engine:
                                  seq=list(prompt), shareable=len(prompt) > 1, prompt_pos=p, shard=d)
                 self._new_turn(c, max_new_tokens)
                 convs.append(c)
-        self._run(convs, keep=keep, sampling=sampling, group=G)
+        self._run(convs, keep=keep, sampling=sampling, wait=wait)
         return convs
 
     def _pools(self) -> list[paged_kv.PagePool]:
@@ -603,38 +679,67 @@ class Engine:
             rep = [jax.device_put(x, self._replicated) for x in rep]
         return rep
 
-    def _run(self, convs: list[Conversation], *, keep: bool, sampling, group: int = 1) -> None:
-        """The scheduling loop (module docstring): admit, prefill one chunk, attach, decode K steps, retire --
-        every data shard's sub-scheduler each round, one program over all shards per step."""
+    def _run(self, convs: list[Conversation], *, keep: bool, sampling, wait: bool = True) -> None:
+        """Queue conversations (their turn opened) in the running batch, or in a new one (its stats start from 0),
+        and with wait run scheduler rounds (`advance`) until the batch is done. wait=True needs an idle engine;
+        wait=False joins a running batch of the same sampling arguments and keep."""
         if self.state is None:
             raise RuntimeError("the engine's weights were released: call update_params(params) first")
+        b = self._batch
+        if b is not None and (wait or (b.sampling, b.keep) != (sampling, keep)):
+            raise ValueError("the engine is running conversations queued with wait=False: queue more with "
+                             "wait=False and the same sampling arguments and keep, and drive them with advance()")
         if not convs:
             return
         self._ensure_pool(convs)
-        self.stats = dict(prefix_prefills=0, recomputes=0, prefill_calls=0, prefill_tokens=0, decode_chunks=0,
-                          decode_steps=0, peak_pages=0, rounds=0)
-        shards = [_Shard(pool, [None] * self._slots_per_shard()) for pool in self._pools()]
-        for sh in shards:
-            sh.pool.peak_used = sh.pool.num_used
+        if b is None:
+            self.stats = dict(prefix_prefills=0, recomputes=0, evictions=0, prefill_calls=0, prefill_tokens=0,
+                              decode_chunks=0, decode_steps=0, peak_pages=0, rounds=0)
+            b = _Batch([_Shard(pool, [None] * self._slots_per_shard()) for pool in self._pools()], sampling,
+                       self._scalars(sampling), keep)
+            for sh in b.shards:
+                sh.pool.peak_used = sh.pool.num_used
+            self._batch = b
+        for sh, pool in zip(b.shards, self._pools()):
+            sh.pool = pool  # _ensure_pool may have made new (empty) pools
+        self._unpark(convs)
         for c in convs:
-            shards[c.shard].queue.append(c)
-            shards[c.shard].waiting[c.prompt_pos] += c.shareable
-        scalars = self._scalars(sampling)
-        with self.program_context():
-            while any(sh.busy() for sh in shards):
-                self.stats["rounds"] += 1
-                progress = any([self._admit(sh) for sh in shards])
-                progress |= self._prefill_round(shards)
-                self._attach(shards)
-                progress |= self._decode_round(shards, scalars, keep)
-                if not progress and any(self._drop_idle_prefix(sh) for sh in shards):
-                    continue
-                if not progress:
-                    raise paged_kv.PagesExhausted(
-                        f"the page pool ({[sh.pool.num_pages for sh in shards]} pages per shard, "
-                        f"{[sh.pool.num_free for sh in shards]} free) cannot make progress: raise "
-                        f"sampling.engine.num_pages")
-        self.stats["peak_pages"] = sum(sh.pool.peak_used for sh in shards)
+            b.shards[c.shard].queue.append(c)
+            b.shards[c.shard].waiting[c.prompt_pos] += c.shareable
+            c.running = True
+        while wait and self._batch is not None:
+            self.advance()
+
+    def _unpark(self, convs: Sequence[Conversation]) -> None:
+        ids = {id(c) for c in convs}
+        self._parked = [c for c in self._parked if id(c) not in ids]
+
+    def _make_room(self, sh: _Shard, num: int) -> bool:
+        """True when `num` pages of a shard's pool are free, after freeing if needed the pages of rows parked
+        between turns, the most recently parked first (a row waiting on a tool call must not exhaust the pool for
+        the rows that decode); an evicted row's next turn prefills its whole conversation again."""
+        while num > sh.pool.num_free:
+            parked = [c for c in self._parked if c.pages and self._pools()[c.shard] is sh.pool]
+            if not parked:
+                return False
+            c = parked[-1]
+            sh.pool.release(c.pages)
+            c.pages, c.written = [], 0
+            self.stats["evictions"] += 1
+        return True
+
+    def _cancel(self) -> None:
+        """Drop the running batch (after an error, or the close of one of its rows): its prefix entries' pages and
+        reserved tail pages go back to the pools; its rows stop running, keeping their own pages."""
+        b, self._batch = self._batch, None
+        for sh in b.shards if b is not None else []:
+            for e in sh.prefixes.values():
+                sh.pool.release(e.pages)
+            for c in [*sh.queue, *sh.slots]:
+                if c is not None:
+                    if c.tail is not None:
+                        sh.pool.release([c.tail])
+                    c.prefix, c.tail, c.running, c.shareable = None, None, False, False
 
     def _admit(self, sh: _Shard) -> bool:
         """Move a shard's queued conversations into its free slots while their first pages can be allocated."""
@@ -651,7 +756,7 @@ class Engine:
                 entry = sh.prefixes.get(c.prompt_pos)
                 n_tail = 1 if (c.prompt_len - 1) % ec.page_size else 0
                 need = n_tail + (0 if entry else paged_kv.pages_for(c.prompt_len - 1, ec.page_size))
-                if need + reserve > sh.pool.num_free:
+                if not self._make_room(sh, need + reserve):
                     break
                 if entry is None:
                     entry = _Prefix(c.prompt_pos, c.seq[:-1], sh.pool.alloc(need - n_tail), sh.waiting[c.prompt_pos])
@@ -660,7 +765,7 @@ class Engine:
                 c.prefix, c.tail = entry, (sh.pool.alloc(1)[0] if n_tail else None)
             else:  # recompute / continuation / one-token prompt: its own pages for what it must prefill
                 need = paged_kv.pages_for(len(c.tokens) - 1, ec.page_size) - len(c.pages)
-                if need + reserve > sh.pool.num_free:
+                if not self._make_room(sh, need + reserve):
                     break
                 c.pages += sh.pool.alloc(max(need, 0))
             sh.queue.popleft()
@@ -764,14 +869,15 @@ class Engine:
         return paged_kv.pages_for(max_pos, self.engine_config.page_size)
 
     def _grow(self, sh: _Shard) -> None:
-        """Give every ready row of a shard the pages its next chunk writes into. On a short pool preempt the most
-        recently admitted rows (back to the queue front, recomputed later) until the rest fit; with one row left,
-        drop the prefix entries no row in a slot is waiting for."""
+        """Give every ready row of a shard the pages its next chunk writes into. On a short pool free the pages of
+        parked rows (`_make_room`), then preempt the most recently admitted rows (back to the queue front,
+        recomputed later) until the rest fit; with one row left, drop the prefix entries no row in a slot is
+        waiting for."""
         while True:
             growth = self._growth(sh.slots)
             if not growth:
                 return
-            if sum(max(n, 0) for _, n in growth) <= sh.pool.num_free:
+            if self._make_room(sh, sum(max(n, 0) for _, n in growth)):
                 for c, n in growth:
                     if n > 0:
                         c.pages += sh.pool.alloc(n)
@@ -820,7 +926,7 @@ class Engine:
 
     def _decode_round(self, shards: list[_Shard], scalars, keep) -> bool:
         """Up to decode_chunk steps of every ready slot of every shard (one program); record the tokens and
-        retire finished rows."""
+        retire the rows whose turn ended (to their shard's `ended`)."""
         ec = self.engine_config
         if not any(sh.ready() for sh in shards):
             return False
@@ -858,6 +964,7 @@ class Engine:
                 if eos_S[r] or c.step >= c.budget:
                     c.finished_eos = bool(eos_S[r])
                     sh.slots[s] = None
+                    sh.ended.append(c)
                     if not keep:
                         sh.pool.release(c.pages)
                         c.pages, c.closed = [], True

@@ -1,12 +1,20 @@
 """Multi-turn tool-use rollouts: sample, run the model's code in the sandbox, append the output, continue.
 
 For each of the G samples of each prompt the rollout engine samples until the model closes a tool call (the
-closing tag's token is a stop token) or ends its answer (an EOS id). The call is parsed (calls.parse_call); a good
-call's code goes to the SandboxPool - every call a turn produced is submitted before any result is awaited, so the
-calls of a batch run concurrently - and the rendered observation (calls.observation, tokenized with the model's own
-tokenizer) is appended with `Engine.extend`: one extend round per turn over every row that made a call, each row
-with what is left of its token budget; the conversation is never re-prefilled. A response ends on EOS or at its
-budget; a call past `tool.max_turns` (like any malformed call) is not run but answered with an observation saying
+closing tag's token is a stop token) or ends its answer (an EOS id). The loop is event-driven: the engine runs one
+scheduler round at a time (`Engine.advance`: admit, prefill, decode a chunk), and each row whose turn ended in that
+round is handled at once - its call parsed (calls.parse_call) and a good call's code submitted to the SandboxPool
+- while the engine goes on decoding the other rows (the waiting row gives its decode slot back and keeps its KV
+pages). When a call's future completes, its rendered observation (calls.observation, tokenized with the model's
+own tokenizer) is appended to that row with `Engine.extend(..., wait=False)` (only the appended tokens are
+prefilled; the turn gets what is left of the row's token budget) and the row rejoins decoding at the next round.
+A refused call, or a stop token that closed no call, is answered in the same way without the sandbox. With no row
+left to decode and calls in flight, the loop blocks on the first call to finish (concurrent.futures.wait), never
+spins. So a row that stops early does not idle until the slowest row of its turn, and sandbox time overlaps decode
+time. The tokens do not depend on the order the calls finish in (every draw is keyed by seed, prompt, sample and
+response position): `overlap=False`, the lock-step loop (a turn's calls are submitted once every row's turn
+ended, awaited together, and every observation appended together), gives the same rows. A response ends on EOS or
+at its budget; a call past `tool.max_turns` (like any malformed call) is not run but answered with an observation saying
 so, and counted. Budget: `max_new_tokens` counts every response token, the model's
 and the observations'. An observation that does not leave room for one more sampled token ends the response inside
 it (cut at the budget, `end == "budget"`, counted).
@@ -27,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -144,71 +152,106 @@ def _observation_ids(tokenizer, call: ToolCall, result: ExecResult | None, cfg: 
     return [int(t) for t in tokenizer.encode(text, add_bos=False)]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Protocol:
+    """What every row's turns share: how a turn ends, how a call is parsed and its observation rendered."""
+
+    tokenizer: Any
+    cfg: ToolConfig
+    max_new_tokens: int
+    end_ids: tuple[int, ...]
+    call_ids: tuple[int, ...]
+    wrapper: ObservationFormat | None
+
+    def call_of_turn(self, c: Conversation, st: _RowState) -> tuple[bool, ToolCall | None]:
+        """Count the turn that just ended; (False, None) when it ends the response (EOS, the budget), else (True,
+        the parsed call: None for a stop token that closed no call, so sampling just goes on)."""
+        st.turns += 1
+        how = _turn_end(c, self.end_ids, self.call_ids)
+        if how != "call" or c.step >= self.max_new_tokens:
+            st.end = "eos" if how == "eos" else "length"
+            return False, None
+        return True, parse_call(_segment_text(self.tokenizer, c, st), self.cfg.format,
+                                calls_so_far=len(st.statuses), max_turns=self.cfg.max_turns)
+
+    def observe(self, c: Conversation, st: _RowState, call: ToolCall | None,
+                result: ExecResult | None) -> list[int] | None:
+        """Record the call's outcome and render its observation: the tokens to append before the next turn, or
+        None when the observation leaves no room for one more sampled token (the response ends cut inside it)."""
+        obs: list[int] = []
+        if call is not None:
+            st.statuses.append(result_status(result) if result is not None else call.status)
+            obs = _observation_ids(self.tokenizer, call, result, self.cfg, self.wrapper)
+        room = self.max_new_tokens - c.step
+        if len(obs) >= room:
+            st.cut, st.end = obs[:room], "budget"
+            return None
+        if obs:
+            st.seg_start, st.lead = c.step + len(obs), ""
+        return obs
+
+
 def tool_rollouts(engine, prompts: Sequence[Sequence[int]], *, group_size: int, tool_cfg: ToolConfig, tokenizer,
                   pool: SandboxPool, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                   top_k: int = 0, seed: int = 0, prompt_index: Sequence[int] | None = None,
-                  wrapper: ObservationFormat | None = None) -> list[ToolRow]:
+                  wrapper: ObservationFormat | None = None, overlap: bool = True) -> list[ToolRow]:
     """G multi-turn responses per prompt (prompt-major, row p * G + g) with the code interpreter (module doc).
 
-    engine: a rollout Engine (start / extend / close); max_new_tokens: the token budget of a whole response
-    (sampled + observation tokens); prompt_index: the prompts' global indices (their random draws), default
-    0..P-1; wrapper: the observation's wrapper (calls.observation_format_from_template of the model's template),
-    default the format's own."""
+    engine: a rollout Engine (start / advance / extend / close); max_new_tokens: the token budget of a whole
+    response (sampled + observation tokens); prompt_index: the prompts' global indices (their random draws),
+    default 0..P-1; wrapper: the observation's wrapper (calls.observation_format_from_template of the model's
+    template), default the format's own. overlap=False is the lock-step reference: every row's turn ends before
+    the turn's calls are submitted, all are awaited, then all observations are appended (the same rows)."""
     end_ids = tuple(int(t) for t in tokenizer.eos_ids)
     call_ids = tuple(t for t in call_stop_ids(tokenizer, tool_cfg.format) if t not in end_ids)
+    proto = _Protocol(tokenizer, tool_cfg, max_new_tokens, end_ids, call_ids, wrapper)
     kw: dict[str, Any] = dict(temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=list(end_ids + call_ids),
-                              seed=seed)
-    convs = engine.start(prompts, max_new_tokens=max_new_tokens, num_samples=group_size, keep=True,
-                         prompt_index=prompt_index, **kw)
+                              seed=seed, keep=True, wait=False)
+    convs = engine.start(prompts, max_new_tokens=max_new_tokens, num_samples=group_size, prompt_index=prompt_index,
+                         **kw)
     leads = [_prompt_lead(tokenizer, p, tool_cfg.format) for p in prompts]
     states = [_RowState(lead=leads[c.index // group_size]) for c in convs]
+    inflight: dict[Future[ExecResult], tuple[int, ToolCall]] = {}
     try:
-        live = list(range(len(convs)))
-        while live:
-            live = _tool_round(engine, convs, states, live, tool_cfg=tool_cfg, tokenizer=tokenizer, pool=pool,
-                               max_new_tokens=max_new_tokens, end_ids=end_ids, call_ids=call_ids, wrapper=wrapper,
-                               sampling=kw)
+        ended: list[Conversation] = []  # turns ended, their calls not yet submitted (lock-step: the turn's so far)
+        answered: list[tuple[int, ToolCall | None, ExecResult | None]] = []  # rows whose observation is ready
+        while engine.running or inflight or answered:
+            ended += engine.advance()
+            if overlap or not engine.running:
+                for c in ended:
+                    goes_on, call = proto.call_of_turn(c, states[c.index])
+                    if goes_on and call is not None and call.code is not None:
+                        inflight[pool.submit(call.code)] = (c.index, call)
+                    elif goes_on:  # a refused call or no call: answered at once
+                        answered.append((c.index, call, None))
+                ended = []
+            if inflight and not engine.running and not (overlap and answered):  # nothing to decode: block, no spinning
+                wait(inflight, return_when=FIRST_COMPLETED if overlap else ALL_COMPLETED)
+            for fut in [f for f in inflight if f.done()]:
+                i, call = inflight.pop(fut)
+                answered.append((i, call, fut.result()))
+            if answered and (overlap or not inflight):
+                _continue_rows(engine, convs, states, sorted(answered, key=lambda a: a[0]), proto, kw)
+                answered = []
     finally:
+        for fut in inflight:
+            fut.cancel()  # queued calls of a failed rollout (running ones end by their own timeout)
         engine.close(convs)
     return [_finish_row(c, st, group_size) for c, st in zip(convs, states)]
 
 
-def _tool_round(engine, convs, states, live, *, tool_cfg: ToolConfig, tokenizer, pool: SandboxPool,
-                max_new_tokens: int, end_ids, call_ids, wrapper, sampling) -> list[int]:
-    """One turn of every live row: parse the calls the turn closed, run them (all submitted, then awaited),
-    append the observations and sample the next turn of those rows (one extend). Returns the rows still live."""
-    pending: list[tuple[int, ToolCall | None, Future[ExecResult] | None]] = []
-    for i in live:
-        c, st = convs[i], states[i]
-        st.turns += 1
-        how = _turn_end(c, end_ids, call_ids)
-        if how != "call" or c.step >= max_new_tokens:
-            st.end = "eos" if how == "eos" else "length"
-            continue
-        call = parse_call(_segment_text(tokenizer, c, st), tool_cfg.format,
-                          calls_so_far=len(st.statuses), max_turns=tool_cfg.max_turns)
-        fut = pool.submit(call.code) if call is not None and call.code is not None else None
-        pending.append((i, call, fut))
+def _continue_rows(engine, convs, states, answered, proto: _Protocol, sampling) -> None:
+    """Append each answered row's observation and queue its next turn (Engine.extend, wait=False: it joins the
+    rows still decoding), each with what is left of its budget; a row cut inside its observation ends."""
     rows, appended, limits = [], [], []
-    for i, call, fut in pending:
-        c, st = convs[i], states[i]
-        obs: list[int] = []
-        if call is not None:  # None: a stop token that did not close a call; sampling just goes on
-            result = fut.result() if fut is not None else None
-            st.statuses.append(result_status(result) if result is not None else call.status)
-            obs = _observation_ids(tokenizer, call, result, tool_cfg, wrapper)
-        room = max_new_tokens - c.step
-        if len(obs) >= room:  # no room left to sample after the observation: the response ends inside it
-            st.cut, st.end = obs[:room], "budget"
-            continue
-        if obs:
-            st.seg_start, st.lead = c.step + len(obs), ""
-        rows.append(i)
-        appended.append(obs)
-        limits.append(room - len(obs))
+    for i, call, result in answered:
+        obs = proto.observe(convs[i], states[i], call, result)
+        if obs is not None:
+            rows.append(convs[i])
+            appended.append(obs)
+            limits.append(proto.max_new_tokens - convs[i].step - len(obs))
     if rows:
-        engine.extend([convs[i] for i in rows], appended, max_new_tokens=limits, **sampling)
-    return rows
+        engine.extend(rows, appended, max_new_tokens=limits, **sampling)
 
 
 def _finish_row(c: Conversation, st: _RowState, group_size: int) -> ToolRow:
