@@ -20,14 +20,17 @@ Stop tokens: a closing tag that the tokenizer encodes as one token (Qwen2.5's </
 tokenizers) stops exactly there. A closing tag of several tokens (SmolLM2 splits </tool_call> into `</ tool _ call
 >`) stops on its last token (`>`); a row that stopped there without a complete call continues sampling (an extend
 with nothing appended). That holds while the model writes the tag's last token on its own: a merged token (say
-`>\n`) is not a stop, and the call is then not seen. Single process only (the engine's host scheduler is).
+`>\n`) is not a stop, and the call is then not seen.
+
+Multi-process runs: every process runs the same rollout on the same host data (the engine's scheduler is
+replicated); the sandbox calls of a round run on process 0 only and their results are broadcast to the others
+(tools.pool.run_on_process0), so every process appends the same observation tokens.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,7 +39,7 @@ from stare_jax.tools.calls import (CallFormat, CallStatus, ObservationFormat, To
                                    observation_format_from_template, parse_call, result_status, status_counts,
                                    stop_strings)
 from stare_jax.tools.config import ToolConfig
-from stare_jax.tools.pool import SandboxPool
+from stare_jax.tools.pool import SandboxPool, run_on_process0
 from stare_jax.tools.sandbox import ExecResult
 
 if TYPE_CHECKING:
@@ -177,7 +180,7 @@ def _tool_round(engine, convs, states, live, *, tool_cfg: ToolConfig, tokenizer,
                 max_new_tokens: int, end_ids, call_ids, wrapper, sampling) -> list[int]:
     """One turn of every live row: parse the calls the turn closed, run them (all submitted, then awaited),
     append the observations and sample the next turn of those rows (one extend). Returns the rows still live."""
-    pending: list[tuple[int, ToolCall | None, Future[ExecResult] | None]] = []
+    pending: list[tuple[int, ToolCall | None]] = []
     for i in live:
         c, st = convs[i], states[i]
         st.turns += 1
@@ -187,14 +190,16 @@ def _tool_round(engine, convs, states, live, *, tool_cfg: ToolConfig, tokenizer,
             continue
         call = parse_call(_segment_text(tokenizer, c, st), tool_cfg.format,
                           calls_so_far=len(st.statuses), max_turns=tool_cfg.max_turns)
-        fut = pool.submit(call.code) if call is not None and call.code is not None else None
-        pending.append((i, call, fut))
+        pending.append((i, call))
+    # every call of the round runs at once; on process 0 only in a multi-process run (the same results everywhere)
+    runs = [call.code for _, call in pending if call is not None and call.code is not None]
+    results = iter(run_on_process0(pool, runs) if runs else [])
     rows, appended, limits = [], [], []
-    for i, call, fut in pending:
+    for i, call in pending:
         c, st = convs[i], states[i]
         obs: list[int] = []
         if call is not None:  # None: a stop token that did not close a call; sampling just goes on
-            result = fut.result() if fut is not None else None
+            result = next(results) if call.code is not None else None
             st.statuses.append(result_status(result) if result is not None else call.status)
             obs = _observation_ids(tokenizer, call, result, tool_cfg, wrapper)
         room = max_new_tokens - c.step
