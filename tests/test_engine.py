@@ -264,9 +264,10 @@ def test_extend_with_a_limit_per_conversation(model):
 
 
 def test_make_generator_picks_the_engine_where_it_runs(model, monkeypatch):
-    """sampling.engine.enabled: auto = the engine on one process, any mesh (its pool's kv heads split over the
-    tensor axis, its slots and pages over the data axes) for response budgets >= auto_min_new_tokens, the static
-    sampler for short budgets and on several processes; true there is refused by name."""
+    """sampling.engine.enabled: auto = the engine on any mesh, in one process or several (its pool's kv heads
+    split over the tensor axis, its slots and pages over the data axes) for response budgets >=
+    auto_min_new_tokens, the static sampler for short budgets and on several processes without a mesh; true
+    there is refused by name."""
     from stare_jax import distributed
     from stare_jax.sampling.engine import make_generator
 

@@ -444,8 +444,7 @@ class Engine:
 
         rep = self._replicated
         scalars = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
-                   for x in [jax.eval_shape(lambda: jax.random.key(0)),
-                             *map(np.asarray, self._sampling_values((1.0, 1.0, 0, None, 0)))]]
+                   for x in [jax.eval_shape(lambda: jax.random.key(0)), *self._sampling_values((1.0, 1.0, 0, None, 0))]]
         with self.program_context():
             decode = _decode_jit.trace(
                 self.graphdef, self.state, pages, arg((rows, width)), *(arg((rows,)) for _ in range(4)),
@@ -612,8 +611,8 @@ class Engine:
         """The host values of the decode program's sampling inputs after the key: greedy, temperature, top_k,
         top_p, EOS ids."""
         temperature, top_p, top_k, eos_ids, _ = sampling
-        return [np.bool_(temperature == 0), np.float32(temperature if temperature > 0 else 1.0),
-                np.int32(min(int(top_k), int(self.config.vocab_size))), np.float32(top_p),
+        return [np.asarray(temperature == 0, np.bool_), np.asarray(temperature if temperature > 0 else 1.0, np.float32),
+                np.asarray(min(int(top_k), int(self.config.vocab_size)), np.int32), np.asarray(top_p, np.float32),
                 _eos_array(eos_ids, self.config)]
 
     def _scalars(self, sampling):
