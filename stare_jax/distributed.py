@@ -90,17 +90,30 @@ def global_from_host(x, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda index: np.asarray(x[index]))
 
 
+def _identity(*xs):
+    return xs
+
+
 def fetch_global(tree):
-    """Every array of `tree` as a full host NumPy array on every process: global arrays spanning several
-    processes are all-gathered (one process_allgather of all of them), any other leaf (a host value, an array
-    of this process's devices) is copied as it is. One process: a plain device_get."""
+    """Every array of `tree` as a full host NumPy array on every process: the global arrays spanning several
+    processes are all-gathered together (ONE jitted program replicates all of them over their meshes, then each
+    process reads its own copy), any other leaf (a host value, an array of this process's devices) is copied as
+    it is. One process: a plain device_get."""
     if not is_multiprocess():
         return jax.tree.map(np.asarray, jax.device_get(tree))
 
     leaves, treedef = jax.tree.flatten(tree)
     spanning = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
-    gathered = multihost_utils.process_allgather([leaves[i] for i in spanning], tiled=True) if spanning else []
-    out = dict(zip(spanning, gathered))
+    out = {}
+    if spanning:
+        xs = [leaves[i] for i in spanning]
+        replicated = tuple(x.sharding.update(spec=jax.sharding.PartitionSpec())
+                           if isinstance(x.sharding, jax.sharding.NamedSharding) else None for x in xs)
+        if all(r is not None for r in replicated):
+            gathered = [x.addressable_data(0) for x in jax.jit(_identity, out_shardings=replicated)(*xs)]
+        else:  # another sharding type: jax's own gather, one array at a time
+            gathered = multihost_utils.process_allgather(xs, tiled=True)
+        out = dict(zip(spanning, gathered))
     return jax.tree.unflatten(treedef, [np.asarray(out[i] if i in out else jax.device_get(x))
                                         for i, x in enumerate(leaves)])
 

@@ -386,7 +386,8 @@ def test_run_on_process0_returns_the_pools_results_in_order(monkeypatch):
         assert [r.stdout for r in direct] == ["", "fine"] and direct[0].error
         monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
         monkeypatch.setattr(distributed, "broadcast_from_process0", lambda v: json.loads(json.dumps(v)))
-        assert run_on_process0(pool, ["explode", "fine"]) == direct  # ExecResult through JSON and back
+        untimed = lambda rs: [dataclasses.replace(r, wall_s=0.0) for r in rs]  # noqa: E731
+        assert untimed(run_on_process0(pool, ["explode", "fine"])) == untimed(direct)  # through JSON and back
         assert pool.stats()["n_calls"] == 4
         sent = [dataclasses.asdict(r) for r in direct]
         monkeypatch.setattr("jax.process_index", lambda: 1)
