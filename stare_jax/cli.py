@@ -497,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-prompts", type=int, default=256, help="prompts per sampler call (default: %(default)s)")
     p.add_argument("--engine", choices=["auto", "on", "off"], default="auto",
                    help="generate with the rollout engine (continuous batching, paged KV): auto = wherever it runs "
-                        "(one process, any mesh), else the static sampler (default: %(default)s)")
+                        "(any mesh, one process or several), else the static sampler (default: %(default)s)")
     p.add_argument("--slots", type=int, default=64, help="the engine's decode slots (default: %(default)s)")
     p.add_argument("--workers", type=int, default=2, help="reward worker processes (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per scored item (default: %(default)s)")

@@ -6,12 +6,19 @@ train batch) and feeds only the rows its devices hold (`global_batch`, built on 
 jax.devices(), a contiguous block of rows per process); device results that every host needs (sampled tokens)
 come back with `fetch_global`; work done on the host (decoding and scoring responses) is split into per-process
 shares (`process_share`) whose results are gathered (`gather_shares`, `sum_across_processes`); and decisions
-that every process must take together (stopping on a preemption signal) go through `any_process`. In a single
-process every helper is the identity or a plain device_get.
+that every process must take together (stopping on a preemption signal) go through `any_process`.
+
+Replicated SPMD host code (the rollout engine's scheduler): every process runs the same host logic on the same
+host data and takes the same decisions; a host value every process holds becomes a program input with
+`global_from_host` (each process places only its own devices' pieces, no cross-process traffic), the device
+results the host logic reads come back with `fetch_global`, and a host result only one process may compute (a
+sandboxed tool call, whose timing differs between hosts) is computed on process 0 and sent to the others with
+`broadcast_from_process0`. In a single process every helper is the identity, a plain device_put or device_get.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import json
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -73,13 +80,58 @@ def global_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh,
     return out
 
 
+def global_from_host(x, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A jax.Array with `sharding` (which may span every process's devices) from a host value that is identical
+    on every process: each process places only the pieces its own devices hold (no cross-process check or
+    transfer: the caller guarantees equality, e.g. a replicated host scheduler). One process: device_put."""
+    x = np.asarray(x)
+    if not is_multiprocess():
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: np.asarray(x[index]))
+
+
+def _identity(*xs):
+    return xs
+
+
 def fetch_global(tree):
-    """Every array of `tree` as a full host NumPy array on every process (a cross-process all-gather for global
-    arrays spanning several processes; a plain device_get otherwise)."""
+    """Every array of `tree` as a full host NumPy array on every process: the global arrays spanning several
+    processes are all-gathered together (ONE jitted program replicates all of them over their meshes, then each
+    process reads its own copy), any other leaf (a host value, an array of this process's devices) is copied as
+    it is. One process: a plain device_get."""
     if not is_multiprocess():
         return jax.tree.map(np.asarray, jax.device_get(tree))
 
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+    leaves, treedef = jax.tree.flatten(tree)
+    spanning = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    out = {}
+    if spanning:
+        xs = [leaves[i] for i in spanning]
+        replicated = tuple(x.sharding.update(spec=jax.sharding.PartitionSpec())
+                           if isinstance(x.sharding, jax.sharding.NamedSharding) else None for x in xs)
+        if all(r is not None for r in replicated):
+            gathered = [x.addressable_data(0) for x in jax.jit(_identity, out_shardings=replicated)(*xs)]
+        else:  # another sharding type: jax's own gather, one array at a time
+            gathered = multihost_utils.process_allgather(xs, tiled=True)
+        out = dict(zip(spanning, gathered))
+    return jax.tree.unflatten(treedef, [np.asarray(out[i] if i in out else jax.device_get(x))
+                                        for i, x in enumerate(leaves)])
+
+
+def broadcast_from_process0(value: Any) -> Any:
+    """Process 0's JSON-able `value` on every process (the other processes' argument is ignored): a host result
+    that only process 0 computes, e.g. sandboxed tool calls (their timing differs between hosts, so each host
+    running them could append different observations). Two small broadcasts (length, then the UTF-8 bytes).
+    One process: the value itself."""
+    if not is_multiprocess():
+        return value
+    mine = jax.process_index() == 0
+    data = np.frombuffer(json.dumps(value).encode() if mine else b"", np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.asarray([data.size], np.int32), is_source=mine)[0])
+    buf = np.zeros((size,), np.uint8)
+    buf[:data.size] = data
+    got = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=mine))
+    return json.loads(got.astype(np.uint8).tobytes().decode())
 
 
 def _share(k: int, count: int, n: int) -> tuple[int, int]:

@@ -298,16 +298,16 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "flops_per_step": flops,
         "total_flops_per_step": total_flops,
         "step_time_s_at_40pct_mfu": total_flops / (acc.num_devices * acc.peak_flops * 0.4),
-        "warnings": _warnings(model_cfg, acc) + _generator_warnings(engine_cfg, acc.num_hosts, dp),
+        "warnings": _warnings(model_cfg, acc),
     }
 
 
 def tool_engine_config(cfg, hosts: int, data_shards: int):
-    """The engine config the run uses: with tool.enabled, auto means the engine (stare_jax.run_setup.make_sampler),
-    and a slice where the engine cannot run is a ValueError: multi-turn tool rollouts need the engine, whose
-    scheduler drives one process, so such a run would refuse to start (planning it as fitting would be a false
-    promise). A mesh split over data shards is fine (each shard has its own slots and page pool)."""
-    del data_shards  # every single-process mesh runs the engine
+    """The engine config the run uses: with tool.enabled, auto means the engine (stare_jax.run_setup.make_sampler);
+    the engine runs on any slice (one host or several: its host scheduler is replicated over the processes) and
+    any mesh (each data shard has its own slots and page pool). tool.enabled with the engine off is a ValueError
+    (the run would refuse to start)."""
+    del hosts, data_shards  # every slice and mesh runs the engine (kept: the callers ask per slice)
     engine_cfg = cfg.sampling.engine
     tool = getattr(cfg, "tool", None)
     if tool is None or not tool.enabled:
@@ -315,29 +315,17 @@ def tool_engine_config(cfg, hosts: int, data_shards: int):
     if engine_cfg.enabled is False:
         raise ValueError("tool.enabled needs the rollout engine (multi-turn rollouts append tool output and "
                          "continue): set sampling.engine.enabled to true or auto")
-    if hosts > 1:
-        raise ValueError(f"tool.enabled: multi-turn tool rollouts run on the rollout engine, which drives one "
-                         f"process; this slice has {hosts} host(s). Use a single-host slice, e.g. v5p-8 with "
-                         f"mesh.tensor=4")
     return dataclasses.replace(engine_cfg, enabled=True)
 
 
 def run_generator(engine_cfg, hosts: int, data_shards: int, max_new_tokens: int) -> str:
     """"engine" or "static": what sampling.engine.enabled picks for a run on `hosts` processes whose mesh splits
-    the batch over `data_shards` (the rule of stare_jax.sampling.engine.make_generator: one process, any mesh)."""
-    del data_shards  # each data shard has its own slots and page pool
+    the batch over `data_shards` (the rule of stare_jax.sampling.engine.make_generator: any slice, any mesh)."""
+    del hosts, data_shards  # the engine runs on every slice and mesh
     if engine_cfg.enabled is False:
         return "static"
-    auto = hosts == 1 and max_new_tokens >= engine_cfg.auto_min_new_tokens
+    auto = max_new_tokens >= engine_cfg.auto_min_new_tokens
     return "engine" if engine_cfg.enabled is True or auto else "static"
-
-
-def _generator_warnings(engine_cfg, hosts: int, data_shards: int) -> list[str]:
-    del data_shards  # any single-process mesh runs the engine
-    if engine_cfg.enabled is True and hosts > 1:
-        return [f"sampling.engine.enabled=true: the run will refuse to start ({hosts} hosts): the engine's "
-                f"scheduler runs in one process"]
-    return []
 
 
 def _warnings(model_cfg, acc: Accelerator) -> list[str]:

@@ -142,8 +142,11 @@ def generate_tool_rollouts(engine, prompts: Sequence[Sequence[int]], answers: Se
                          seed=seed, prompt_index=[index_offset + i for i in range(P)],
                          wrapper=observation_wrapper(tokenizer, tool.format))
     texts = [final_text(tokenizer, r) for r in rows]
-    scores, stats = reward_fn(texts, [answers[r.prompt_pos] for r in rows])
-    correct = [float(x) for x in scores]
+    lo, hi = distributed.process_share(len(rows))  # as _generate_call: each process scores its share
+    scores, stats = reward_fn(texts[lo:hi], [answers[r.prompt_pos] for r in rows[lo:hi]])
+    correct = [float(x) for x in distributed.gather_shares(np.asarray(scores, np.float32), len(rows))]
+    if reward_fn.task == "math":
+        stats = {**stats, **distributed.sum_across_processes(stats, REWARD_COUNTERS)}
     arr = rows_to_arrays(rows, P, num_samples, max_new_tokens, engine.pad_id)
     bonus = tool_reward_shaping(rows, correct, tool_bonus=tool.tool_bonus, format_penalty=tool.format_penalty)
     ids, mask = left_pad(prompts, prompt_len, engine.pad_id)

@@ -32,9 +32,17 @@ mesh = make_mesh({"data": 3, "fsdp": 2})
 host = np.arange(12 * 2, dtype=np.int32).reshape(12, 2)
 g = d.global_batch({"x": host}, mesh)["x"]        # every process feeds its own rows
 back = d.fetch_global({"x": g})["x"]
+# a host value every process holds, placed by each process on its own devices (split rows, and replicated)
+rows = d.global_from_host(host, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
+rep = d.global_from_host(np.int32(7), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+mixed = d.fetch_global((rows, rep, host[:2], jax.numpy.ones(3)))  # global arrays gathered, local leaves copied
+sent = d.broadcast_from_process0({"from": k, "text": "é" * (k + 2)} if k == 0 else None)
 d.barrier("done")
 print("RESULT" + json.dumps({"share": [lo, hi], "shares": shares.tolist(), "sums": sums, "stop": stop,
-                             "roundtrip": bool((back == host).all()), "global": not g.is_fully_addressable}))
+                             "roundtrip": bool((back == host).all()), "global": not g.is_fully_addressable,
+                             "from_host": bool((mixed[0] == host).all()) and not rows.is_fully_addressable,
+                             "rep": int(mixed[1]), "local": [mixed[2].tolist(), mixed[3].tolist()],
+                             "sent": sent}))
 """
 
 
@@ -65,6 +73,8 @@ def test_helpers_across_three_real_processes():
         assert o["shares"] == [0, 10, 20, 30, 40, 50, 60]
         assert o["sums"] == {"n_timeout": 1.0 + 3.0, "n_crash": 0.0}
         assert o["stop"] is True and o["roundtrip"] is True and o["global"] is True
+        assert o["from_host"] is True and o["rep"] == 7 and o["local"] == [[[0, 1], [2, 3]], [1.0, 1.0, 1.0]]
+        assert o["sent"] == {"from": 0, "text": "éé"}  # process 0's value on every process
 
 
 def test_helpers_in_one_process_are_identities():
@@ -83,3 +93,29 @@ def test_helpers_in_one_process_are_identities():
         x = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
         g = d.global_batch({"x": x}, mesh)["x"]
         np.testing.assert_array_equal(d.fetch_global(g), x)
+
+
+def test_global_from_host_and_broadcast_in_one_process():
+    """One process: global_from_host is device_put into the sharding, broadcast_from_process0 the identity,
+    fetch_global copies host values and local arrays as they are."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from stare_jax import distributed as d
+    from stare_jax.models.sharding import make_mesh
+
+    n = min(jax.device_count(), 2)
+    mesh = make_mesh({"data": n}, devices=jax.devices()[:n])
+    x = np.arange(4 * 3, dtype=np.int32).reshape(4, 3)
+    for spec in (P("data"), P()):
+        g = d.global_from_host(x, NamedSharding(mesh, spec))
+        assert g.sharding.is_equivalent_to(NamedSharding(mesh, spec), 2) and g.dtype == np.int32
+        np.testing.assert_array_equal(np.asarray(g), x)
+    s = d.global_from_host(np.float32(2.5), NamedSharding(mesh, P()))
+    assert s.shape == () and float(s) == 2.5
+    value = {"a": [1, "é"], "b": None}
+    assert d.broadcast_from_process0(value) is value
+    back = d.fetch_global({"host": x, "device": jax.numpy.asarray(x)})
+    assert all(isinstance(v, np.ndarray) for v in back.values())
+    np.testing.assert_array_equal(back["host"], x)
+    np.testing.assert_array_equal(back["device"], x)

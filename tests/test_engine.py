@@ -266,9 +266,10 @@ def test_extend_with_a_limit_per_conversation(model):
 
 
 def test_make_generator_picks_the_engine_where_it_runs(model, monkeypatch):
-    """sampling.engine.enabled: auto = the engine on one process, any mesh (its pool's kv heads split over the
-    tensor axis, its slots and pages over the data axes) for response budgets >= auto_min_new_tokens, the static
-    sampler for short budgets and on several processes; true there is refused by name."""
+    """sampling.engine.enabled: auto = the engine on any mesh, in one process or several (its pool's kv heads
+    split over the tensor axis, its slots and pages over the data axes) for response budgets >=
+    auto_min_new_tokens, the static sampler for short budgets and on several processes without a mesh; true
+    there is refused by name."""
     from stare_jax import distributed
     from stare_jax.sampling.engine import make_generator
 
@@ -279,10 +280,12 @@ def test_make_generator_picks_the_engine_where_it_runs(model, monkeypatch):
     assert isinstance(make_generator(model, config=EngineConfig(enabled=False), **long), Sampler)
     data_mesh = make_mesh({"data": 2}, devices=jax.devices()[:2])
     assert make_generator(model, config=EngineConfig(), mesh=data_mesh, **long).data_shards == 2
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m:  # several processes: the engine as in one (replicated scheduler), on a mesh
         m.setattr(distributed, "is_multiprocess", lambda: True)
-        assert isinstance(make_generator(model, config=EngineConfig(), **long), Sampler)
-        with pytest.raises(ValueError, match="sampling.engine.enabled=true: the run has 1 processes"):
+        assert isinstance(make_generator(model, config=EngineConfig(), mesh=data_mesh, **long), Engine)
+        assert isinstance(make_generator(model, config=EngineConfig(), **long), Sampler)  # no mesh: not the engine
+        with pytest.raises(ValueError, match="sampling.engine.enabled=true: the run has 1 processes but the "
+                                             "engine got no mesh"):
             make_generator(model, config=EngineConfig(enabled=True), **long)
     tensor_mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
     sharded = init_model(model.config, seed=0, mesh=tensor_mesh)

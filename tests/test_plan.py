@@ -98,7 +98,7 @@ def test_plan_of_the_embedded_toy_config():
 
 
 def test_plan_models_the_engine_page_pool():
-    """Where the run generates with the rollout engine (one host, a long response budget) the sampling phase holds
+    """Where the run generates with the rollout engine (a long response budget, any slice) the sampling phase holds
     the page pool (sized by slots, not by the generation batch), kv heads split over the tensor axis; on a
     data-parallel mesh each data shard's pool (its slots' share); with the engine off, the static cache."""
     from stare_jax.models import get_preset
@@ -121,8 +121,8 @@ def test_plan_models_the_engine_page_pool():
     assert fsdp["generator"] == "engine" and not fsdp["warnings"]
     shard_pool = 2 * mc.num_layers * EngineConfig(max_slots=16).pool_pages(4096) * ec.page_size * mc.num_kv_heads
     assert fsdp["memory_bytes"]["sample/kv_page_pool"] == shard_pool * mc.head_dim * 2
-    forced = estimate(load_config(None, base + ["sampling.engine.enabled=true"]), "v5p-64", num_params=n)
-    assert any("sampling.engine.enabled=true" in w for w in forced["warnings"])  # 8 hosts: refused
+    multi = estimate(load_config(None, base), "v5p-64", num_params=n)  # 8 hosts: the replicated scheduler
+    assert multi["hosts"] == 8 and multi["generator"] == "engine" and not multi["warnings"]
     # the prefill program's fp32 attention logits + probabilities: a prefill chunk per slot over the longest request,
     # the query heads split over the tensor axis (the compiled prefill's temps, see BUILD.md's tool rows)
     scores = 2 * ec.max_slots * ec.prefill_chunk * 4096 * (mc.num_heads / 4) * 4

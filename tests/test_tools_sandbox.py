@@ -9,6 +9,7 @@ namespace), for what it claims to block, and the user-namespace variant as an un
 backend and ToolConfig have their own modules: tests/test_tools_sandbox_fusion.py, tests/test_tools_config.py.)"""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -369,6 +370,31 @@ def test_pool_turns_backend_failures_into_results():
         SandboxPool(0)
     with pytest.raises(ValueError, match="limits to the backend"):
         SandboxPool(1, backend=_ExplodingBackend(), timeout_s=1.0)
+
+
+def test_run_on_process0_returns_the_pools_results_in_order(monkeypatch):
+    """One process: pool.map. Several (simulated: the broadcast as a JSON round trip): process 0's results,
+    decoded into equal ExecResults; a process that is not process 0 runs nothing and gets process 0's payload
+    (tests/test_multihost_engine.py runs it across two real processes)."""
+    import json
+
+    from stare_jax import distributed
+    from stare_jax.tools.pool import run_on_process0
+
+    with SandboxPool(2, backend=_ExplodingBackend()) as pool:
+        direct = run_on_process0(pool, ["explode", "fine"])
+        assert [r.stdout for r in direct] == ["", "fine"] and direct[0].error
+        monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
+        monkeypatch.setattr(distributed, "broadcast_from_process0", lambda v: json.loads(json.dumps(v)))
+        untimed = lambda rs: [dataclasses.replace(r, wall_s=0.0) for r in rs]  # noqa: E731
+        assert untimed(run_on_process0(pool, ["explode", "fine"])) == untimed(direct)  # through JSON and back
+        assert pool.stats()["n_calls"] == 4
+        sent = [dataclasses.asdict(r) for r in direct]
+        monkeypatch.setattr("jax.process_index", lambda: 1)
+        monkeypatch.setattr(distributed, "broadcast_from_process0", lambda v: sent)
+        assert run_on_process0(pool, ["explode", "fine"]) == direct and pool.stats()["n_calls"] == 4
+        with pytest.raises(RuntimeError, match="diverged"):
+            run_on_process0(pool, ["fine"])
 
 
 def test_pool_bounds_concurrency(ns):

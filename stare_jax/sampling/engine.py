@@ -54,10 +54,18 @@ Design (host scheduler + three jitted programs):
   by the busiest shard); a decode chunk ends early once any shard can refill slots. Draws depend on (seed,
   prompt, g, step) only, so the tokens do not depend on the shard. One shard (D = 1) is the program without the
   shard axis.
+- Multi-process (multi-host) runs: the host scheduler is replicated SPMD. Every process runs the same scheduler
+  on the same host data (the prompts, the appended tool tokens) and so takes the same decisions (admission,
+  pages, preemption, bucket shapes); the only cross-process data are device results. Every host input of a
+  program (tokens, positions, page tables, budgets, copy lists, sampling scalars) is built by every process from
+  its identical host value with distributed.global_from_host (each process places its own devices' pieces:
+  `_put`, `_put_rows`); the pool is a global array made in its sharding by a jitted program; the tokens,
+  log-probs, counts and EOS flags of a decode chunk come back to every process in one distributed.fetch_global
+  per chunk. Draws depend on (seed, prompt, g, step) only, so the tokens equal the single-process engine's
+  (tests/test_multihost_engine.py: 2 processes x 4 devices == 1 x 8). `generate_arrays` returns arrays
+  replicated over the mesh (global arrays that fetch_global reads on every process).
 - Not yet: a TPU Pallas decode kernel (jax.experimental.pallas.ops.tpu.paged_attention wants the pool as
-  [K, N, P, Dh], kv heads first; this pool is [N, P, K, Dh] and decode uses the gather path everywhere), and
-  multi-process (the host scheduler drives one process). Where that is needed, `make_generator`
-  (sampling.engine.enabled=auto) picks the static sampler.
+  [K, N, P, Dh], kv heads first; this pool is [N, P, K, Dh] and decode uses the gather path everywhere).
 - Ahead of time: `Engine.trace_programs` traces the decode and prefill programs at their largest shapes on an
   abstract engine (models.abstract_model), for stare_jax.aot to compile for a TPU slice on a CPU host.
 """
@@ -393,14 +401,14 @@ class Engine:
         """Sampler.generate_arrays: LEFT-padded prompts [P, T] -> SampleArrays with P * num_samples rows
         (prompt-major) and max_new_tokens columns; inactive prompts give length-0 rows."""
         _check_sampling_args(max_new_tokens, num_samples, temperature, top_p, top_k)
-        ids, mask = np.asarray(jax.device_get(prompt_ids_PxT)), np.asarray(jax.device_get(prompt_mask_PxT))
+        ids, mask = distributed.fetch_global((prompt_ids_PxT, prompt_mask_PxT))
         P, T = ids.shape
         if mask.shape != (P, T):
             raise ValueError(f"prompt_mask_PxT shape {mask.shape} != prompt_ids_PxT shape {(P, T)}")
         if P == 0 or T == 0:
             raise ValueError(f"empty prompt batch: prompt_ids_PxT has shape {(P, T)}")
-        index = np.arange(P) if prompt_index_P is None else np.asarray(jax.device_get(prompt_index_P))
-        active = np.ones((P,), bool) if active_P is None else np.asarray(jax.device_get(active_P), bool)
+        index = np.arange(P) if prompt_index_P is None else distributed.fetch_global(prompt_index_P)
+        active = np.ones((P,), bool) if active_P is None else distributed.fetch_global(active_P).astype(bool)
         prompts = [ids[p][mask[p] > 0].tolist() for p in range(P)]
         max_pos = getattr(self.config, "max_position_embeddings", None)
         if max_pos is not None and max_new_tokens >= max_pos:  # as Sampler.generate_arrays: prompt + response
@@ -421,7 +429,8 @@ class Engine:
             n = len(c.turn_tokens)
             tokens[c.index, :n], logprobs[c.index, :n] = c.turn_tokens, c.turn_logprobs
             lengths[c.index], finished[c.index] = n, c.finished_eos
-        return SampleArrays(jnp.asarray(tokens), jnp.asarray(logprobs), jnp.asarray(lengths), jnp.asarray(finished))
+        # replicated over the mesh: in a multi-process run global arrays that fetch_global reads on every process
+        return SampleArrays(self._put(tokens), self._put(logprobs), self._put(lengths), self._put(finished))
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None,
@@ -463,7 +472,7 @@ class Engine:
 
         rep = self._replicated
         scalars = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
-                   for x in jax.eval_shape(lambda: self._scalars((1.0, 1.0, 0, None, 0)))]
+                   for x in [jax.eval_shape(lambda: jax.random.key(0)), *self._sampling_values((1.0, 1.0, 0, None, 0))]]
         with self.program_context():
             decode = _decode_jit.trace(
                 self.graphdef, self.state, pages, arg((rows, width)), *(arg((rows,)) for _ in range(4)),
@@ -662,22 +671,31 @@ class Engine:
         return NamedSharding(self.mesh, PartitionSpec(*lead, *spec))
 
     def _put(self, x):
+        """A host value (the same on every process: the scheduler is replicated) as a program input replicated
+        over the mesh (distributed.global_from_host: in a multi-process run each process places its own
+        devices' copies)."""
         x = np.asarray(x)
-        return jax.device_put(x, self._replicated) if self._replicated is not None else jnp.asarray(x)
+        return distributed.global_from_host(x, self._replicated) if self._replicated is not None else jnp.asarray(x)
 
     def _put_rows(self, x_D):
-        """A per-shard argument [D, ...] of a program: split over the batch axes; one shard: [...] as _put."""
+        """A per-shard argument [D, ...] of a program: split over the batch axes (each process places its own
+        shards' rows); one shard: [...] as _put."""
         x_D = np.asarray(x_D)
-        return jax.device_put(x_D, self._split) if self._split is not None else self._put(x_D[0])
+        return distributed.global_from_host(x_D, self._split) if self._split is not None else self._put(x_D[0])
+
+    def _sampling_values(self, sampling) -> list[np.ndarray]:
+        """The host values of the decode program's sampling inputs after the key: greedy, temperature, top_k,
+        top_p, EOS ids."""
+        temperature, top_p, top_k, eos_ids, _ = sampling
+        return [np.asarray(temperature == 0, np.bool_), np.asarray(temperature if temperature > 0 else 1.0, np.float32),
+                np.asarray(min(int(top_k), int(self.config.vocab_size)), np.int32), np.asarray(top_p, np.float32),
+                _eos_array(eos_ids, self.config)]
 
     def _scalars(self, sampling):
-        temperature, top_p, top_k, eos_ids, seed = sampling
-        rep = [jax.random.key(seed), jnp.bool_(temperature == 0), jnp.float32(temperature if temperature > 0 else 1.0),
-               jnp.int32(min(int(top_k), int(self.config.vocab_size))), jnp.float32(top_p),
-               jnp.asarray(_eos_array(eos_ids, self.config))]
-        if self._replicated is not None:
-            rep = [jax.device_put(x, self._replicated) for x in rep]
-        return rep
+        """The replicated sampling inputs of the decode program: key(seed), then `_sampling_values` (the key is
+        built from its uint32 data, which every process places like any host value)."""
+        key_data = np.asarray(jax.random.key_data(jax.random.key(sampling[4])))
+        return [jax.random.wrap_key_data(self._put(key_data))] + [self._put(x) for x in self._sampling_values(sampling)]
 
     def _run(self, convs: list[Conversation], *, keep: bool, sampling, wait: bool = True) -> None:
         """Queue conversations (their turn opened) in the running batch, or in a new one (its stats start from 0),
@@ -950,7 +968,7 @@ class Engine:
             arr(lambda c: True, bool), arr(lambda c: c.prompt_index, np.uint32), arr(lambda c: c.sample, np.uint32),
             self._put_rows(exit_after), *scalars, steps=ec.decode_chunk, page_size=ec.page_size, pad_id=self.pad_id,
             batch_axes=self._batch_axes)
-        toks, lps, n, eos = jax.device_get((toks, lps, n, eos))
+        toks, lps, n, eos = distributed.fetch_global((toks, lps, n, eos))  # one gather for every process
         if not self._batch_axes:  # one shard: its rows without the shard axis
             toks, lps, n, eos = (x[None] for x in (toks, lps, n, eos))
         self.stats["decode_chunks"] += 1
@@ -981,20 +999,20 @@ def generate(model: nnx.Module, prompt_ids: Sequence[Sequence[int]], *, max_new_
 
 
 def engine_unsupported(mesh: Mesh | None) -> str | None:
-    """Why the engine cannot run here (None if it can): its host scheduler drives one process. Any mesh of that
-    process is fine (a data-split one gives each data shard its own slots and page pool)."""
-    del mesh  # every single-process mesh runs (kept: the callers' question is per mesh)
-    if distributed.is_multiprocess():
-        return f"the run has {jax.process_count()} processes (the engine's scheduler runs in one)"
+    """Why the engine cannot run here (None if it can). Any mesh runs, in one process or in several (the host
+    scheduler is replicated: every process runs it on the same host data; a data-split mesh gives each data shard
+    its own slots and page pool); several processes need the run's mesh over their devices."""
+    if distributed.is_multiprocess() and mesh is None:
+        return f"the run has {jax.process_count()} processes but the engine got no mesh over their devices"
     return None
 
 
 def make_generator(model: nnx.Module, *, config: EngineConfig, max_new_tokens: int, mesh: Mesh | None = None,
                    cache_dtype=jnp.float32, pad_id: int | None = None) -> Engine | Sampler:
     """The generator for `config.enabled`: the engine (true), the static sampler (false), or (auto) the engine
-    wherever it runs (one process, any mesh: over data shards each has its own slots and page pool) and the
-    responses may be long enough to pay (max_new_tokens >= auto_min_new_tokens), the
-    static sampler elsewhere. Both draw the same samples. enabled=true where the engine cannot run is a
+    wherever it runs (any mesh, in one process or several: over data shards each has its own slots and page pool)
+    and the responses may be long enough to pay (max_new_tokens >= auto_min_new_tokens), the static sampler
+    elsewhere. Both draw the same samples. enabled=true where the engine cannot run (`engine_unsupported`) is a
     ValueError naming sampling.engine.enabled and the reason."""
     reason = engine_unsupported(mesh)
     if config.enabled is True and reason:

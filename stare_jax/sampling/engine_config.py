@@ -17,7 +17,8 @@ class EngineConfig:
     enabled: bool | Literal["auto"] = option(
         "auto", "generate with the rollout engine (continuous batching, paged KV cache, one prefill per prompt) "
                 "instead of the static sampler (same samples): true, false, or auto = the engine wherever it runs "
-                "(one process; a mesh split over data/fsdp axes gives each data shard its own slots and pages) "
+                "(any mesh, one process or several; a mesh split over data/fsdp axes gives each data shard its own "
+                "slots and pages) "
                 "and pays (max_new_tokens >= "
                 "auto_min_new_tokens), the static sampler elsewhere")
     auto_min_new_tokens: int = option(

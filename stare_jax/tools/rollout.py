@@ -28,23 +28,29 @@ Stop tokens: a closing tag that the tokenizer encodes as one token (Qwen2.5's </
 tokenizers) stops exactly there. A closing tag of several tokens (SmolLM2 splits </tool_call> into `</ tool _ call
 >`) stops on its last token (`>`); a row that stopped there without a complete call continues sampling (an extend
 with nothing appended). That holds while the model writes the tag's last token on its own: a merged token (say
-`>\n`) is not a stop, and the call is then not seen. Single process only (the engine's host scheduler is).
+`>\n`) is not a stop, and the call is then not seen.
+
+Multi-process runs: every process runs the same rollout on the same host data (the engine's scheduler is
+replicated), lock-step (which call finishes first differs between hosts, so the event-driven order would diverge):
+a turn's sandbox calls run on process 0 only and their results are broadcast to the others
+(tools.pool.run_on_process0), so every process appends the same observation tokens.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Sequence
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stare_jax import distributed
 from stare_jax.tools.calls import (CallFormat, CallStatus, ObservationFormat, ToolCall, ends_inside_call, observation,
                                    observation_format_from_template, parse_call, result_status, status_counts,
                                    stop_strings)
 from stare_jax.tools.config import ToolConfig
-from stare_jax.tools.pool import SandboxPool
+from stare_jax.tools.pool import SandboxPool, run_on_process0
 from stare_jax.tools.sandbox import ExecResult
 
 if TYPE_CHECKING:
@@ -202,6 +208,7 @@ def tool_rollouts(engine, prompts: Sequence[Sequence[int]], *, group_size: int, 
     default 0..P-1; wrapper: the observation's wrapper (calls.observation_format_from_template of the model's
     template), default the format's own. overlap=False is the lock-step reference: every row's turn ends before
     the turn's calls are submitted, all are awaited, then all observations are appended (the same rows)."""
+    overlap = overlap and not distributed.is_multiprocess()  # several processes: lock-step (module doc)
     end_ids = tuple(int(t) for t in tokenizer.eos_ids)
     call_ids = tuple(t for t in call_stop_ids(tokenizer, tool_cfg.format) if t not in end_ids)
     proto = _Protocol(tokenizer, tool_cfg, max_new_tokens, end_ids, call_ids, wrapper)
@@ -218,15 +225,21 @@ def tool_rollouts(engine, prompts: Sequence[Sequence[int]], *, group_size: int, 
         while engine.running or inflight or answered:
             ended += engine.advance()
             if overlap or not engine.running:
+                runs: list[tuple[int, ToolCall, str]] = []  # (row, call, its code)
                 for c in ended:
                     goes_on, call = proto.call_of_turn(c, states[c.index])
                     if goes_on and call is not None and call.code is not None:
-                        inflight[pool.submit(call.code)] = (c.index, call)
+                        runs.append((c.index, call, call.code))
                     elif goes_on:  # a refused call or no call: answered at once
                         answered.append((c.index, call, None))
                 ended = []
-            if inflight and not engine.running and not (overlap and answered):  # nothing to decode: block, no spinning
-                wait(inflight, return_when=FIRST_COMPLETED if overlap else ALL_COMPLETED)
+                if overlap:
+                    inflight.update({pool.submit(code): (i, call) for i, call, code in runs})
+                elif runs:  # lock-step: the turn's calls at once (on process 0 only in a multi-process run)
+                    results = run_on_process0(pool, [code for _, _, code in runs])
+                    answered += [(i, call, r) for (i, call, _), r in zip(runs, results)]
+            if inflight and not engine.running and not answered:  # nothing to decode: block, no spinning
+                wait(inflight, return_when=FIRST_COMPLETED)
             for fut in [f for f in inflight if f.done()]:
                 i, call = inflight.pop(fut)
                 answered.append((i, call, fut.result()))
