@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -181,3 +183,14 @@ def test_imports_are_at_module_level_unless_truly_optional():
     bad = [f"{MODULES[m].relative_to(PKG_DIR.parent)}:{line} imports {mod} inside a function"
            for m in MODULES for mod, line in _function_local_imports(m) if (m, mod) not in LOCAL_IMPORTS_ALLOWED]
     assert not bad, "\n".join(bad)
+
+
+def test_the_tools_package_needs_only_the_standard_library():
+    """`import stare_jax.tools` (the sandbox, the pool, call parsing) loads no jax or numpy: the unprivileged sandbox
+    test (tests/test_tools_sandbox.py::test_user_namespace_mode_without_root) imports it with the system
+    interpreter, which has neither, and skips (hiding the attacks it runs) when the import fails."""
+    code = ("import sys; import stare_jax.tools; "
+            "print(sorted(m for m in ('jax', 'numpy', 'flax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PKG_DIR.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

@@ -1,7 +1,7 @@
 """The rollout engine in a REAL multi-process run: 2 local processes x 4 CPU devices (jax.distributed, gloo) give
 the same tokens as 1 process x 8 devices, through the replicated host scheduler (every process runs it on the same
 host data; program inputs placed with distributed.global_from_host, decode results read back with
-distributed.fetch_global) and the process-0 sandbox (tools.pool.run_on_process0).
+distributed.fetch_global) and the process-0 sandbox (tools.rollout.run_on_process0).
 
 The processes run tests/_multihost_engine_worker.py (its docstring says what each writes): Engine.generate greedy
 and temperature 1 with long-tailed lengths and Engine.generate_arrays on a data 2 x tensor 4 mesh, then

@@ -379,7 +379,7 @@ def test_run_on_process0_returns_the_pools_results_in_order(monkeypatch):
     import json
 
     from stare_jax import distributed
-    from stare_jax.tools.pool import run_on_process0
+    from stare_jax.tools.rollout import run_on_process0
 
     with SandboxPool(2, backend=_ExplodingBackend()) as pool:
         direct = run_on_process0(pool, ["explode", "fine"])

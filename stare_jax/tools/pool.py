@@ -10,19 +10,15 @@ once. A call that crashes, hangs, floods or breaks the backend comes back as an 
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-import jax
-
-from stare_jax import distributed
 from stare_jax.tools.sandbox import ExecResult, Isolation, run_python
 
-__all__ = ["Backend", "LocalBackend", "SandboxPool", "run_on_process0"]
+__all__ = ["Backend", "LocalBackend", "SandboxPool"]
 
 
 class Backend(Protocol):
@@ -109,19 +105,3 @@ class SandboxPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def run_on_process0(pool: SandboxPool, codes: Sequence[str]) -> list[ExecResult]:
-    """The ExecResults of `codes` (in order) on every process of a run: process 0 runs them all in its pool (all
-    submitted, then awaited: concurrently, as SandboxPool.map) and broadcasts them
-    (distributed.broadcast_from_process0); the other processes never run code. A multi-process tool rollout thus
-    appends the same observations on every host (each host running its own calls could diverge: timeouts depend
-    on its load). Every process must call it with the same codes at the same point. One process: pool.map."""
-    if not distributed.is_multiprocess():
-        return pool.map(codes)
-    results = pool.map(codes) if jax.process_index() == 0 else []
-    payload = distributed.broadcast_from_process0([dataclasses.asdict(r) for r in results])
-    if len(payload) != len(codes):
-        raise RuntimeError(f"run_on_process0: process 0 returned {len(payload)} results for {len(codes)} calls "
-                           "(the processes' tool rounds diverged)")
-    return [ExecResult(**r) for r in payload]

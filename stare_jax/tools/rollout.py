@@ -33,7 +33,7 @@ with nothing appended). That holds while the model writes the tag's last token o
 Multi-process runs: every process runs the same rollout on the same host data (the engine's scheduler is
 replicated), lock-step (which call finishes first differs between hosts, so the event-driven order would diverge):
 a turn's sandbox calls run on process 0 only and their results are broadcast to the others
-(tools.pool.run_on_process0), so every process appends the same observation tokens.
+(`run_on_process0`), so every process appends the same observation tokens.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
+import jax
 import numpy as np
 
 from stare_jax import distributed
@@ -50,14 +51,14 @@ from stare_jax.tools.calls import (CallFormat, CallStatus, ObservationFormat, To
                                    observation_format_from_template, parse_call, result_status, status_counts,
                                    stop_strings)
 from stare_jax.tools.config import ToolConfig
-from stare_jax.tools.pool import SandboxPool, run_on_process0
+from stare_jax.tools.pool import SandboxPool
 from stare_jax.tools.sandbox import ExecResult
 
 if TYPE_CHECKING:
     from stare_jax.sampling.engine import Conversation
 
 __all__ = ["MALFORMED", "ToolRow", "call_stop_ids", "final_text", "observation_wrapper", "rows_to_arrays",
-           "tool_counts", "tool_metrics", "tool_reward_shaping", "tool_rollouts"]
+           "run_on_process0", "tool_counts", "tool_metrics", "tool_reward_shaping", "tool_rollouts"]
 
 MALFORMED = (CallStatus.INVALID_JSON, CallStatus.UNKNOWN_TOOL, CallStatus.BAD_ARGUMENTS, CallStatus.EMPTY_CODE,
              CallStatus.MAX_TURNS)
@@ -348,3 +349,19 @@ def tool_reward_shaping(rows: Sequence[ToolRow], correct: Sequence[float], *, to
     bonus = np.asarray([tool_bonus * float(c > 0 and r.used_tool) for r, c in zip(rows, correct)], np.float32)
     penalty = np.asarray([format_penalty * float(any(s in MALFORMED for s in r.statuses)) for r in rows], np.float32)
     return bonus - penalty
+
+
+def run_on_process0(pool: SandboxPool, codes: Sequence[str]) -> list[ExecResult]:
+    """The ExecResults of `codes` (in order) on every process of a run: process 0 runs them all in its pool (all
+    submitted, then awaited: concurrently, as SandboxPool.map) and broadcasts them
+    (distributed.broadcast_from_process0); the other processes never run code. A multi-process tool rollout thus
+    appends the same observations on every host (each host running its own calls could diverge: timeouts depend
+    on its load). Every process must call it with the same codes at the same point. One process: pool.map."""
+    if not distributed.is_multiprocess():
+        return pool.map(codes)
+    results = pool.map(codes) if jax.process_index() == 0 else []
+    payload = distributed.broadcast_from_process0([dataclasses.asdict(r) for r in results])
+    if len(payload) != len(codes):
+        raise RuntimeError(f"run_on_process0: process 0 returned {len(payload)} results for {len(codes)} calls "
+                           "(the processes' tool rounds diverged)")
+    return [ExecResult(**r) for r in payload]
