@@ -332,7 +332,7 @@ def _compile_static_sampler(cfg, model, mesh, programs: dict, log) -> int:
     return tree_bytes_per_device(sampler.state)
 
 
-def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log) -> Engine:
+def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log, *, prefill: bool = True) -> Engine:
     """Compile the rollout engine's decode and prefill programs at their largest shapes (every slot live, the
     page table of the longest request, the pool the run allocates: Engine.trace_programs) into programs["sampler"]
     (decode) and programs["sampler_prefill"]; their FLOPs per generation batch are the worst case (every response
@@ -347,21 +347,24 @@ def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log) -> Engine
     traced = engine.trace_programs(longest)
     decode = Program.compile("sampler", traced["decode"], engine.program_context, mesh.size,
                              while_trips=engine_cfg.decode_chunk)
-    prefill = Program.compile("sampler_prefill", traced["prefill"], engine.program_context, mesh.size)
     rows = cfg.rl.gen_batch_size * cfg.rl.group_size
     slots = engine._slots_per_shard() * engine.data_shards  # rows of one decode or prefill call
     decode.flops_per_step *= math.ceil(rows / slots) * math.ceil(cfg.sampling.max_new_tokens / engine_cfg.decode_chunk)
-    prefill.flops_per_step *= math.ceil(cfg.rl.gen_batch_size / slots) * math.ceil(
-        prompt_bucket / engine_cfg.prefill_width(longest))
-    programs["sampler"], programs["sampler_prefill"] = decode, prefill
+    programs["sampler"] = decode
+    if prefill:
+        programs["sampler_prefill"] = Program.compile("sampler_prefill", traced["prefill"], engine.program_context,
+                                                      mesh.size)
+        programs["sampler_prefill"].flops_per_step *= math.ceil(cfg.rl.gen_batch_size / slots) * math.ceil(
+            prompt_bucket / engine_cfg.prefill_width(longest))
     return engine
 
 
 def compile_engine(cfg, *, topology: str | None = None, attention: str | None = None, model_cfg=None,
-                   log=print) -> dict:
+                   prefill: bool = True, log=print) -> dict:
     """Compile only the rollout engine's decode and prefill programs of run config `cfg` (as compile_run does for a
     run that generates with the engine) for a TPU slice. `attention` overrides sampling.engine.attention (e.g. to
-    compare the gather path with the Pallas kernel), `model_cfg` the run's model. Returns {"topology", "mesh",
+    compare the gather path with the Pallas kernel), `model_cfg` the run's model; prefill=False compiles the decode
+    program alone (the prefill program gathers whatever the decode backend). Returns {"topology", "mesh",
     "attention" (the decode backend the engine resolved), "compiled": {"sampler" (decode), "sampler_prefill"},
     "sampler_weights_bytes"}."""
     _, topology, devices, mesh = slice_mesh(cfg, topology)
@@ -374,7 +377,7 @@ def compile_engine(cfg, *, topology: str | None = None, attention: str | None = 
         raise CompileError(f"topology {topology}: {e}") from None
     programs: dict = {}
     model = models.abstract_model(model_cfg or run_model_config(cfg), mesh)
-    engine = _compile_engine(cfg, engine_cfg, model, mesh, programs, log)
+    engine = _compile_engine(cfg, engine_cfg, model, mesh, programs, log, prefill=prefill)
     return {"topology": topology, "mesh": dict(mesh.shape), "attention": engine.attention,
             "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
             "sampler_weights_bytes": tree_bytes_per_device(engine.state)}
