@@ -110,11 +110,13 @@ def test_pallas_decode_matches_gather(num_heads, num_kv_heads):
             np.testing.assert_allclose(np.asarray(out[b, 0, h]), (p / p.sum()) @ v[b, :n, h // g], atol=2e-5)
 
 
-def test_pallas_decode_on_a_tensor_mesh_matches_gather():
-    """Under a mesh (kv heads over tensor=2) the kernel runs under shard_map, each device on its kv head and its q
-    heads: same output as the gather path."""
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_pallas_decode_on_a_tensor_mesh_matches_gather(tensor):
+    """Under a mesh the kernel runs under shard_map: over tensor=2 each device on its kv head and its q heads; over
+    tensor=4, which does not divide the 2 kv heads, the pool and the heads are replicated (as the pool's layout
+    is). Same output as the gather path."""
     q, kp, vp, table, pos = _decode_case(6, 2, seed=1)
-    mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
+    mesh = make_mesh({"data": 1, "tensor": tensor}, devices=jax.devices()[:tensor])
     ref = pa.paged_attention("xla", q, kp, vp, table, pos, attention="gather")
     with program_context(mesh):
         out = jax.jit(lambda *a: pa.paged_attention("xla", *a, attention="pallas"))(q, kp, vp, table, pos)
