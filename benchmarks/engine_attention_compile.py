@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         return 0
     first = next(iter(out.values()))
     print(f"{args.config}: engine programs for {first['topology']} (mesh {first['mesh']}), GiB per chip")
-    print(f"  {'attention':<10}{'program':<17}" + "".join(f"{f.replace('_bytes', ''):>10}" for f in FIELDS)
+    print(f"  {'attention':<10}{'program':<17}" + "".join(f"{f.split('_')[0][:8]:>10}" for f in FIELDS)
           + f"{'mosaic':>8}{'compile s':>11}")
     for attention, r in out.items():
         for name in ("sampler", "sampler_prefill"):
