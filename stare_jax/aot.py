@@ -332,28 +332,55 @@ def _compile_static_sampler(cfg, model, mesh, programs: dict, log) -> int:
     return tree_bytes_per_device(sampler.state)
 
 
-def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log) -> int:
+def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log, *, prefill: bool = True) -> Engine:
     """Compile the rollout engine's decode and prefill programs at their largest shapes (every slot live, the
     page table of the longest request, the pool the run allocates: Engine.trace_programs) into programs["sampler"]
     (decode) and programs["sampler_prefill"]; their FLOPs per generation batch are the worst case (every response
-    at max_new_tokens, one prefill per prompt). Returns the engine's weight copy's bytes per device."""
+    at max_new_tokens, one prefill per prompt). Returns the (abstract) engine."""
     engine = Engine(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, config=engine_cfg)
     prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)
     longest = prompt_bucket + cfg.sampling.max_new_tokens
     log(f"compiling the rollout engine: {engine_cfg.max_slots} slots over {engine.data_shards} data shard(s), "
         f"pages of {engine_cfg.page_size} tokens, decode chunks of {engine_cfg.decode_chunk} steps, prefill chunks "
-        f"of {engine_cfg.prefill_chunk} tokens, requests of up to {longest} tokens")
+        f"of {engine_cfg.prefill_chunk} tokens, requests of up to {longest} tokens, decode attention "
+        f"{engine.attention} (sampling.engine.attention={engine_cfg.attention})")
     traced = engine.trace_programs(longest)
     decode = Program.compile("sampler", traced["decode"], engine.program_context, mesh.size,
                              while_trips=engine_cfg.decode_chunk)
-    prefill = Program.compile("sampler_prefill", traced["prefill"], engine.program_context, mesh.size)
     rows = cfg.rl.gen_batch_size * cfg.rl.group_size
     slots = engine._slots_per_shard() * engine.data_shards  # rows of one decode or prefill call
     decode.flops_per_step *= math.ceil(rows / slots) * math.ceil(cfg.sampling.max_new_tokens / engine_cfg.decode_chunk)
-    prefill.flops_per_step *= math.ceil(cfg.rl.gen_batch_size / slots) * math.ceil(
-        prompt_bucket / engine_cfg.prefill_width(longest))
-    programs["sampler"], programs["sampler_prefill"] = decode, prefill
-    return tree_bytes_per_device(engine.state)
+    programs["sampler"] = decode
+    if prefill:
+        programs["sampler_prefill"] = Program.compile("sampler_prefill", traced["prefill"], engine.program_context,
+                                                      mesh.size)
+        programs["sampler_prefill"].flops_per_step *= math.ceil(cfg.rl.gen_batch_size / slots) * math.ceil(
+            prompt_bucket / engine_cfg.prefill_width(longest))
+    return engine
+
+
+def compile_engine(cfg, *, topology: str | None = None, attention: str | None = None, model_cfg=None,
+                   prefill: bool = True, log=print) -> dict:
+    """Compile only the rollout engine's decode and prefill programs of run config `cfg` (as compile_run does for a
+    run that generates with the engine) for a TPU slice. `attention` overrides sampling.engine.attention (e.g. to
+    compare the gather path with the Pallas kernel), `model_cfg` the run's model; prefill=False compiles the decode
+    program alone (the prefill program gathers whatever the decode backend). Returns {"topology", "mesh",
+    "attention" (the decode backend the engine resolved), "compiled": {"sampler" (decode), "sampler_prefill"},
+    "sampler_weights_bytes"}."""
+    _, topology, devices, mesh = slice_mesh(cfg, topology)
+    hosts = len({getattr(d, "process_index", 0) for d in devices})
+    try:
+        engine_cfg = dataclasses.replace(tool_engine_config(cfg, hosts, batch_shards(mesh)), enabled=True)
+        if attention is not None:
+            engine_cfg = dataclasses.replace(engine_cfg, attention=attention)
+    except ValueError as e:
+        raise CompileError(f"topology {topology}: {e}") from None
+    programs: dict = {}
+    model = models.abstract_model(model_cfg or run_model_config(cfg), mesh)
+    engine = _compile_engine(cfg, engine_cfg, model, mesh, programs, log, prefill=prefill)
+    return {"topology": topology, "mesh": dict(mesh.shape), "attention": engine.attention,
+            "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
+            "sampler_weights_bytes": tree_bytes_per_device(engine.state)}
 
 
 def slice_mesh(cfg, topology: str | None = None) -> tuple[str | None, str, list, jax.sharding.Mesh]:
@@ -417,7 +444,8 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
         programs["weight_reshard"] = Program.compile("weight_reshard", reshard.trace(state),
                                                      lambda: jax.set_mesh(mesh), n)
         if generator == "engine":
-            sampler_weights_b = _compile_engine(cfg, engine_cfg, model, mesh, programs, log)
+            engine = _compile_engine(cfg, engine_cfg, model, mesh, programs, log)
+            sampler_weights_b = tree_bytes_per_device(engine.state)
         else:
             sampler_weights_b = _compile_static_sampler(cfg, model, mesh, programs, log)
 

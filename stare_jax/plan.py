@@ -238,7 +238,9 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     if generator == "engine":
         # each data shard's page pool (allocated once: sampling.engine.num_pages / dp, or auto-sized for its
         # max_slots / dp requests) on its devices, kv heads split over the tensor axis where it divides them;
-        # per decode step one layer's gathered pages of the shard's slots; per prefill call one layer's fp32
+        # one layer's gathered pages of the shard's slots (the prefill's, and the decode step's on the gather path:
+        # sampling.engine.attention=pallas decodes without gathering, the prefill gathers either way; the layout of
+        # the pool, [K, N, P, Dh], does not change its bytes); per prefill call one layer's fp32
         # attention logits and probabilities of a prefill chunk per slot over the longest request (the pure-JAX
         # gather path: the larger program on long contexts, 15.6 GiB per chip for the 7B tool configs)
         ec = engine_cfg

@@ -189,6 +189,31 @@ def test_engine_run_compiles_the_engine_programs():
     assert r["fits"] is True
 
 
+@pytest.mark.parametrize("mesh", [dict(data=1, fsdp=1, tensor=4), dict(data=2, fsdp=1, tensor=2)],
+                         ids=["tensor4", "data2-tensor2"])
+def test_engine_decode_compiles_the_pallas_paged_attention_kernel(mesh):
+    """On a TPU slice, sampling.engine.attention=auto with head_dim 128 and a bfloat16 KV cache decodes through the
+    Pallas paged-attention kernel: the engine's decode program contains the Mosaic kernel (tpu_custom_call), run
+    under shard_map per device (kv heads over tensor; over data=2 each shard's pool on its devices, no all-gather
+    of the pool); the prefill program gathers (no kernel), as does the whole engine with attention=gather."""
+    from stare_jax import models
+
+    model_cfg = models.ModelConfig(vocab_size=512, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=4,
+                                   head_dim=128, intermediate_size=512, max_position_embeddings=1024,
+                                   architecture="Qwen2ForCausalLM", qkv_bias=True, dtype="bfloat16")
+    cfg = load_config("configs/tiny_cpu_tool_stare.yaml", [
+        "model.dtype=bfloat16", "sampling.kv_cache_dtype=bfloat16", "sampling.engine.max_slots=8",
+        "launch.accelerator=v5p-8", *(f"mesh.{k}={v}" for k, v in mesh.items())])
+    r = aot.compile_engine(cfg, model_cfg=model_cfg, log=lambda _: None)
+    assert r["attention"] == "pallas" and r["mesh"] == mesh and r["topology"] == "v5p:2x2x1"
+    decode, prefill = r["compiled"]["sampler"], r["compiled"]["sampler_prefill"]
+    assert decode["mosaic_kernels"] > 0 and prefill["mosaic_kernels"] == 0
+    page_b = 16 * model_cfg.head_dim * 2  # one kv head page of one layer (16 tokens, bf16): no pool gather
+    assert decode["collectives"].get("all-gather", {"bytes": 0})["bytes"] < page_b
+    g = aot.compile_engine(cfg, model_cfg=model_cfg, attention="gather", log=lambda _: None)
+    assert g["attention"] == "gather" and g["compiled"]["sampler"]["mosaic_kernels"] == 0
+
+
 def test_sft_step_compiles_sharded_with_micro_batches(tmp_path):
     """`stare-jax plan --sft CONFIG --compile`: the SFT step of a tiny model on v5p:2x2x1 (fsdp 4, 2 micro-batches
     of one conversation per device, splash through Mosaic): the train state is sharded and donated, the batch and

@@ -201,10 +201,37 @@ def test_multi_turn_continuation_equals_full_forward(model):
     (dict(page_size=0), "sampling.engine: 'page_size' = 0 is out of range"),
     (dict(decode_chunk=2.5), "sampling.engine: 'decode_chunk' = 2.5 has the wrong type; expected an integer"),
     (dict(num_pages=1), "sampling.engine: 'num_pages' = 1 is not accepted: 0 \\(auto\\)"),
+    (dict(attention="flash"), "sampling.engine: 'attention' = 'flash' is not accepted; accepted values: 'auto', "
+                              "'gather', 'pallas'"),
 ])
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)
+
+
+def test_attention_config_resolves_per_platform(model):
+    """sampling.engine.attention in the run config (validated with the key's name), and what auto resolves to: the
+    gather path off TPU, whatever the cache dtype."""
+    from stare_jax.config import load_config
+    from stare_jax.options import ConfigError
+
+    assert load_config(None, ["sampling.engine.attention=pallas"]).sampling.engine.attention == "pallas"
+    with pytest.raises(ConfigError, match="'sampling.engine.attention' = 'flash' is not accepted"):
+        load_config(None, ["sampling.engine.attention=flash"])
+    assert Engine(model, cache_dtype=jnp.bfloat16, config=SMALL).attention == "gather"  # auto on CPU
+    assert Engine(model, config=dataclasses.replace(SMALL, attention="pallas")).attention == "pallas"
+
+
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)], ids=["greedy", "t1"])
+def test_pallas_decode_gives_the_gather_tokens(model, temperature):
+    """attention=pallas (the TPU kernel, Pallas interpret mode on CPU: ~20 s) decodes the gather path's tokens with
+    a bfloat16 pool (the kernel reads pages as bfloat16); log-probs to float tolerance."""
+    kw = dict(max_new_tokens=8, num_samples=2, temperature=temperature, eos_ids=EOS, seed=4)
+    out = {a: Engine(model, cache_dtype=jnp.bfloat16, config=dataclasses.replace(SMALL, attention=a)).generate(
+        PROMPTS[:3], **kw) for a in ("gather", "pallas")}
+    assert out["pallas"].tokens == out["gather"].tokens and out["pallas"].lengths == out["gather"].lengths
+    np.testing.assert_allclose(np.concatenate(out["pallas"].logprobs), np.concatenate(out["gather"].logprobs),
+                               atol=1e-4)
 
 
 def test_bad_input(model):
@@ -293,7 +320,7 @@ def test_make_generator_picks_the_engine_where_it_runs(model, monkeypatch):
     assert isinstance(engine, Engine)
     kw = dict(max_new_tokens=12, num_samples=2, temperature=1.0, eos_ids=EOS, seed=3)
     _assert_same(engine.generate(PROMPTS, **kw), Engine(model, config=SMALL).generate(PROMPTS, **kw))
-    assert engine.pages[0]["k"].sharding.spec[2] == "tensor"  # kv heads split, not replicated
+    assert engine.pages[0]["k"].sharding.spec[0] == "tensor"  # kv heads (first: [K, N, P, Dh]) split, not replicated
     n = compiled_programs()
     engine.generate(PROMPTS, **kw)
     assert compiled_programs() == n  # the pool keeps its layout through the donated programs

@@ -1,10 +1,11 @@
 """The rollout engine on meshes that split the batch over data shards (the fake 8-device CPU mesh of conftest):
-each data shard has its own slots and page pool ([D, N/D, ...], leading axis over the batch axes), and the tokens
+each data shard has its own slots and page pool ([D, K, N/D, P, Dh], leading axis over the batch axes), and the tokens
 are those of the single-device engine and of the static sampler (greedy and temperature 1, long-tailed lengths);
 multi-turn continuation; no recompilation across steps; the pool's bytes per device are 1/D; the compiled programs
 gather pages locally (no all-gather of the pool)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 import jax
 
 from stare_jax.models import init_model
+from stare_jax.models import paged_attention as pa
 from stare_jax.models.sharding import make_mesh
 from stare_jax.sampling import Sampler
 from stare_jax.sampling import engine as engine_lib
@@ -52,7 +54,9 @@ def test_data_split_mesh_matches_single_device_and_sampler(model, shape):
         assert len(engine.pools) == D and all(p.all_free() for p in engine.pools)
         assert engine.stats["prefix_prefills"] == sum(len(p) > 1 for p in PROMPTS)  # one per prompt, on its shard
     k = engine.pages[0]["k"]
-    assert k.shape == (D, 32 // D) + single.pages[0]["k"].shape[1:]
+    cfg = model.config
+    assert k.shape == pa.pool_shape(32 // D, CONFIG.page_size, cfg.num_kv_heads, cfg.head_dim, data_shards=D)
+    assert single.pages[0]["k"].shape == pa.pool_shape(32, CONFIG.page_size, cfg.num_kv_heads, cfg.head_dim)
     # each device holds its shard's pages (and its share of the kv heads where tensor divides them): 1/D of the
     # pool a data-replicated engine holds per device
     heads_split = shape["tensor"] if model.config.num_kv_heads % shape["tensor"] == 0 else 1
@@ -110,13 +114,27 @@ def test_compiled_programs_gather_pages_locally(model, monkeypatch):
         monkeypatch.setattr(engine_lib, name, record)
     engine.generate(PROMPTS, max_new_tokens=8, num_samples=3, temperature=1.0, eos_ids=EOS, seed=2)
     assert set(seen) == set(jitted)
-    N = engine.pages[0]["k"].shape[1]
+    N = engine.pages[0]["k"].shape[2]  # [D, K, N, P, Dh]
     with engine.program_context():
         for name, (args, kwargs) in seen.items():
             hlo = jitted[name].lower(*args, **kwargs).compile().as_text()
             gathers = [line for line in hlo.splitlines() if re.search(r"all-gather(-start)?\(", line)]
-            pool = [g for g in gathers if re.search(rf"\[(\d+,)?{N},{CONFIG.page_size},", g)]
+            pool = [g for g in gathers if re.search(rf"\[(\d+,)*{N},{CONFIG.page_size},", g)]
             assert not pool, (name, pool[:3])
+
+
+@pytest.mark.slow  # ~1 min: the Pallas interpreter per device
+def test_pallas_decode_on_a_data_tensor_mesh_gives_the_gather_tokens(model):
+    """attention=pallas on data=2 x tensor=2 (the kernel under shard_map, each device on its data shard's pool and
+    its kv head; Pallas interpret mode on CPU): the gather path's greedy tokens, with a bfloat16 pool."""
+    mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
+    sharded = init_model(model.config, seed=0, mesh=mesh)
+    kw = dict(max_new_tokens=8, num_samples=2, temperature=0.0, eos_ids=EOS, seed=4)
+    out = {a: Engine(sharded, mesh=mesh, cache_dtype="bfloat16", config=dataclasses.replace(CONFIG, attention=a))
+           .generate(PROMPTS, **kw) for a in ("gather", "pallas")}
+    assert out["pallas"].tokens == out["gather"].tokens and out["pallas"].lengths == out["gather"].lengths
+    np.testing.assert_allclose(np.concatenate(out["pallas"].logprobs), np.concatenate(out["gather"].logprobs),
+                               atol=1e-4)
 
 
 def test_assign_shards_keeps_prompts_whole_and_balances_work():

@@ -1,14 +1,17 @@
 """Paged forward == the model's full forward: prefill a sequence in chunks into scattered pages, then decode one
-token, and compare hidden states / logits with Transformer.__call__ on the whole sequence."""
+token, and compare hidden states / logits with Transformer.__call__ on the whole sequence. The pool layout
+(kv heads first), and the TPU Pallas decode kernel (Pallas interpret mode on CPU) == the gather path."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+import jax
 import jax.numpy as jnp
 
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models import paged_attention as pa
+from stare_jax.models.sharding import make_mesh, program_context
 
 
 @pytest.fixture(scope="module")
@@ -18,15 +21,26 @@ def model():
     return init_model(cfg, seed=1)
 
 
+def test_pool_shape_is_kv_heads_first():
+    assert pa.pool_shape(9, 4, 2, 16) == (2, 9, 4, 16)
+    assert pa.pool_shape(9, 4, 2, 16, data_shards=3) == (3, 2, 9, 4, 16)
+    assert pa.init_pages(1, 9, 4, 2, 16)[0]["k"].shape == (2, 9, 4, 16)
+
+
 def test_gather_and_write_layout():
-    pages = jnp.zeros((5, 2, 1, 1))
+    pages = jnp.zeros((2, 5, 2, 1))  # [K, N, P, Dh]
     page, off = pa.write_slots(jnp.asarray([[3, 1, 0]]), jnp.asarray([[0, 1, 2, 3]]), jnp.asarray([[1, 1, 1, 0]]) > 0,
                                2)
     np.testing.assert_array_equal(page, [[3, 3, 1, 0]])  # the invalid token goes to the trash page
     np.testing.assert_array_equal(off, [[0, 1, 0, 1]])
-    pages = pa.write_pages(pages, jnp.arange(1.0, 5.0).reshape(1, 4, 1, 1), page, off)
-    seq = pa.gather_pages(pages, jnp.asarray([[3, 1]]))[0, :, 0, 0]
-    np.testing.assert_array_equal(seq, [1, 2, 3, 0])
+    new_BxTxKxD = jnp.stack([jnp.arange(1.0, 5.0), 10 * jnp.arange(1.0, 5.0)], axis=-1).reshape(1, 4, 2, 1)
+    pages = pa.write_pages(pages, new_BxTxKxD, page, off)
+    assert pages[1, 3, 1, 0] == 20 and pages[0, 1, 0, 0] == 3  # head 1 of token 1 -> page 3 offset 1
+    seq = pa.gather_pages(pages, jnp.asarray([[3, 1]]))[0, :, :, 0]
+    np.testing.assert_array_equal(seq, [[1, 10], [2, 20], [3, 30], [0, 0]])
+    copied = pa.copy_pages(pages, jnp.asarray([3]), jnp.asarray([2]))
+    np.testing.assert_array_equal(copied[:, 2], pages[:, 3])
+    np.testing.assert_array_equal(copied[:, 3], pages[:, 3])
 
 
 def test_chunked_paged_prefill_and_decode_match_full_forward(model):
@@ -52,4 +66,95 @@ def test_chunked_paged_prefill_and_decode_match_full_forward(model):
     # the trash page absorbed the padding; nothing was written to pages outside the table
     for layer in pages:
         for p in (1, 3, 4, 6):
-            assert not np.any(np.asarray(layer["k"][p]))
+            assert not np.any(np.asarray(layer["k"][:, p]))
+
+
+def _decode_case(num_heads: int, num_kv_heads: int, seed: int = 0, head_dim: int = 128, page_size: int = 16):
+    """A bfloat16 pool of scattered pages, ragged lengths (1 token, a partial page, exactly full pages, the whole
+    table), a trash-page-padded table; q in float32 [B, 1, H, Dh]."""
+    rng = np.random.default_rng(seed)
+    n_pages, width = 20, 4
+    shape = pa.pool_shape(n_pages, page_size, num_kv_heads, head_dim)
+    kp = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    vp = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    lengths = np.asarray([1, 21, 2 * page_size, width * page_size])
+    perm = rng.permutation(np.arange(1, n_pages))
+    table = np.zeros((4, width), np.int32)
+    used = 0
+    for b, n in enumerate(lengths):
+        m = -(-n // page_size)
+        table[b, :m] = perm[used:used + m]
+        used += m
+    q = jnp.asarray(rng.normal(size=(4, 1, num_heads, head_dim)), jnp.float32)
+    return q, kp, vp, jnp.asarray(table), jnp.asarray(lengths[:, None] - 1, jnp.int32)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (6, 2), (2, 2)], ids=["gqa2x", "gqa3x", "mha"])
+def test_pallas_decode_matches_gather(num_heads, num_kv_heads):
+    """The TPU kernel (Pallas interpret mode on CPU) gives the gather path's decode attention to float tolerance:
+    GQA with 2x and 3x as many q heads as kv heads, and MHA; ragged lengths over scattered pages."""
+    q, kp, vp, table, pos = _decode_case(num_heads, num_kv_heads)
+    ref = pa.paged_attention("xla", q, kp, vp, table, pos, attention="gather")
+    out = jax.jit(lambda *a: pa.paged_attention("xla", *a, attention="pallas"))(q, kp, vp, table, pos)
+    assert out.shape == ref.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
+    # an independent reference: softmax over the row's first `length` gathered keys, in numpy float64
+    k = np.asarray(pa.gather_pages(kp, table), np.float64)
+    v = np.asarray(pa.gather_pages(vp, table), np.float64)
+    g = num_heads // num_kv_heads
+    for b in range(q.shape[0]):
+        n = int(pos[b, 0]) + 1
+        for h in range(num_heads):
+            logits = k[b, :n, h // g] @ np.asarray(q[b, 0, h], np.float64) / np.sqrt(q.shape[-1])
+            p = np.exp(logits - logits.max())
+            np.testing.assert_allclose(np.asarray(out[b, 0, h]), (p / p.sum()) @ v[b, :n, h // g], atol=2e-5)
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_pallas_decode_on_a_tensor_mesh_matches_gather(tensor):
+    """Under a mesh the kernel runs under shard_map: over tensor=2 each device on its kv head and its q heads; over
+    tensor=4, which does not divide the 2 kv heads, the pool and the heads are replicated (as the pool's layout
+    is). Same output as the gather path."""
+    q, kp, vp, table, pos = _decode_case(6, 2, seed=1)
+    mesh = make_mesh({"data": 1, "tensor": tensor}, devices=jax.devices()[:tensor])
+    ref = pa.paged_attention("xla", q, kp, vp, table, pos, attention="gather")
+    with program_context(mesh):
+        out = jax.jit(lambda *a: pa.paged_attention("xla", *a, attention="pallas"))(q, kp, vp, table, pos)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_pallas_decode_under_vmap_over_data_shards_matches_gather():
+    """The engine's data-shard vmap (spmd_axis_name = the batch axes) of the kernel: one shard_map over data=2 x
+    tensor=2, each device on its shard's pool; same output as the gather path per shard."""
+    cases = [_decode_case(4, 2, seed=s) for s in (2, 3)]
+    q, kp, vp, table, pos = (jnp.stack(xs) for xs in zip(*cases))
+    mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
+
+    def attend(attention):
+        f = jax.vmap(lambda *a: pa.paged_attention("xla", *a, attention=attention, batch_axes=("data",)),
+                     spmd_axis_name=("data",))
+        return jax.jit(f)(q, kp, vp, table, pos)
+
+    ref = attend("gather")
+    with program_context(mesh, {"batch": None, "act_heads": "tensor"}):
+        out = attend("pallas")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
+
+
+def test_pallas_decode_rejects_prefill_and_resolve_attention():
+    q, kp, vp, table, pos = _decode_case(4, 2)
+    with pytest.raises(ValueError, match="one token per row"):
+        pa.pallas_decode_attention(jnp.concatenate([q, q], axis=1), kp, vp, table, jnp.concatenate([pos, pos], 1))
+    # prefill (T > 1) with attention=pallas gathers
+    q2, p2 = jnp.concatenate([q, q], axis=1), jnp.concatenate([pos - 1, pos], axis=1)
+    np.testing.assert_array_equal(pa.paged_attention("xla", q2, kp, vp, table, p2, attention="pallas"),
+                                  pa.paged_attention("xla", q2, kp, vp, table, p2, attention="gather"))
+    auto = dict(platform="tpu", head_dim=128, cache_dtype="bfloat16")
+    assert pa.resolve_attention("auto", **auto) == "pallas"
+    assert pa.resolve_attention("auto", **{**auto, "platform": "cpu"}) == "gather"
+    assert pa.resolve_attention("auto", **{**auto, "head_dim": 64}) == "gather"
+    assert pa.resolve_attention("auto", **{**auto, "cache_dtype": "float32"}) == "gather"
+    assert pa.resolve_attention("pallas", **{**auto, "platform": "cpu"}) == "pallas"
+    assert pa.resolve_attention("gather", **auto) == "gather"
+    with pytest.raises(ValueError, match="sampling.engine.attention='flash'"):
+        pa.resolve_attention("flash", **auto)

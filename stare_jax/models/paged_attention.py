@@ -1,33 +1,56 @@
 """Paged KV cache for the decoder: k/v live in a pool of fixed-size pages, each sequence owns a page table.
 
-The pool of one layer is k/v [N, P, K, Dh] (N pages of P tokens, K kv heads). Row b of a batch maps its
-logical page m (token positions [m*P, (m+1)*P)) to physical page page_table_BxM[b, m]. Page 0 is the pool's
-trash page: writes of padding / finished rows go there and it is never read unmasked.
+The pool of one layer is k/v [K, N, P, Dh] (K kv heads, N pages of P tokens; kv heads first, the layout of jax's
+TPU paged-attention kernel), or [D, K, N/D, P, Dh] when the engine splits slots and pages over D data shards
+(`pool_shape`). Row b of a batch maps its logical page m (token positions [m*P, (m+1)*P)) to physical page
+page_table_BxM[b, m]. Page 0 is the pool's trash page: writes of padding / finished rows go there and it is never
+read unmasked.
 
 This module is the model-side hook of the rollout engine (stare_jax/sampling/engine.py): `paged_forward` runs the
-Transformer's own submodules (embed, Block norms/qkv/out/mlp, final norm) with attention over gathered pages, so
-transformer.py needs no second decode path. Attention is the pure-JAX gather path (CPU/GPU): the row's first M
-pages are gathered into [B, M*P, K, Dh] and masked causally by position, then the model's attention kernel
-(`attention.attend`) runs on them, so the math is the static sampler's (same kernel, same fp32 softmax; masked
-keys get probability exactly 0). M is chosen per call by the caller (a bucket covering the live pages), so the
-read traffic scales with live tokens, not with the context length.
+Transformer's own submodules (embed, Block norms/qkv/out/mlp, final norm) with attention over the row's pages, so
+transformer.py needs no second decode path. Two attention backends (sampling.engine.attention):
+- "gather" (every platform; prefill always): the row's first M pages are gathered into [B, M*P, K, Dh] and masked
+  causally by position, then the model's attention kernel (`attention.attend`) runs on them, so the math is the
+  static sampler's (same kernel, same fp32 softmax; masked keys get probability exactly 0). M is chosen per call by
+  the caller (a bucket covering the live pages), so the read traffic scales with live tokens.
+- "pallas" (decode: one new token per row): jax's TPU kernel `jax.experimental.pallas.ops.tpu.paged_attention`
+  reads each row's live pages straight from the pool (no gathered copy); fp32 logits and softmax, k/v read as
+  bfloat16 (the kernel casts every page to bfloat16: a float32 pool loses precision, so `resolve_attention`'s auto
+  picks it only for a bfloat16 pool). Off TPU it runs in Pallas' TPU interpret mode (tests). On a mesh the kernel
+  runs under jax.shard_map, each device on its block (its data shard's pool, its kv heads and their q heads).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu import paged_attention as pallas_paged
+from jax.sharding import PartitionSpec
 
 from stare_jax.models import attention as attn_lib
+from stare_jax.models import sharding as sh
 from stare_jax.models.sharding import constrain
 
 TRASH_PAGE = 0  # physical page that absorbs writes of padding tokens and finished rows
-POOL_AXES = (None, None, "act_heads", None)  # logical axes of a pool [N, P, K, Dh]: kv heads split like k/v
+POOL_AXES = ("act_heads", None, None, None)  # logical axes of a pool [K, N, P, Dh]: kv heads split like k/v
+PALLAS_HEAD_DIM = 128  # the TPU kernel's head_dim granularity (lanes): auto picks it for multiples only
+PALLAS_BLOCK_TOKENS = 128  # tokens per kernel compute block (pages_per_compute_block = this / page_size)
+
+
+def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+               data_shards: int | None = None) -> tuple[int, ...]:
+    """The shape of one layer's k (or v) pool: [K, N, P, Dh]; with data_shards D, [D, K, N, P, Dh] (N pages per
+    shard, the leading axis over the mesh's batch axes)."""
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    return shape if data_shards is None else (data_shards, *shape)
 
 
 def init_pages(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                dtype=jnp.float32) -> list[dict]:
-    """Per layer {"k", "v"}: zeros [num_pages, page_size, num_kv_heads, head_dim]."""
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    """Per layer {"k", "v"}: zeros pool_shape(num_pages, page_size, num_kv_heads, head_dim)."""
+    shape = pool_shape(num_pages, page_size, num_kv_heads, head_dim)
     return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(num_layers)]
 
 
@@ -40,24 +63,124 @@ def write_slots(page_table_BxM: jax.Array, positions_BxT: jax.Array, valid_BxT: 
     return page_BxT.astype(jnp.int32), (positions_BxT % page_size).astype(jnp.int32)
 
 
-def write_pages(pages_NxPxKxD: jax.Array, new_BxTxKxD: jax.Array, page_BxT: jax.Array,
+def write_pages(pages_KxNxPxD: jax.Array, new_BxTxKxD: jax.Array, page_BxT: jax.Array,
                 offset_BxT: jax.Array) -> jax.Array:
-    """Scatter the new tokens' k (or v) into their (page, offset) slots."""
-    return pages_NxPxKxD.at[page_BxT, offset_BxT].set(new_BxTxKxD.astype(pages_NxPxKxD.dtype))
+    """Scatter the new tokens' k (or v) into their (page, offset) slots of every kv head."""
+    new_KxBxTxD = jnp.moveaxis(new_BxTxKxD, 2, 0).astype(pages_KxNxPxD.dtype)
+    return pages_KxNxPxD.at[:, page_BxT, offset_BxT].set(new_KxBxTxD)
 
 
-def gather_pages(pages_NxPxKxD: jax.Array, page_table_BxM: jax.Array) -> jax.Array:
+def gather_pages(pages_KxNxPxD: jax.Array, page_table_BxM: jax.Array) -> jax.Array:
     """A row's first M pages as one contiguous [B, M*P, K, Dh] sequence (index = token position)."""
     b, m = page_table_BxM.shape
-    _, p, k, d = pages_NxPxKxD.shape
-    return pages_NxPxKxD[page_table_BxM].reshape(b, m * p, k, d)
+    k, _, p, d = pages_KxNxPxD.shape
+    return jnp.moveaxis(pages_KxNxPxD[:, page_table_BxM], 0, 3).reshape(b, m * p, k, d)
 
 
-def paged_attention(impl: str, q_BxTxHxD, k_pages_NxPxKxD, v_pages_NxPxKxD, page_table_BxM, positions_BxT):
+def copy_pages(pages_KxNxPxD: jax.Array, src_C: jax.Array, dst_C: jax.Array) -> jax.Array:
+    """pages[:, dst] = pages[:, src] (every kv head): copy-on-write of a shared prompt's partial last page."""
+    return pages_KxNxPxD.at[:, dst_C].set(pages_KxNxPxD[:, src_C])
+
+
+def resolve_attention(choice: str, *, platform: str, head_dim: int, cache_dtype) -> str:
+    """The decode attention backend for sampling.engine.attention = choice: "gather" or "pallas" as given; auto =
+    pallas on a TPU when the kernel fits (head_dim a multiple of 128 lanes and a bfloat16 pool: the kernel reads
+    pages as bfloat16), else gather."""
+    if choice in ("gather", "pallas"):
+        return choice
+    if choice != "auto":
+        raise ValueError(f"sampling.engine.attention={choice!r}: expected auto, gather or pallas")
+    fits = head_dim % PALLAS_HEAD_DIM == 0 and jnp.dtype(cache_dtype) == jnp.bfloat16
+    return "pallas" if platform == "tpu" and fits else "gather"
+
+
+def _pages_per_block(width: int, page_size: int) -> int:
+    """pages_per_compute_block: the largest divisor of the page-table width with at most PALLAS_BLOCK_TOKENS
+    tokens (at least one page); the kernel needs it to divide the width."""
+    target = max(PALLAS_BLOCK_TOKENS // page_size, 1)
+    return max(d for d in range(1, min(target, width) + 1) if width % d == 0)
+
+
+def _kernel(q_BxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, lengths_B, page_table_BxM, *, interpret: bool):
+    """The Pallas kernel on one device's block (Pallas' TPU interpret mode off TPU)."""
+    call = functools.partial(pallas_paged.paged_attention, q_BxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, lengths_B,
+                             page_table_BxM, pages_per_compute_block=_pages_per_block(page_table_BxM.shape[1],
+                                                                                      k_pages_KxNxPxD.shape[2]))
+    if not interpret:
+        return call()
+    with pltpu.force_tpu_interpret_mode():
+        return call()
+
+
+def _local_blocks(f, lead: int):
+    """f over the leading `lead` (0 or 1) shard axis of a device's block: one kernel call per local data shard."""
+    if not lead:
+        return f
+    return lambda *xs: jnp.stack([f(*(x[d] for x in xs)) for d in range(xs[0].shape[0])])
+
+
+def _sharded_kernel(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM, *, lead: int, batch_axes: tuple,
+                    interpret: bool):
+    """The kernel under jax.shard_map over the ambient mesh (each device on its data shard's pool and its kv heads
+    with their q heads); with lead=1 every argument has a leading data-shard axis, split over batch_axes. Without
+    a mesh (or its activation rules) the kernel itself."""
+    kernel = _local_blocks(functools.partial(_kernel, interpret=interpret), lead)
+    mesh = jax.sharding.get_abstract_mesh()
+    if sh._ctx.rules is None or mesh is None or mesh.empty:
+        return kernel(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM)
+    heads = sh.logical_to_spec(POOL_AXES, sh._ctx.rules, k_pages.shape[lead:], mesh)[0]
+    rows = (batch_axes or None,) if lead else ()
+    q_spec = PartitionSpec(*rows, None, heads, None)
+    pool_spec = PartitionSpec(*rows, heads, None, None, None)
+    row_spec = PartitionSpec(*rows)
+    fn = jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, pool_spec, pool_spec, row_spec, row_spec),
+                       out_specs=q_spec, check_vma=False)
+    return fn(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_kernel(batch_axes: tuple, interpret: bool):
+    """The kernel call of one data shard's rows, as a function whose vmap over the data shards (the engine's
+    jax.vmap(spmd_axis_name=batch_axes)) is one shard_map over the batch axes (custom_vmap): XLA cannot partition
+    a Pallas call, and the kernel's own batching rule would not keep each shard's pool on its devices."""
+    @jax.custom_batching.custom_vmap
+    def kernel(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM):
+        return _sharded_kernel(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM, lead=0, batch_axes=(),
+                               interpret=interpret)
+
+    @kernel.def_vmap
+    def over_shards(axis_size, in_batched, *args):
+        args = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(args, in_batched)]
+        return _sharded_kernel(*args, lead=1, batch_axes=batch_axes, interpret=interpret), True
+
+    return kernel
+
+
+def pallas_decode_attention(q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT, *,
+                            batch_axes: tuple = ()):
+    """Decode attention (T = 1) through the TPU Pallas kernel: the query at position t sees keys 0..t of its row's
+    pages (lengths t + 1). fp32 logits and softmax; the kernel does not scale q, so q is scaled here in fp32.
+    batch_axes: the mesh axes of the engine's data-shard vmap (none for one shard)."""
+    b, t, h, d = q_BxTxHxD.shape
+    if t != 1:
+        raise ValueError(f"the Pallas paged-attention kernel decodes one token per row, got {t} (prefill gathers)")
+    q_BxHxD = q_BxTxHxD[:, 0].astype(jnp.float32) * d ** -0.5
+    lengths_B = (positions_BxT[:, 0] + 1).astype(jnp.int32)
+    kernel = _decode_kernel(tuple(batch_axes), attn_lib.target_platform() != "tpu")
+    out_BxHxD = kernel(q_BxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, lengths_B, page_table_BxM.astype(jnp.int32))
+    return out_BxHxD[:, None].astype(q_BxTxHxD.dtype)
+
+
+def paged_attention(impl: str, q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT, *,
+                    attention: str = "gather", batch_axes: tuple = ()):
     """Attention of queries at `positions_BxT` over their row's pages: key s visible iff s <= query position
-    (every such key has been written: the prefix before this call plus this call's own tokens)."""
-    k = gather_pages(k_pages_NxPxKxD, page_table_BxM).astype(q_BxTxHxD.dtype)
-    v = gather_pages(v_pages_NxPxKxD, page_table_BxM).astype(q_BxTxHxD.dtype)
+    (every such key has been written: the prefix before this call plus this call's own tokens). attention="pallas"
+    runs decode (one query per row) through the TPU kernel; "gather" (and any prefill) gathers the pages."""
+    if attention == "pallas" and q_BxTxHxD.shape[1] == 1:
+        return pallas_decode_attention(q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT,
+                                       batch_axes=batch_axes)
+    k = gather_pages(k_pages_KxNxPxD, page_table_BxM).astype(q_BxTxHxD.dtype)
+    v = gather_pages(v_pages_KxNxPxD, page_table_BxM).astype(q_BxTxHxD.dtype)
     s_idx = jnp.arange(k.shape[1])
     mask_BxTxS = s_idx[None, None, :] <= positions_BxT[:, :, None]
     impl = "xla" if impl == "splash" else impl  # splash is for full self-attention, not a cache
@@ -65,10 +188,11 @@ def paged_attention(impl: str, q_BxTxHxD, k_pages_NxPxKxD, v_pages_NxPxKxD, page
 
 
 def paged_forward(model, input_ids_BxT, positions_BxT, valid_BxT, pages: list, page_table_BxM,
-                  page_size: int):
+                  page_size: int, *, attention: str = "gather", batch_axes: tuple = ()):
     """Run T tokens per row through `model` (a stare_jax Transformer) against the paged cache: write their k/v
-    at their positions (valid tokens only), attend over the row's pages. Returns (hidden [B,T,D] after the
-    final norm, new pages). Same layer math as Transformer.decode_step."""
+    at their positions (valid tokens only), attend over the row's pages (`paged_attention`'s backends; prefill
+    calls, T > 1, always gather). Returns (hidden [B,T,D] after the final norm, new pages). Same layer math as
+    Transformer.decode_step."""
     if len(pages) != model.config.num_layers:
         raise ValueError(f"pages has {len(pages)} layers, the model has {model.config.num_layers}")
     positions_BxT = jnp.asarray(positions_BxT, jnp.int32)
@@ -81,7 +205,8 @@ def paged_forward(model, input_ids_BxT, positions_BxT, valid_BxT, pages: list, p
         q, k, v = attn.qkv(block.input_layernorm(x), cos, sin)
         kp = constrain(write_pages(layer["k"], k, page_BxT, offset_BxT), POOL_AXES)
         vp = constrain(write_pages(layer["v"], v, page_BxT, offset_BxT), POOL_AXES)
-        o = paged_attention(attn.impl, q, kp, vp, page_table_BxM, positions_BxT)
+        o = paged_attention(attn.impl, q, kp, vp, page_table_BxM, positions_BxT, attention=attention,
+                            batch_axes=batch_axes)
         x = x + attn.out(o)
         x = x + block.mlp(block.post_attention_layernorm(x))
         new_pages.append({"k": kp, "v": vp})

@@ -9,10 +9,14 @@ Design (host scheduler + three jitted programs):
   one decode program of up to `decode_chunk` (K) steps over the ready slots, then reads back the K tokens per
   slot and frees the slots (and pages) of rows that finished (EOS or their max_new_tokens). A finished row's
   slot is refilled in the next round. The decode program exits early when every slot is done.
-- Pages. Per layer k/v [num_pages, page_size, K, Dh] allocated once (page 0 = trash page for padding writes);
-  host-side free list + reference counts (paged_kv.PagePool) and a per-row page table. Pages are allocated as
-  a row grows (one chunk ahead) and returned when it ends, so memory scales with live tokens. Attention gathers
-  a row's first M pages, M a power-of-two bucket over the live rows (models/paged_attention.py).
+- Pages. Per layer k/v [K, num_pages, page_size, Dh] (kv heads first: models.paged_attention.pool_shape)
+  allocated once (page 0 = trash page for padding writes); host-side free list + reference counts
+  (paged_kv.PagePool) and a per-row page table. Pages are allocated as a row grows (one chunk ahead) and
+  returned when it ends, so memory scales with live tokens. Prefill attention gathers a row's first M pages, M a
+  power-of-two bucket over the live rows (models/paged_attention.py); decode attention is
+  `sampling.engine.attention`: the same gather path, or (auto on a TPU with head_dim % 128 == 0 and a bfloat16
+  pool) jax's TPU Pallas paged-attention kernel, which reads the live pages in place (under jax.shard_map on a
+  mesh: each device runs it on its data shard's pool and its kv heads).
 - Prefix sharing. The G samples of a prompt share its prefix pages: the prompt minus its last token is
   prefilled ONCE into a prefix entry; each sample then shares the entry's full pages (reference counted) and
   gets a private copy of the partial last page (copy-on-write at attach time), so its first new token (and the
@@ -44,7 +48,7 @@ Design (host scheduler + three jitted programs):
   width buckets of a workload have been seen.
 - Mesh: parameters in the sampler layout, the pool's kv heads over the tensor axis. A mesh that splits the batch
   over D = batch_shards(mesh) data shards (its data / fsdp axes) gives each shard its own ceil(max_slots / D)
-  slots and its own pool of ceil(num_pages / D) pages: the pool per layer is [D, N/D, P, K, Dh] (the leading axis
+  slots and its own pool of ceil(num_pages / D) pages: the pool per layer is [D, K, N/D, P, Dh] (the leading axis
   over the batch axes, kv heads over tensor), page tables hold shard-local page ids, and D host sub-schedulers
   (_Shard: free list, queue, slots, prefix entries) each admit, grow, preempt and retire their own rows. Prompts
   go to shards whole (all G samples on one shard, so prefix pages are shared in one pool), balanced by token
@@ -64,8 +68,7 @@ Design (host scheduler + three jitted programs):
   per chunk. Draws depend on (seed, prompt, g, step) only, so the tokens equal the single-process engine's
   (tests/test_multihost_engine.py: 2 processes x 4 devices == 1 x 8). `generate_arrays` returns arrays
   replicated over the mesh (global arrays that fetch_global reads on every process).
-- Not yet: a TPU Pallas decode kernel (jax.experimental.pallas.ops.tpu.paged_attention wants the pool as
-  [K, N, P, Dh], kv heads first; this pool is [N, P, K, Dh] and decode uses the gather path everywhere).
+- Not yet: a Pallas prefill kernel (prefill gathers on every platform).
 - Ahead of time: `Engine.trace_programs` traces the decode and prefill programs at their largest shapes on an
   abstract engine (models.abstract_model), for stare_jax.aot to compile for a TPU slice on a CPU host.
 """
@@ -116,19 +119,20 @@ def _over_shards(f, batch_axes: tuple):
 
 def _decode_chunk(graphdef, state, pages, page_table_SxM, tok_S, pos_S, step_S, budget_S, live_S, prompt_index_S,
                   sample_S, exit_after, key, greedy, temperature, top_k, top_p, eos_E, *, steps: int, page_size: int,
-                  pad_id: int, batch_axes: tuple = ()):
+                  pad_id: int, batch_axes: tuple = (), attention: str = "gather"):
     """Up to `steps` decode steps of every live slot: feed tok_S at pos_S, draw the token of response index
     step_S, stop a row on EOS or at step budget_S. The chunk ends early once `exit_after` rows have finished (the
     host has that many queued requests to put in their slots) or every row is done. With batch_axes (a mesh split
     over data shards) every row argument has a leading shard axis [D, S], pages [D, N, ...] and exit_after [D]:
-    the chunk ends once any shard can refill its slots.
+    the chunk ends once any shard can refill its slots. attention: the decode attention backend ("gather" or
+    "pallas": models.paged_attention).
     Returns (pages, tokens_SxK, logprobs_SxK, count_S, eos_S)."""
     model = nnx.merge(graphdef, state)
     keys_S = _over_shards(lambda p, g: _row_keys(key, p, g), batch_axes)(prompt_index_S, sample_S)
 
     def step_rows(pages, page_table_SxM, tok, pos, step, done, keys_S):
         hidden, pages = pa.paged_forward(model, tok[:, None], pos[:, None], ~done[:, None], pages, page_table_SxM,
-                                         page_size)
+                                         page_size, attention=attention, batch_axes=batch_axes)
         logits_SxV = model.logits_from_hidden(hidden)[:, -1].astype(jnp.float32)
         u_S = jax.vmap(lambda k, s: jax.random.uniform(jax.random.fold_in(k, s)))(keys_S, step)
         t, lp = selection.select_tokens(logits_SxV, u_S, greedy=greedy, temperature=temperature, top_k=top_k,
@@ -163,8 +167,9 @@ def _decode_chunk(graphdef, state, pages, page_table_SxM, tok_S, pos_S, step_S, 
 
 def _prefill(graphdef, state, pages, ids_RxC, pos_RxC, valid_RxC, page_table_RxM, *, page_size: int,
              batch_axes: tuple = ()):
-    """Write the k/v of one chunk of tokens per row into its pages (the logits are not needed); with batch_axes
-    every argument but the weights has a leading data-shard axis."""
+    """Write the k/v of one chunk of tokens per row into its pages (the logits are not needed; attention over the
+    gathered pages, whatever the decode backend); with batch_axes every argument but the weights has a leading
+    data-shard axis."""
     model = nnx.merge(graphdef, state)
 
     def write(pages, ids_RxC, pos_RxC, valid_RxC, page_table_RxM):
@@ -177,13 +182,13 @@ def _copy_pages(pages, src_C, dst_C, *, batch_axes: tuple = ()):
     """pages[dst] = pages[src] in every layer (copy-on-write of a shared prompt's partial last page); with
     batch_axes, within each data shard's pool."""
     def copy(pages, src_C, dst_C):
-        return [{name: x.at[dst_C].set(x[src_C]) for name, x in layer.items()} for layer in pages]
+        return [{name: pa.copy_pages(x, src_C, dst_C) for name, x in layer.items()} for layer in pages]
 
     return _over_shards(copy, batch_axes)(pages, src_C, dst_C)
 
 
-_decode_jit = jax.jit(_decode_chunk, static_argnames=("graphdef", "steps", "page_size", "pad_id", "batch_axes"),
-                      donate_argnames=("pages",))
+_decode_jit = jax.jit(_decode_chunk, static_argnames=("graphdef", "steps", "page_size", "pad_id", "batch_axes",
+                                                     "attention"), donate_argnames=("pages",))
 _prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "page_size", "batch_axes"), donate_argnames=("pages",))
 _copy_jit = jax.jit(_copy_pages, static_argnames=("batch_axes",), donate_argnames=("pages",))
 
@@ -345,6 +350,8 @@ class Engine:
         if mesh is not None and self.data_shards > 1:
             self._batch_axes = model_sharding.batch_axes(mesh)
             self._split = NamedSharding(mesh, PartitionSpec(self._batch_axes))
+        self.attention = pa.resolve_attention(self.engine_config.attention, platform=self.platform,
+                                              head_dim=self.config.head_dim, cache_dtype=self.cache_dtype)
         self.update_params(state)
 
     @property
@@ -383,6 +390,12 @@ class Engine:
     def batch_bucket(self, num_prompts: int) -> int:
         """The engine needs no batch padding (requests are queued): the number of prompts itself."""
         return max(int(num_prompts), 1)
+
+    @property
+    def platform(self) -> str:
+        """The platform the programs run on: the mesh's devices' (a TPU topology's in an ahead-of-time compile on
+        a CPU host), else the default backend."""
+        return self.mesh.devices.flat[0].platform if self.mesh is not None else jax.default_backend()
 
     @property
     def data_shards(self) -> int:
@@ -459,7 +472,7 @@ class Engine:
         cfg, ec = self.config, self.engine_config
         num = self._pages_per_shard(longest_tokens)
         lead = (self.data_shards,) if self._batch_axes else ()
-        pool = (*lead, num, ec.page_size, cfg.num_kv_heads, cfg.head_dim)
+        pool = pa.pool_shape(num, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self._shard_axis())
         page = jax.ShapeDtypeStruct(pool, jnp.dtype(self.cache_dtype),
                                     sharding=self._pool_sharding(pool) if self.mesh is not None else None)
         pages = [{"k": page, "v": page} for _ in range(cfg.num_layers)]
@@ -477,7 +490,8 @@ class Engine:
             decode = _decode_jit.trace(
                 self.graphdef, self.state, pages, arg((rows, width)), *(arg((rows,)) for _ in range(4)),
                 arg((rows,), bool), arg((rows,), np.uint32), arg((rows,), np.uint32), arg((), np.int32), *scalars,
-                steps=ec.decode_chunk, page_size=ec.page_size, pad_id=self.pad_id, batch_axes=self._batch_axes)
+                steps=ec.decode_chunk, page_size=ec.page_size, pad_id=self.pad_id, batch_axes=self._batch_axes,
+                attention=self.attention)
             chunk = ec.prefill_width(longest_tokens)
             prefill = _prefill_jit.trace(
                 self.graphdef, self.state, pages, arg((rows, chunk)), arg((rows, chunk)), arg((rows, chunk), bool),
@@ -658,8 +672,12 @@ class Engine:
 
         if self.mesh is None:
             return make()
-        shape = ((D,) if self._batch_axes else ()) + (num, ec.page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = pa.pool_shape(num, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self._shard_axis())
         return jax.jit(make, out_shardings=self._pool_sharding(shape))()
+
+    def _shard_axis(self) -> int | None:
+        """The pool's leading data-shard axis size (None: one shard, no such axis)."""
+        return self.data_shards if self._batch_axes else None
 
     def _pool_sharding(self, shape) -> NamedSharding:
         """The page pool's layout on a mesh: kv heads over the tensor axis (as the attention's k/v); over D data
@@ -967,7 +985,7 @@ class Engine:
             arr(lambda c: c.written), arr(lambda c: c.step), arr(lambda c: c.budget),
             arr(lambda c: True, bool), arr(lambda c: c.prompt_index, np.uint32), arr(lambda c: c.sample, np.uint32),
             self._put_rows(exit_after), *scalars, steps=ec.decode_chunk, page_size=ec.page_size, pad_id=self.pad_id,
-            batch_axes=self._batch_axes)
+            batch_axes=self._batch_axes, attention=self.attention)
         toks, lps, n, eos = distributed.fetch_global((toks, lps, n, eos))  # one gather for every process
         if not self._batch_axes:  # one shard: its rows without the shard axis
             toks, lps, n, eos = (x[None] for x in (toks, lps, n, eos))

@@ -36,6 +36,12 @@ class EngineConfig:
                                lo=1)
     prefill_chunk: int = option(256, "prompt tokens per row written per round (chunked prefill)", lo=1)
     share_prefix: bool = option(True, "the G samples of a prompt share its prefix pages (one prefill per prompt)")
+    attention: Literal["auto", "gather", "pallas"] = option(
+        "auto", "decode attention over the page pool: gather (pure JAX: gather the live pages, the model's attention "
+                "kernel; every platform), pallas (jax's TPU Pallas paged-attention kernel reading the pages in "
+                "place; Pallas interpret mode off TPU, slow; it reads k/v as bfloat16), or auto = pallas on a TPU "
+                "when head_dim % 128 == 0 and the KV cache is bfloat16 (sampling.kv_cache_dtype), gather "
+                "elsewhere. Prefill always gathers")
 
     def __post_init__(self):
         validate_fields(self, "sampling.engine")

@@ -1,6 +1,6 @@
 """Host-side bookkeeping of the paged KV cache: the free list, reference counts and page tables.
 
-The device pool itself (per layer k/v [num_pages, page_size, K, Dh]) is created by
+The device pool itself (per layer k/v [K, num_pages, page_size, Dh]: paged_attention.pool_shape) is created by
 stare_jax.models.paged_attention.init_pages and only ever touched by jitted programs; this module decides which
 physical page holds which tokens. Page 0 is reserved as the trash page (never allocated). A page's reference
 count is the number of owners (sequences, or a prompt's prefix entry while its samples are being admitted);
