@@ -18,8 +18,8 @@ the tool rollouts too) and adds its checks:
 The default's "target >= 0.55 x STARE's first-step entropy" is not checked there: the tool warm start's entropy
 (~0.8 nats/token) is mostly its deliberate noise (guessed answers of random digits), while a policy that always
 answers correctly has at most ~ln|set| x k / (~20 model tokens) ~ 0.2 nats/token (the choice of D is the only
-free part of a correct response); its target (0.2) sits at that ceiling, and GRPO-ds must still fall below
-0.7 x it.
+free part of a correct response); its STARE arm is STARE-C2 (M = 0.25) with target 0.15, below that ceiling, and
+GRPO-ds must still fall below 0.7 x it.
 """
 from __future__ import annotations
 
@@ -39,11 +39,11 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 # scenario -> the two arms (name, config), GRPO-ds first
 SCENARIOS = {
     "default": (("grpo_ds", "tiny_cpu_grpo_ds.yaml"), ("stare_o1", "tiny_cpu_stare.yaml")),
-    "tool": (("grpo_ds", "tiny_cpu_tool_grpo_ds.yaml"), ("stare_o1", "tiny_cpu_tool_stare.yaml")),
+    "tool": (("grpo_ds", "tiny_cpu_tool_grpo_ds.yaml"), ("stare_c2", "tiny_cpu_tool_stare.yaml")),
 }
 ARMS = SCENARIOS["default"]
 TITLES = {"default": "embedded CPU default: GRPO-ds vs STARE-O1",
-          "tool": "embedded CPU tool use (tool_mul + code interpreter): GRPO-ds vs STARE-O1"}
+          "tool": "embedded CPU tool use (tool_mul + code interpreter): GRPO-ds vs STARE-C2"}
 
 
 def _eval_gain(run_dir, key: str = "accuracy") -> float | None:
