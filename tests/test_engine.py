@@ -12,6 +12,7 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
@@ -162,6 +163,19 @@ def test_no_recompilation_across_steps(model):
     for seed, prompts in enumerate(mixes, 10):  # the same mixes with other draws
         engine.generate(prompts, seed=seed, **kw)
     assert compiled_programs() == warm and second.tokens != first.tokens
+
+
+def test_second_call_compiles_nothing(model):
+    """The same call twice: the second compiles nothing (the pool is made committed to the weights' device, like
+    every program output, so its first prefill and a later one share one executable)."""
+    graphdef, state = nnx.split(model)  # committed weights, as from_pretrained loads them
+    committed = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
+    engine = Engine(committed, config=dataclasses.replace(SMALL, max_slots=8, prefill_chunk=32))  # one prefill
+    kw = dict(max_new_tokens=12, num_samples=1, temperature=1.0, eos_ids=EOS, seed=3)
+    first = engine.generate(PROMPTS, **kw)
+    warm = compiled_programs()
+    assert engine.generate(PROMPTS, **kw).tokens == first.tokens
+    assert compiled_programs() == warm
 
 
 @pytest.mark.slow

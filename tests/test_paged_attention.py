@@ -36,8 +36,8 @@ def test_gather_and_write_layout():
     new_BxTxKxD = jnp.stack([jnp.arange(1.0, 5.0), 10 * jnp.arange(1.0, 5.0)], axis=-1).reshape(1, 4, 2, 1)
     pages = pa.write_pages(pages, new_BxTxKxD, page, off)
     assert pages[1, 3, 1, 0] == 20 and pages[0, 1, 0, 0] == 3  # head 1 of token 1 -> page 3 offset 1
-    seq = pa.gather_pages(pages, jnp.asarray([[3, 1]]))[0, :, :, 0]
-    np.testing.assert_array_equal(seq, [[1, 10], [2, 20], [3, 30], [0, 0]])
+    seq_KxS = pa.gather_pages(pages, jnp.asarray([[3, 1]]))[:, 0, :, 0]  # [K, B, M*P, Dh]: kv heads first
+    np.testing.assert_array_equal(seq_KxS, [[1, 2, 3, 0], [10, 20, 30, 0]])
     copied = pa.copy_pages(pages, jnp.asarray([3]), jnp.asarray([2]))
     np.testing.assert_array_equal(copied[:, 2], pages[:, 3])
     np.testing.assert_array_equal(copied[:, 3], pages[:, 3])
@@ -99,8 +99,8 @@ def test_pallas_decode_matches_gather(num_heads, num_kv_heads):
     assert out.shape == ref.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
     # an independent reference: softmax over the row's first `length` gathered keys, in numpy float64
-    k = np.asarray(pa.gather_pages(kp, table), np.float64)
-    v = np.asarray(pa.gather_pages(vp, table), np.float64)
+    k = np.moveaxis(np.asarray(pa.gather_pages(kp, table), np.float64), 0, 2)  # [B, S, K, Dh]
+    v = np.moveaxis(np.asarray(pa.gather_pages(vp, table), np.float64), 0, 2)
     g = num_heads // num_kv_heads
     for b in range(q.shape[0]):
         n = int(pos[b, 0]) + 1

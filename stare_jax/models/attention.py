@@ -54,6 +54,23 @@ def attention_xla(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
     return out.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
 
+def attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS):
+    """attention_xla's math with k/v kv-head-major [K, B, S, Dh] (a paged pool's layout, gathered): the two
+    einsums batch over (kv head, row) in that order, so the large k/v operands are read in place and only the
+    small q / output are transposed (a row-major [B, S, K, Dh] copy of the gathered cache cost about a fifth of a
+    CPU decode step)."""
+    b, t, h, d = q_BxTxHxD.shape
+    kh = k_KxBxSxD.shape[0]
+    g = h // kh
+    q_KxBxGxTxD = jnp.transpose(q_BxTxHxD.reshape(b, t, kh, g, d), (2, 0, 3, 1, 4))
+    logits = jnp.einsum("kbgtd,kbsd->kbgts", q_KxBxGxTxD, k_KxBxSxD,
+                        preferred_element_type=jnp.float32) * (d ** -0.5)
+    logits = jnp.where(mask_BxTxS[None, :, None, :, :], logits, _NEG)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_KxBxSxD.dtype)
+    out_KxBxGxTxD = jnp.einsum("kbgts,kbsd->kbgtd", probs, v_KxBxSxD, preferred_element_type=jnp.float32)
+    return jnp.transpose(out_KxBxGxTxD, (1, 3, 0, 2, 4)).reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
+
+
 def attention_dot_product(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, *, implementation=None):
     """jax.nn.dot_product_attention (native GQA). implementation=None is XLA's fused path (jax 0.10 never
     auto-selects cuDNN); "cudnn" asks for cuDNN's fused flash kernel (GPU, bf16/fp16 only)."""

@@ -670,8 +670,9 @@ class Engine:
                                   jnp.dtype(self.cache_dtype))
             return jax.tree.map(lambda x: jnp.broadcast_to(x, (D,) + x.shape), pages) if self._batch_axes else pages
 
-        if self.mesh is None:
-            return make()
+        if self.mesh is None:  # committed to the weights' device, as the programs' outputs are: the first call
+            # after the pool is made must not compile its programs a second time for uncommitted inputs
+            return jax.device_put(make(), jax.tree.leaves(self.state)[0].sharding)
         shape = pa.pool_shape(num, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self._shard_axis())
         return jax.jit(make, out_shardings=self._pool_sharding(shape))()
 
