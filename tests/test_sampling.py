@@ -49,6 +49,25 @@ def _nucleus_np(scores, top_p):
     return keep, margin
 
 
+def test_greedy_tokens_blocked_matches_argmax():
+    """The blocked pick (first 128-wide block holding the max, first max inside it) is numpy's argmax: ties across
+    and inside blocks, a vocabulary that is not a multiple of the block, rows of -inf; a NaN row gets a valid id;
+    select_tokens' log-probs (logsumexp from the block maxima) equal log_softmax."""
+    rng = np.random.default_rng(0)
+    V = 3 * 128 + 37
+    logits = rng.standard_normal((6, V)).astype(np.float32)
+    logits[1, [5, 200, 300]] = 9.0  # tie across blocks: the first wins
+    logits[2, [130, 131]] = 9.0  # tie inside a block
+    logits[3, V - 1] = 9.0  # the max in the padded tail block
+    logits[4] = -np.inf
+    np.testing.assert_array_equal(greedy_tokens(jnp.asarray(logits)), np.argmax(logits, axis=-1))
+    tok, lp = select_tokens(jnp.asarray(logits[:4]), jnp.zeros(4), greedy=True, temperature=1.0, top_k=0, top_p=1.0)
+    np.testing.assert_array_equal(tok, np.argmax(logits[:4], axis=-1))
+    np.testing.assert_allclose(lp, jax.nn.log_softmax(logits[:4])[jnp.arange(4), tok], rtol=1e-6)
+    nan_row = np.full((1, V), np.nan, np.float32)
+    assert 0 <= int(greedy_tokens(jnp.asarray(nan_row))[0]) < V
+
+
 def test_greedy_tokens_first_maximum():
     logits = jnp.asarray([[0.0, 2.0, 2.0, -1.0], [5.0, 1.0, 5.0, 5.0], [-3.0, -2.0, -2.5, -9.0]])
     np.testing.assert_array_equal(greedy_tokens(logits), [1, 0, 1])

@@ -24,19 +24,49 @@ NEG_INF = -jnp.inf
 _BLOCK = 128  # vocabulary block width of the two-level inverse CDF
 
 
-def greedy_tokens(logits_BxV: jax.Array) -> jax.Array:
-    """First index of the maximum logit per row (same tie rule as torch/jnp argmax), int32 [B]."""
+def _blocks(logits_BxV: jax.Array, fill) -> jax.Array:
+    """[B, V] -> [B, ceil(V / _BLOCK), _BLOCK], the tail block padded with `fill`."""
+    B, V = logits_BxV.shape
+    n_blocks = -(-V // _BLOCK)
+    return jnp.pad(logits_BxV, ((0, 0), (0, n_blocks * _BLOCK - V)), constant_values=fill).reshape(
+        B, n_blocks, _BLOCK)
+
+
+def block_max(logits_BxV: jax.Array) -> jax.Array:
+    """Max of each _BLOCK-wide vocabulary block, [B, ceil(V / _BLOCK)]: one pass over the logits that gives both the
+    row max (for the log-prob's logsumexp) and where the greedy token is."""
+    return jnp.max(_blocks(logits_BxV, NEG_INF), axis=-1)
+
+
+def _first_index(x_BxN: jax.Array, value_B: jax.Array) -> jax.Array:
+    """First index of value_B in each row (N when absent, e.g. a NaN row)."""
+    n = x_BxN.shape[-1]
+    return jnp.min(jnp.where(x_BxN == value_B[:, None], jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
+def greedy_tokens(logits_BxV: jax.Array, block_max_BxN: jax.Array | None = None) -> jax.Array:
+    """First index of the maximum logit per row (same tie rule as torch/jnp argmax), int32 [B]: the first block
+    holding the row max, then the first index of the max inside it (two small passes after `block_max`, instead
+    of two full [B, V] passes)."""
     V = logits_BxV.shape[-1]
-    max_Bx1 = jnp.max(logits_BxV, axis=-1, keepdims=True)
-    iota_V = jnp.arange(V, dtype=jnp.int32)
-    first_B = jnp.min(jnp.where(logits_BxV == max_Bx1, iota_V, V), axis=-1)
+    block_max_BxN = block_max(logits_BxV) if block_max_BxN is None else block_max_BxN
+    n_blocks = block_max_BxN.shape[-1]
+    max_B = jnp.max(block_max_BxN, axis=-1)
+    block_B = jnp.minimum(_first_index(block_max_BxN, max_B), n_blocks - 1)
+    w_BxK = jnp.take_along_axis(_blocks(logits_BxV, NEG_INF), block_B[:, None, None], axis=1)[:, 0]
+    first_B = block_B * _BLOCK + jnp.minimum(_first_index(w_BxK, max_B), _BLOCK - 1)
     return jnp.minimum(first_B, V - 1).astype(jnp.int32)  # a NaN row (no max) still yields a valid id
 
 
-def token_logprobs(logits_BxV: jax.Array, tokens_B: jax.Array) -> jax.Array:
-    """log softmax(logits)[token] at temperature 1 over the full vocabulary (what the trainer recomputes)."""
+def token_logprobs(logits_BxV: jax.Array, tokens_B: jax.Array, max_B: jax.Array | None = None) -> jax.Array:
+    """log softmax(logits)[token] at temperature 1 over the full vocabulary (what the trainer recomputes); max_B,
+    the row max when already known, saves a pass."""
     logits_BxV = logits_BxV.astype(jnp.float32)
-    lse_B = jax.nn.logsumexp(logits_BxV, axis=-1)
+    if max_B is None:
+        lse_B = jax.nn.logsumexp(logits_BxV, axis=-1)
+    else:  # jax.nn.logsumexp's formula with the given max (a -inf / NaN max as there: the row's log-probs NaN)
+        m_B = jax.lax.stop_gradient(jnp.where(jnp.isfinite(max_B), max_B, 0.0))
+        lse_B = m_B + jnp.log(jnp.sum(jnp.exp(logits_BxV - m_B[:, None]), axis=-1))
     picked_B = jnp.take_along_axis(logits_BxV, tokens_B[:, None].astype(jnp.int32), axis=-1)[:, 0]
     return picked_B - lse_B
 
@@ -153,5 +183,6 @@ def select_tokens(logits_BxV: jax.Array, uniform_B: jax.Array, *, greedy, temper
         safe_t = jnp.where(greedy, 1.0, temperature)  # never divide by a zero temperature
         return inverse_cdf_sample(warp_scores(x, safe_t, top_k, top_p), uniform_B)
 
-    tokens_B = jax.lax.cond(jnp.asarray(greedy), greedy_tokens, sample, logits_BxV)
-    return tokens_B, token_logprobs(logits_BxV, tokens_B)
+    block_max_BxN = block_max(logits_BxV)
+    tokens_B = jax.lax.cond(jnp.asarray(greedy), greedy_tokens, lambda x, _: sample(x), logits_BxV, block_max_BxN)
+    return tokens_B, token_logprobs(logits_BxV, tokens_B, jnp.max(block_max_BxN, axis=-1))
