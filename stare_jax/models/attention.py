@@ -57,8 +57,8 @@ def attention_xla(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
 def attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS):
     """attention_xla's math with k/v kv-head-major [K, B, S, Dh] (a paged pool's layout, gathered): the two
     einsums batch over (kv head, row) in that order, so the large k/v operands are read in place and only the
-    small q / output are transposed (a row-major [B, S, K, Dh] copy of the gathered cache cost about a fifth of a
-    CPU decode step)."""
+    small q / output are transposed (about 4% faster per CPU greedy decode call than stacking the gathered cache
+    row-major [B, S, K, Dh] for attention_xla, in one paired run)."""
     b, t, h, d = q_BxTxHxD.shape
     kh = k_KxBxSxD.shape[0]
     g = h // kh

@@ -670,9 +670,11 @@ class Engine:
                                   jnp.dtype(self.cache_dtype))
             return jax.tree.map(lambda x: jnp.broadcast_to(x, (D,) + x.shape), pages) if self._batch_axes else pages
 
-        if self.mesh is None:  # committed to the weights' device, as the programs' outputs are: the first call
-            # after the pool is made must not compile its programs a second time for uncommitted inputs
-            return jax.device_put(make(), jax.tree.leaves(self.state)[0].sharding)
+        if self.mesh is None:  # on one device: committed to the weights' device, as the programs' outputs are (the
+            # first call after the pool is made must not compile its programs again for uncommitted inputs)
+            devices = jax.tree.leaves(self.state)[0].sharding.device_set
+            return (jax.device_put(make(), jax.sharding.SingleDeviceSharding(next(iter(devices))))
+                    if len(devices) == 1 else make())
         shape = pa.pool_shape(num, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self._shard_axis())
         return jax.jit(make, out_shardings=self._pool_sharding(shape))()
 
