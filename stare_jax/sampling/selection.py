@@ -49,11 +49,12 @@ def greedy_tokens(logits_BxV: jax.Array, block_max_BxN: jax.Array | None = None)
     holding the row max, then the first index of the max inside it (two small passes after `block_max`, instead
     of two full [B, V] passes)."""
     V = logits_BxV.shape[-1]
-    block_max_BxN = block_max(logits_BxV) if block_max_BxN is None else block_max_BxN
+    blocks_BxNxK = _blocks(logits_BxV, NEG_INF)
+    block_max_BxN = jnp.max(blocks_BxNxK, axis=-1) if block_max_BxN is None else block_max_BxN
     n_blocks = block_max_BxN.shape[-1]
     max_B = jnp.max(block_max_BxN, axis=-1)
     block_B = jnp.minimum(_first_index(block_max_BxN, max_B), n_blocks - 1)
-    w_BxK = jnp.take_along_axis(_blocks(logits_BxV, NEG_INF), block_B[:, None, None], axis=1)[:, 0]
+    w_BxK = jnp.take_along_axis(blocks_BxNxK, block_B[:, None, None], axis=1)[:, 0]
     first_B = block_B * _BLOCK + jnp.minimum(_first_index(w_BxK, max_B), _BLOCK - 1)
     return jnp.minimum(first_B, V - 1).astype(jnp.int32)  # a NaN row (no max) still yields a valid id
 
@@ -137,12 +138,8 @@ def inverse_cdf_sample(scores_BxV: jax.Array, uniform_B: jax.Array) -> jax.Array
     Two-level CDF: block masses -> cumulative block mass -> the block holding u * total -> cumsum inside that
     block. Tokens with zero probability (score -inf) occupy empty CDF intervals and can never be returned.
     """
-    B, V = scores_BxV.shape
-    n_blocks = -(-V // _BLOCK)
-    pad = n_blocks * _BLOCK - V
-    w_BxV = jnp.exp(scores_BxV - jnp.max(scores_BxV, axis=-1, keepdims=True))
-    w_BxV = jnp.pad(w_BxV, ((0, 0), (0, pad)))
-    w_BxNxK = w_BxV.reshape(B, n_blocks, _BLOCK)
+    w_BxNxK = _blocks(jnp.exp(scores_BxV - jnp.max(scores_BxV, axis=-1, keepdims=True)), 0.0)
+    n_blocks = w_BxNxK.shape[1]
     block_cum_BxN = jnp.cumsum(jnp.sum(w_BxNxK, axis=-1), axis=-1)
     total_B = block_cum_BxN[:, -1]
     target_B = jnp.minimum(uniform_B * total_B, jnp.nextafter(total_B, jnp.zeros_like(total_B)))
