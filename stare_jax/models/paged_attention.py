@@ -63,26 +63,76 @@ def write_slots(page_table_BxM: jax.Array, positions_BxT: jax.Array, valid_BxT: 
     return page_BxT.astype(jnp.int32), (positions_BxT % page_size).astype(jnp.int32)
 
 
+def _head_axes(pool_shape) -> tuple:
+    """(mesh axes the pool's kv-head dim is split over or None, the ambient mesh); (None, None) without a mesh or
+    its activation rules."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if sh._ctx.rules is None or mesh is None or mesh.empty:
+        return None, None
+    return sh.logical_to_spec(POOL_AXES, sh._ctx.rules, pool_shape, mesh)[0], mesh
+
+
+def _on_head_blocks(f, *args, split: tuple):
+    """f on each device's block of kv heads: jax.shard_map over the mesh axes the pool's (args[0]) heads are split
+    over, args with split[i] True having kv heads leading (the output too), the rest replicated; f itself when
+    the heads are not split. Indexing the pool by kv head (its reshapes and gathers below) stays on the device
+    holding that head: no all-reduce of gathered pages, no all-gather of the tokens written."""
+    heads, mesh = _head_axes(args[0].shape)
+    if heads is None:
+        return f(*args)
+    specs = tuple(PartitionSpec(heads, *[None] * (x.ndim - 1)) if s else PartitionSpec() for x, s in zip(args, split))
+    return jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
+
+
+def _scatter_rows(pages_KxNxPxD, new_KxRxD, slot_R):
+    """pages[h, slot // P, slot % P] = new[h, r] for every kv head h: one scatter of Dh-wide rows into the pool viewed
+    as [K*N*P, Dh]. Its window is the minor dim only, so a TPU keeps the pool in the kernel's layout (a scatter with
+    window (K, Dh) makes XLA lay the pool out kv-heads-minor and copy all of it to and from the Pallas kernel's
+    layout every decode step)."""
+    k, n, p, d = pages_KxNxPxD.shape
+    rows = (jnp.arange(k, dtype=jnp.int32)[:, None] * (n * p) + slot_R[None]).reshape(-1)
+    return pages_KxNxPxD.reshape(k * n * p, d).at[rows].set(new_KxRxD.reshape(-1, d)).reshape(k, n, p, d)
+
+
 def write_pages(pages_KxNxPxD: jax.Array, new_BxTxKxD: jax.Array, page_BxT: jax.Array,
                 offset_BxT: jax.Array) -> jax.Array:
-    """Scatter the new tokens' k (or v) into their (page, offset) slots of every kv head."""
-    new_KxBxTxD = jnp.moveaxis(new_BxTxKxD, 2, 0).astype(pages_KxNxPxD.dtype)
-    return pages_KxNxPxD.at[:, page_BxT, offset_BxT].set(new_KxBxTxD)
+    """Scatter the new tokens' k (or v) into their (page, offset) slots of every kv head (each device its heads)."""
+    k, _, p, d = pages_KxNxPxD.shape
+    new_KxRxD = jnp.moveaxis(new_BxTxKxD, 2, 0).reshape(k, -1, d).astype(pages_KxNxPxD.dtype)
+    slot_R = (page_BxT * p + offset_BxT).reshape(-1).astype(jnp.int32)
+    return _on_head_blocks(_scatter_rows, pages_KxNxPxD, new_KxRxD, slot_R, split=(True, True, False))
 
 
-def gather_pages(pages_KxNxPxD: jax.Array, page_table_BxM: jax.Array) -> jax.Array:
-    """A row's first M pages as one contiguous [K, B, M*P, Dh] sequence per kv head (index = token position).
-    kv heads stay first, as in the pool, so nothing is transposed; one gather per kv head of whole pages as rows of
-    P*Dh values (XLA's CPU gather of those is ~3x faster than one gather of [P, Dh] slices over every kv head)."""
+def _gather_rows(pages_KxNxPxD, page_table_BxM):
+    """gather_pages on one block of kv heads: one gather per kv head of whole pages as rows of P*Dh values."""
     b, m = page_table_BxM.shape
     k, n, p, d = pages_KxNxPxD.shape
     rows_KxNxR = pages_KxNxPxD.reshape(k, n, p * d)
     return jnp.stack([rows_KxNxR[h][page_table_BxM] for h in range(k)]).reshape(k, b, m * p, d)
 
 
+def gather_pages(pages_KxNxPxD: jax.Array, page_table_BxM: jax.Array) -> jax.Array:
+    """A row's first M pages as one contiguous [K, B, M*P, Dh] sequence per kv head (index = token position).
+    kv heads stay first, as in the pool, so nothing is transposed; each device gathers its own kv heads, one
+    gather per head of whole pages as rows of P*Dh values (XLA's CPU gather of those is ~3x faster than one
+    gather of [P, Dh] slices over every kv head)."""
+    return _on_head_blocks(_gather_rows, pages_KxNxPxD, page_table_BxM, split=(True, False))
+
+
+def _copy_rows(pages_KxNxPxD, src_C, dst_C):
+    """copy_pages on one block of kv heads, whole pages as rows of the pool viewed as [K*N, P*Dh] (the scatter's
+    window is the minor dim only: see _scatter_rows)."""
+    k, n, p, d = pages_KxNxPxD.shape
+    head_K1 = jnp.arange(k, dtype=jnp.int32)[:, None] * n
+    rows_NxR = pages_KxNxPxD.reshape(k * n, p * d)
+    return rows_NxR.at[(head_K1 + dst_C[None]).reshape(-1)].set(rows_NxR[(head_K1 + src_C[None]).reshape(-1)]
+                                                               ).reshape(k, n, p, d)
+
+
 def copy_pages(pages_KxNxPxD: jax.Array, src_C: jax.Array, dst_C: jax.Array) -> jax.Array:
     """pages[:, dst] = pages[:, src] (every kv head): copy-on-write of a shared prompt's partial last page."""
-    return pages_KxNxPxD.at[:, dst_C].set(pages_KxNxPxD[:, src_C])
+    return _on_head_blocks(_copy_rows, pages_KxNxPxD, jnp.asarray(src_C, jnp.int32), jnp.asarray(dst_C, jnp.int32),
+                           split=(True, False, False))
 
 
 def resolve_attention(choice: str, *, platform: str, head_dim: int, cache_dtype) -> str:
@@ -128,10 +178,9 @@ def _sharded_kernel(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM, *, lea
     with their q heads); with lead=1 every argument has a leading data-shard axis, split over batch_axes. Without
     a mesh (or its activation rules) the kernel itself."""
     kernel = _local_blocks(functools.partial(_kernel, interpret=interpret), lead)
-    mesh = jax.sharding.get_abstract_mesh()
-    if sh._ctx.rules is None or mesh is None or mesh.empty:
+    heads, mesh = _head_axes(k_pages.shape[lead:])
+    if mesh is None:
         return kernel(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM)
-    heads = sh.logical_to_spec(POOL_AXES, sh._ctx.rules, k_pages.shape[lead:], mesh)[0]
     rows = (batch_axes or None,) if lead else ()
     q_spec = PartitionSpec(*rows, None, heads, None)
     pool_spec = PartitionSpec(*rows, heads, None, None, None)
