@@ -13,10 +13,10 @@ Design (host scheduler + three jitted programs):
   allocated once (page 0 = trash page for padding writes); host-side free list + reference counts
   (paged_kv.PagePool) and a per-row page table. Pages are allocated as a row grows (one chunk ahead) and
   returned when it ends, so memory scales with live tokens. Prefill attention gathers a row's first M pages, M a
-  bucket (power of two or 1.5x one: paged_kv.width_bucket) over the live rows (models/paged_attention.py); decode attention is
-  `sampling.engine.attention`: the same gather path, or (auto on a TPU with head_dim % 128 == 0 and a bfloat16
-  pool) jax's TPU Pallas paged-attention kernel, which reads the live pages in place (under jax.shard_map on a
-  mesh: each device runs it on its data shard's pool and its kv heads).
+  bucket (power of two or 1.5x one: paged_kv.width_bucket) over the live rows (models/paged_attention.py); decode
+  attention is `sampling.engine.attention`: the same gather path, or (auto on a TPU with head_dim % 128 == 0 and a
+  bfloat16 pool) jax's TPU Pallas paged-attention kernel, which reads the live pages in place (under jax.shard_map
+  on a mesh: each device runs it on its data shard's pool and its kv heads).
 - Prefix sharing. The G samples of a prompt share its prefix pages: the prompt minus its last token is
   prefilled ONCE into a prefix entry; each sample then shares the entry's full pages (reference counted) and
   gets a private copy of the partial last page (copy-on-write at attach time), so its first new token (and the
