@@ -215,11 +215,11 @@ def test_engine_decode_compiles_the_pallas_paged_attention_kernel(mesh):
 
 
 def test_engine_programs_keep_the_page_pool_in_place():
-    """Several slots per data shard and two kv heads per device (data=2 x tensor=2, 4 kv heads): the decode step's
-    page writes keep the pool in the Pallas kernel's layout (a [K, N, P, Dh] scatter with window (K, Dh) made XLA
-    lay the carried pool out kv-heads-minor and copy every layer's pool to and from the kernel's layout: temps of a
-    second pool), and the prefill gathers each device's own kv heads (gathering by global head index all-reduced
-    the gathered pages of every layer over the tensor axis)."""
+    """Several slots per data shard and several kv heads per chip (data=2 x tensor=2, 8 kv heads: 4 per chip): the
+    decode step's page writes keep the pool in the Pallas kernel's layout (a [K, N, P, Dh] scatter with window
+    (K, Dh) made XLA lay the carried pool out kv-heads-minor and copy every layer's pool to and from the kernel's
+    layout: temps of a second pool), and the prefill gathers each device's own kv heads (gathering by global head
+    index all-reduced the gathered pages of every layer over the tensor axis)."""
     from stare_jax import models
 
     model_cfg = models.ModelConfig(vocab_size=512, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=8,

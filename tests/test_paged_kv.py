@@ -46,7 +46,7 @@ def test_page_table_and_buckets():
     assert [pages_for(n, 4) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
     assert [width_bucket(n, 64) for n in (0, 1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 25, 33, 64)] == \
         [1, 1, 2, 3, 4, 6, 6, 8, 12, 16, 24, 32, 48, 64]  # powers of two and 1.5x them
-    for n in range(1, 1025):  # the smallest bucket >= n, at most 1.5x n (and 2x pow2 of n's octave)
+    for n in range(1, 1025):  # a bucket >= n and < 1.5x n (n > 1): a power of two or 3 x one
         w = width_bucket(n, 4096)
         assert n <= w <= max(1.5 * n, 2) and (w & (w - 1) == 0 or (w // 3) & (w // 3 - 1) == 0 and w % 3 == 0)
     assert width_bucket(9, 10) == 10 and width_bucket(11, 10) == 11  # capped at the context; beyond: exact

@@ -91,4 +91,4 @@ def width_bucket(num_pages: int, cap: int) -> int:
     if n > cap:
         return n
     pow2 = 1 << (n - 1).bit_length()
-    return min(3 * pow2 // 4 if 3 * pow2 // 4 >= n and pow2 >= 4 else pow2, int(cap))
+    return min(3 * pow2 // 4 if 3 * pow2 // 4 >= n else pow2, int(cap))
