@@ -1,4 +1,4 @@
-"""Test session set-up: 8 fake CPU devices (for mesh tests), a persistent JAX compilation cache, and the tiers.
+"""Test session set-up: 8 fake CPU devices (for mesh tests), an opt-in persistent JAX compilation cache, the tiers.
 
 Tiers (markers, one per test, from its module): `unit` - one module's functions against an independent reference,
 in-process; `integration` - whole programs as users run them (subprocesses, the real SmolLM2, parity with
@@ -20,9 +20,14 @@ import jax
 import pytest
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
-jax.config.update("jax_compilation_cache_dir", str(_REPO / ".cache" / "jax"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# The persistent cache only pays when the same checkout runs the suite again (a clean CI clone starts cold and the
+# in-process jit caches already share programs between tests), and on 5 Dec 2026 jaxlib 0.10.2 segfaulted twice in
+# a full run inside executable.serialize() while writing an engine decode program to it (the same test passes alone,
+# cold or warm): opt in with STARE_JAX_TEST_CACHE=1 for local reruns.
+if os.environ.get("STARE_JAX_TEST_CACHE") == "1":
+    jax.config.update("jax_compilation_cache_dir", str(_REPO / ".cache" / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 SHARED_DATA = _REPO.parent / "shared" / "data"
 
