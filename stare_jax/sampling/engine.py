@@ -13,10 +13,10 @@ Design (host scheduler + three jitted programs):
   allocated once (page 0 = trash page for padding writes); host-side free list + reference counts
   (paged_kv.PagePool) and a per-row page table. Pages are allocated as a row grows (one chunk ahead) and
   returned when it ends, so memory scales with live tokens. Prefill attention gathers a row's first M pages, M a
-  bucket (power of two or 1.5x one: paged_kv.width_bucket) over the live rows (models/paged_attention.py); decode
-  attention is `sampling.engine.attention`: the same gather path, or (auto on a TPU with head_dim % 128 == 0 and a
-  bfloat16 pool) jax's TPU Pallas paged-attention kernel, which reads the live pages in place (under jax.shard_map
-  on a mesh: each device runs it on its data shard's pool and its kv heads).
+  power-of-two bucket over the live rows (models/paged_attention.py); decode attention is
+  `sampling.engine.attention`: the same gather path, or (auto on a TPU with head_dim % 128 == 0 and a bfloat16
+  pool) jax's TPU Pallas paged-attention kernel, which reads the live pages in place (under jax.shard_map on a
+  mesh: each device runs it on its data shard's pool and its kv heads).
 - Prefix sharing. The G samples of a prompt share its prefix pages: the prompt minus its last token is
   prefilled ONCE into a prefix entry; each sample then shares the entry's full pages (reference counted) and
   gets a private copy of the partial last page (copy-on-write at attach time), so its first new token (and the
@@ -98,7 +98,7 @@ from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, Sampler, _ch
 
 EXIT_FRACTION = 4  # a decode chunk ends early once 1/EXIT_FRACTION of the slots can be refilled
 MIN_ROWS = 4  # smallest prefill / decode batch (fewer compiled shapes)
-MIN_WIDTH = 1  # smallest page-table width (pages) of a program (buckets: paged_kv.width_bucket)
+MIN_WIDTH = 1  # smallest page-table width (pages) of a program (buckets: powers of two)
 
 # ----------------------------------------------------------------------------------------------- config
 
@@ -899,8 +899,8 @@ class Engine:
         return min(1 << (max(num_rows, MIN_ROWS) - 1).bit_length(), self._slots_per_shard())
 
     def _width(self, num_pages: int) -> int:
-        """Page-table width of a call: a bucket of the live pages (paged_kv.width_bucket: two per octave), at least
-        MIN_WIDTH pages (few programs), at most the context's pages."""
+        """Page-table width of a call: a power-of-two bucket of the live pages, at least MIN_WIDTH pages (few
+        programs), at most the context's pages."""
         return paged_kv.width_bucket(max(num_pages, MIN_WIDTH), self._max_pages())
 
     def _max_pages(self) -> int:

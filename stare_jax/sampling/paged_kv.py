@@ -83,12 +83,7 @@ def page_table(rows: list[list[int]], width: int) -> np.ndarray:
 
 
 def width_bucket(num_pages: int, cap: int) -> int:
-    """Page-table width for a call: the smallest power of two or 1.5 x a power of two >= num_pages (at least 1:
-    1, 2, 3, 4, 6, 8, 12, 16, 24, ...), at most cap. Two buckets per octave: the compiled programs stay
-    logarithmic in the context while attention reads at most 1.5x the live pages (powers of two alone: 2x;
-    greedy 64 x 128 on the CPU benchmark shape ~8-10% faster, 6 decode programs instead of 4)."""
+    """Page-table width for a call: the next power of two >= num_pages (at least 1), at most cap, so the
+    number of compiled programs is logarithmic in the context while attention reads about the live pages."""
     n = max(int(num_pages), 1)
-    if n > cap:
-        return n
-    pow2 = 1 << (n - 1).bit_length()
-    return min(3 * pow2 // 4 if 3 * pow2 // 4 >= n else pow2, int(cap))
+    return min(1 << (n - 1).bit_length(), int(cap)) if n <= cap else n
