@@ -221,11 +221,15 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     # Calibrated against the compiled train step (stare-jax plan --compile; BUILD.md): the micro-batch scan holds
     # the gradient accumulator and one micro-batch's gradient; the log-prob pass gathers the unembedding in fp32
     # and XLA keeps bf16 copies of the embedding/unembedding tables (three in the 7B step's buffer report).
+    # Layer weights in the compute dtype: with FSDP two layers' gathered weights at a time; without it (fsdp 1)
+    # XLA hoists the cast of every layer's (tensor-sharded) weights out of the micro-batch loop and keeps them all
+    # for the step (the 7B tool config's buffer report: bf16 [28, ...] stacks, 3.0 GiB per chip).
+    cast_layers = L if mesh["fsdp"] == 1 and pb != cb else 2
     mem = {
         "params": P * pb / shard,
         "grads": 2 * P * pb / shard,
         "optimizer": 2 * P * 4 / shard,
-        "gathered_layer_weights": 2 * layer_params * cb / tensor,
+        "gathered_layer_weights": cast_layers * layer_params * cb / tensor,
         "activations": training_activation_bytes(model_cfg, mb_seqs_dev, mb_len, tensor=tensor),
         "logits_chunks": mb_seqs_dev * min(cfg.rl.logprob_chunk_size, mb_len) * (V / tensor) * 4 * 3,
         "vocab_tables": V * d * (4 + 3 * cb) / tensor,

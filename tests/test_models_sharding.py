@@ -144,3 +144,20 @@ def test_scan_layers_sharded_load(hf_checkpoints):
     ref = jax.jit(lambda m: m(ids, mask))(from_pretrained(folder))
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=1e-5)
+
+
+@needs8
+def test_shard_count_follows_the_active_mesh_and_rules():
+    """shard_count: the devices `constrain` would split a dimension over (1 outside a program context, 1 for a
+    dimension the mesh axes do not divide)."""
+    from stare_jax.models.sharding import program_context, shard_count
+
+    assert shard_count("act_vocab", 96) == 1  # no mesh, no rules
+    mesh = make_mesh({"data": 2, "tensor": 4})
+    with program_context(mesh):
+        assert shard_count("act_vocab", 96) == 4
+        assert shard_count("act_vocab", 10) == 1  # 4 does not divide 10: replicated
+        assert shard_count("batch", 8) == 2
+        assert shard_count(None, 8) == 1
+    with program_context(mesh, no_sharding()):
+        assert shard_count("act_vocab", 96) == 1

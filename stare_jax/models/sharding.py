@@ -219,6 +219,18 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def shard_count(name: str | None, size: int) -> int:
+    """Devices that `constrain` splits a dimension of `size` named `name` over, under the active mesh and
+    activation rules (1 outside them): lets a program lay out a loop over a sharded dimension per device."""
+    rules = _ctx.rules
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh is None or mesh.empty:
+        return 1
+    axes = logical_to_spec((name,), rules, (size,), mesh)[0]
+    axes_t = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh.shape[a] for a in axes_t)
+
+
 def describe(model_or_state) -> dict:
     """{param path: (shape, logical names)} for docs and debugging."""
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)

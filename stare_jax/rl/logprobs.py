@@ -4,8 +4,8 @@ Forward: the sequence axis is cut into chunks of `chunk_size` positions; each ch
 logits in fp32 (hidden.f32 @ unembed.f32^T for fp32 master weights, as the model contract defines logits;
 bf16 x bf16 with fp32 accumulation when the unembed table itself is bf16), a log-softmax, the target log-prob and the
 entropy inside lax.map, so one chunk of logits is alive at a time; it keeps only the per-token logsumexp and entropy.
-Backward (custom VJP): the VOCAB axis is cut into chunks of about the same size; each recomputes its logit columns
-for all tokens, forms dlogits = dlp (onehot - p) - dH p (log p + H), writes its own rows of d(unembed) (no [V, D]
+Backward (custom VJP): the VOCAB axis is cut into chunks of about the same size (inside each device's vocab shard
+when the table is split over devices); each recomputes its logit columns for all tokens, forms dlogits = dlp (onehot - p) - dH p (log p + H), writes its own rows of d(unembed) (no [V, D]
 accumulator carried through the loop) and accumulates d(hidden) [N, D]. Gradients w.r.t. hidden and unembed are
 those of the naive full-logits computation.
 
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from stare_jax.rl.theory import critical_surprisal_from_stats
-from stare_jax.models.sharding import constrain
+from stare_jax.models.sharding import constrain, shard_count
 
 
 def _constrain(x, names):
@@ -109,33 +109,43 @@ def _lp_ent_bwd(c, vc, theory, res, cts):
     B, T, D = h_BxTxD.shape
     V = w_VxD.shape[0]
     N = B * T
-    h_NxD = h_BxTxD.reshape(N, D)
+    h_NxD = _constrain(h_BxTxD.reshape(N, D), ("batch", None))
     t_N, lse_N, ent_N = t_BxT.reshape(N), lse_BxT.reshape(N), ent_BxT.reshape(N)
     dlp_N, dent_N = dlp_BxT.reshape(N).astype(jnp.float32), dent_BxT.reshape(N).astype(jnp.float32)
-    nv = -(-V // vc)
-    w_pad = jnp.pad(w_VxD, ((0, nv * vc - V), (0, 0))) if nv * vc != V else w_VxD
-    w_pad = _constrain(w_pad, ("act_vocab", None))
-    h_NxD = _constrain(h_NxD, ("batch", None))
     h32 = h_NxD.astype(jnp.float32)
+    # The loop walks every device's own vocab rows: the table viewed as [S, V/S, D] (S = the devices the vocab
+    # dim is split over), each shard cut into `nl` chunks of `vl` rows; step k takes rows [k*vl, (k+1)*vl) of
+    # every shard. Chunks of the unsplit table straddle shards, and XLA then all-gathered the whole table for
+    # the dynamic slice and the stacked d(unembed) for the reshape back, every micro-batch (3 GiB per chip for
+    # the 7B on tensor 4).
+    S = shard_count("act_vocab", V)
+    Vl = V // S
+    vl = -(-vc // S)
+    nl = -(-Vl // vl)
+    w_SxVlxD = w_VxD.reshape(S, Vl, D)
+    if nl * vl != Vl:
+        w_SxVlxD = jnp.pad(w_SxVlxD, ((0, 0), (0, nl * vl - Vl), (0, 0)))
+    w_KxSxvxD = _constrain(w_SxVlxD.reshape(S, nl, vl, D).swapaxes(0, 1), (None, "act_vocab", None, None))
+    shard_start_S = lax.iota(jnp.int32, S) * Vl
 
-    def body(dh_NxD, k):
-        start = k * vc
-        w_c = lax.dynamic_slice_in_dim(w_pad, start, vc, axis=0)
+    def body(dh_NxD, xs):
+        k, w_SxvxD = xs
+        row_v = k * vl + lax.iota(jnp.int32, vl)  # row inside each shard
+        col = (shard_start_S[:, None] + row_v[None, :]).reshape(S * vl)  # row of the whole table
+        real = jnp.broadcast_to(row_v[None, :] < Vl, (S, vl)).reshape(S * vl)  # not padding
+        w_c = _constrain(w_SxvxD.reshape(S * vl, D), ("act_vocab", None))
         logp = _logits(h_NxD, w_c) - lse_N[:, None]
-        col = start + lax.iota(jnp.int32, vc)
-        p = jnp.where(col[None, :] < V, jnp.exp(logp), 0.0)
-        onehot = (t_N[:, None] == col[None, :]).astype(jnp.float32)
+        p = jnp.where(real[None, :], jnp.exp(logp), 0.0)
+        onehot = ((t_N[:, None] == col[None, :]) & real[None, :]).astype(jnp.float32)
         dz = dlp_N[:, None] * (onehot - p) - dent_N[:, None] * p * (logp + ent_N[:, None])
         # each chunk of d(unembed) leaves the loop sharded like the parameter (a reduce-scatter over the batch
         # shards), never as a full fp32 [V, D] copy per device
         dw_c = _constrain(jnp.einsum("nv,nd->vd", dz, h32), ("vocab", "embed"))
         dh_NxD = dh_NxD + jnp.einsum("nv,vd->nd", dz, w_c.astype(jnp.float32))
-        return dh_NxD, dw_c.astype(w_VxD.dtype)
+        return dh_NxD, dw_c.astype(w_VxD.dtype).reshape(S, vl, D)
 
-    dh, dw = lax.scan(body, jnp.zeros((N, D), jnp.float32), jnp.arange(nv))
-    dw = dw.reshape(nv * vc, D)
-    if nv * vc != V:
-        dw = dw[:V]
+    dh, dw_KxSxvxD = lax.scan(body, jnp.zeros((N, D), jnp.float32), (jnp.arange(nl), w_KxSxvxD))
+    dw = dw_KxSxvxD.swapaxes(0, 1).reshape(S, nl * vl, D)[:, :Vl].reshape(V, D)
     return dh.astype(h_BxTxD.dtype).reshape(B, T, D), dw, None
 
 
