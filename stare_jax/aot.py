@@ -238,6 +238,7 @@ class Program:
     mosaic_kernels: int  # Pallas/Mosaic custom calls in the compiled program (e.g. splash attention)
     compile_s: float
     host_bytes: int = 0  # host-memory (memory kind pinned_host) arguments + outputs - aliases + temps
+    xla_temp_bytes: int = 0  # memory_analysis().temp_size_in_bytes as reported (over-counts on TPU: see compile)
 
     @classmethod
     def compile(cls, name: str, traced, mesh_ctx, num_devices: int, *, while_trips: int = 1) -> "Program":
@@ -252,12 +253,19 @@ class Program:
         flops = jaxpr_flops(traced.jaxpr.jaxpr, while_trips=while_trips)
         xla_flops = float(cost.get("flops", 0.0))
         scale = (flops / num_devices) / xla_flops if xla_flops else 1.0
-        peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-                + ma.temp_size_in_bytes + ma.generated_code_size_in_bytes)
+        # The peak: libtpu's peak_memory_in_bytes (arguments + the buffer assignment's temp allocation: the figure
+        # the TPU compiler itself refuses a program over, "total memory required ... exceeds available HBM") +
+        # the code. Its temp_size_in_bytes is larger than that allocation by an amount that grows with the program
+        # (+16 GiB for the 7B tool train step; a program whose arguments + temp_size exceed HBM still compiles,
+        # one whose peak_memory_in_bytes does not is refused), so temps are taken from the peak where it exists.
+        resident = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+        xla_peak = int(getattr(ma, "peak_memory_in_bytes", 0) or 0)
+        temp = max(0, xla_peak - resident) if xla_peak else ma.temp_size_in_bytes
+        peak = resident + temp + ma.generated_code_size_in_bytes
         host = (ma.host_argument_size_in_bytes + ma.host_output_size_in_bytes - ma.host_alias_size_in_bytes
                 + ma.host_temp_size_in_bytes)
         return cls(name=name, argument_bytes=ma.argument_size_in_bytes, output_bytes=ma.output_size_in_bytes,
-                   alias_bytes=ma.alias_size_in_bytes, temp_bytes=ma.temp_size_in_bytes,
+                   alias_bytes=ma.alias_size_in_bytes, temp_bytes=int(temp), xla_temp_bytes=ma.temp_size_in_bytes,
                    generated_code_bytes=ma.generated_code_size_in_bytes, peak_bytes=int(peak),
                    flops_per_step=flops, xla_flops_body_once=xla_flops,
                    optimal_seconds=float(cost.get("optimal_seconds", 0.0)) * scale,

@@ -175,13 +175,14 @@ def run_model_config(cfg):
 
 
 def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = None,
-             lengths: LengthModel = LengthModel()) -> dict:
+             lengths: LengthModel = LengthModel(), fit_slots: bool = True) -> dict:
     """Per-device memory (bytes) and per-step FLOPs for run config `cfg` on `accelerator` (default: cfg.launch).
 
     rl.packing: micro-batches of micro_batch_tokens // row_tokens rows per device (at least one); the step's
     FLOPs count the packed rows `expected_packing` finds under `lengths`. rl.micro_batch_tokens without packing:
     micro_batch_tokens // the padded length sequences per device (the longest bucket). rl.offload.optimizer: the
-    AdamW moments are off the device while sampling and during forward/backward, on it for the update."""
+    AdamW moments are off the device while sampling and during forward/backward, on it for the update. With the
+    rollout engine (and fit_slots), `max_slots_that_fit` is added: see that function."""
     acc_name = accelerator or getattr(getattr(cfg, "launch", None), "accelerator", None)
     if not acc_name:
         raise ValueError("no accelerator given (pass one, or set launch.accelerator in the config)")
@@ -287,6 +288,8 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "train_fwd_bwd": cfg.rl.ppo_epochs * train_tokens * ((6 + recompute) * P + 3 * train_attn),
     }
     total_flops = sum(flops.values())
+    slots_fit = max_slots_that_fit(cfg, acc_name, num_params=P, lengths=lengths) \
+        if generator == "engine" and fit_slots else None
     return {
         "estimate": True,
         "accelerator": acc.name,
@@ -305,7 +308,36 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "total_flops_per_step": total_flops,
         "step_time_s_at_40pct_mfu": total_flops / (acc.num_devices * acc.peak_flops * 0.4),
         "warnings": _warnings(model_cfg, acc),
+        **({"max_slots_that_fit": slots_fit} if slots_fit is not None else {}),
     }
+
+
+def max_slots_that_fit(cfg, accelerator: str, *, num_params: int | None = None,
+                       lengths: LengthModel = LengthModel()) -> dict:
+    """The largest sampling.engine.max_slots (a multiple of the data shards, at most one slot per response of a
+    generation batch: more never run at once) whose estimated SAMPLING phase stays within 90% of HBM; slots change
+    only that phase (the decode batch, and the auto-sized page pool). {"max_slots", "per_shard", "one_per_response",
+    "sampling_peak_bytes"}; max_slots 0 when not even one slot per shard fits."""
+    base = estimate(cfg, accelerator, num_params=num_params, lengths=lengths, fit_slots=False)
+    dp = batch_shards(base["mesh"])
+    limit = 0.9 * base["hbm_bytes_per_device"]
+    responses = cfg.rl.gen_batch_size * cfg.rl.group_size
+    P = base["model"]["params"]
+
+    def sampling_peak(per_shard: int) -> float:
+        engine = dataclasses.replace(cfg.sampling.engine, max_slots=per_shard * dp)
+        c = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, engine=engine))
+        return phase_peaks(estimate(c, accelerator, num_params=P, lengths=lengths, fit_slots=False))["sampling"]
+
+    lo, hi = 0, -(-responses // dp)  # per-shard slots: lo is known to fit (0: none), the answer is <= hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if sampling_peak(mid) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    return {"max_slots": lo * dp, "per_shard": lo, "one_per_response": -(-responses // dp) * dp,
+            "sampling_peak_bytes": sampling_peak(lo) if lo else None}
 
 
 def tool_engine_config(cfg, hosts: int, data_shards: int):
@@ -390,6 +422,11 @@ def format_plan(plan: dict) -> str:
         f"  {'peak':<32} {plan['peak_bytes_per_device'] / GiB:8.2f} GiB of {plan['hbm_bytes_per_device'] / GiB:.1f} GiB"
         f" HBM -> {verdict} (needs <= 90%)"
     )
+    fit = plan.get("max_slots_that_fit")
+    if fit:
+        per = f"{fit['per_shard']} per data shard" if fit["max_slots"] else "not one slot per data shard fits"
+        lines.append(f"  largest sampling.engine.max_slots with the sampling phase <= 90% of HBM: {fit['max_slots']} "
+                     f"({per}; one slot per response of a generation batch = {fit['one_per_response']})")
     lines.append("FLOPs per RL step:")
     for k, v in plan["flops_per_step"].items():
         lines.append(f"  {k:<32} {v:.3e}")

@@ -131,6 +131,34 @@ def test_collectives_parsed_from_hlo():
                                     "all-reduce": {"count": 1, "bytes": 32}}
 
 
+
+def test_program_peak_is_the_compilers_enforced_peak():
+    """Program.peak_bytes is libtpu's peak_memory_in_bytes (+ code): the figure the TPU compiler refuses a program
+    over (benchmarks/tpu_peak_memory.py finds the boundary), not arguments + temp_size_in_bytes, which over-counts
+    a scan's temps; temp_bytes is what the peak leaves beside the arguments and outputs."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    devices = aot.get_topology("v5p:2x2x1").devices
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(4), ("tensor",))
+
+    def loss(ws, x):  # remat'ed layers in a scan: the shape whose temp_size over-counts
+        def layer(c, w):
+            return c + jnp.tanh(c @ w.astype(jnp.bfloat16)) @ w.T.astype(jnp.bfloat16), None
+        y, _ = jax.lax.scan(jax.checkpoint(layer), x, ws)
+        return jnp.mean(y.astype(jnp.float32) ** 2)
+
+    ws = jax.ShapeDtypeStruct((6, 1024, 2048), jnp.float32,
+                              sharding=NamedSharding(mesh, PartitionSpec(None, None, "tensor")))
+    x = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
+    traced = jax.jit(jax.grad(loss)).trace(ws, x)
+    p = aot.Program.compile("toy", traced, lambda: jax.set_mesh(mesh), 4)
+    ma = traced.lower().compile().memory_analysis()
+    assert p.peak_bytes == ma.peak_memory_in_bytes + ma.generated_code_size_in_bytes
+    assert p.peak_bytes == p.argument_bytes + p.output_bytes - p.alias_bytes + p.temp_bytes + p.generated_code_bytes
+    assert p.xla_temp_bytes == ma.temp_size_in_bytes >= p.temp_bytes > 0
+
 @pytest.mark.parametrize("argv, message", [
     (["--topology", "v9:2x2"], "unknown TPU topology 'v9:2x2'"),
     (["--compile", "--accelerator", "v7-8"], "unknown accelerator type 'v7-8'"),

@@ -129,6 +129,38 @@ def test_plan_models_the_engine_page_pool():
     assert tp["memory_bytes"]["sample/prefill_attention_scores"] == scores
 
 
+
+def test_plan_reports_the_largest_max_slots_that_fit():
+    """With the engine, the plan names the largest sampling.engine.max_slots (whole slots per data shard, at most
+    one per response of a generation batch) whose sampling phase stays within 90% of HBM: that many fit, one more
+    per shard does not; everything fits -> one per response; not even the weights fit -> 0; static -> absent."""
+    from stare_jax.models import get_preset
+    from stare_jax.plan import max_slots_that_fit, phase_peaks
+
+    base = ["model.preset=qwen2.5-math-7b", "data.max_prompt_len=1024", "sampling.max_new_tokens=3072",
+            "model.dtype=bfloat16", "rl.micro_batch_size=1", "rl.gen_batch_size=64", "mesh.fsdp=-1"]
+    n = get_preset("qwen2.5-math-7b").num_params()
+
+    def sampling(acc, slots):
+        cfg = load_config(None, base + [f"sampling.engine.max_slots={slots}"])
+        return phase_peaks(estimate(cfg, acc, num_params=n, fit_slots=False))["sampling"]
+
+    plan = estimate(load_config(None, base), "2xH100", num_params=n)
+    fit = plan["max_slots_that_fit"]
+    assert fit == max_slots_that_fit(load_config(None, base), "2xH100", num_params=n)
+    limit = 0.9 * plan["hbm_bytes_per_device"]
+    assert 0 < fit["per_shard"] < 256 and fit["max_slots"] == 2 * fit["per_shard"]  # 2 data shards
+    assert sampling("2xH100", fit["max_slots"]) <= limit < sampling("2xH100", fit["max_slots"] + 2)
+    assert fit["one_per_response"] == 64 * 8
+    assert f"max_slots with the sampling phase <= 90% of HBM: {fit['max_slots']}" in format_plan(plan)
+    roomy = estimate(load_config(None, base), "8xB200", num_params=n)["max_slots_that_fit"]
+    assert roomy["max_slots"] == roomy["one_per_response"] == 512
+    tiny = estimate(load_config(None, base), "v5e-1", num_params=n)["max_slots_that_fit"]  # 16 GB: no room
+    assert tiny["max_slots"] == 0 and "not one slot per data shard fits" in format_plan(
+        estimate(load_config(None, base), "v5e-1", num_params=n))
+    static = estimate(load_config(None, base + ["sampling.engine.enabled=false"]), "2xH100", num_params=n)
+    assert "max_slots_that_fit" not in static
+
 def test_plan_models_packing_and_the_optimizer_offload():
     """rl.packing: the step's FLOPs count the packed rows first-fit-decreasing finds under the assumed lengths
     (whole micro-batches), far fewer than the padded rows; rl.offload.optimizer: the moments leave the sampling
