@@ -5,8 +5,9 @@ logits in fp32 (hidden.f32 @ unembed.f32^T for fp32 master weights, as the model
 bf16 x bf16 with fp32 accumulation when the unembed table itself is bf16), a log-softmax, the target log-prob and the
 entropy inside lax.map, so one chunk of logits is alive at a time; it keeps only the per-token logsumexp and entropy.
 Backward (custom VJP): the VOCAB axis is cut into chunks of about the same size (inside each device's vocab shard
-when the table is split over devices); each recomputes its logit columns for all tokens, forms dlogits = dlp (onehot - p) - dH p (log p + H), writes its own rows of d(unembed) (no [V, D]
-accumulator carried through the loop) and accumulates d(hidden) [N, D]. Gradients w.r.t. hidden and unembed are
+when the table is split over devices); each recomputes its logit columns for all tokens, forms
+dlogits = dlp (onehot - p) - dH p (log p + H), writes its own rows of d(unembed) (no [V, D] accumulator carried
+through the loop) and accumulates d(hidden) [N, D]. Gradients w.r.t. hidden and unembed are
 those of the naive full-logits computation.
 
 Alignment: hidden[b, t] predicts targets[b, t]; the caller does the shift (train_step uses targets = input_ids[:, 1:]).
