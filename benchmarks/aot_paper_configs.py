@@ -1,7 +1,7 @@
 """Compile every paper config (configs/paper/*.yaml) for its TPU slice on this CPU host and tabulate the compiler's
 per-chip peaks beside the analytic estimate (the BUILD.md table, and the calibration error of `stare-jax plan`).
 
-    python benchmarks/aot_paper_configs.py [--only SUBSTRING ...] [--out-dir DIR] [--markdown]
+    python benchmarks/aot_paper_configs.py [--only SUBSTRING ...] [--out-dir DIR] [--fresh] [--no-reuse] [--json]
 
 Each config is compiled by `stare-jax plan CONFIG --compile --json` in its own process, one at a time (a 7B-32B
 compile needs several GB of host memory), and its JSON report kept in --out-dir (default .cache/aot/, reused

@@ -45,7 +45,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stare_jax import models
 from stare_jax.models.sharding import batch_shards, make_mesh, mesh_for_config
-from stare_jax.plan import (GiB, estimate, parse_accelerator, phase_peaks, run_generator, run_model_config,
+from stare_jax.plan import (Accelerator, GiB, estimate, parse_accelerator, phase_peaks, resolve_max_slots,
+                            run_generator, run_model_config,
                             tool_engine_config)
 from stare_jax.rl.packing import batch_shapes
 from stare_jax.rl.stare import init_stare_state
@@ -375,7 +376,8 @@ def compile_engine(cfg, *, topology: str | None = None, attention: str | None = 
     program alone (the prefill program gathers whatever the decode backend). Returns {"topology", "mesh",
     "attention" (the decode backend the engine resolved), "compiled": {"sampler" (decode), "sampler_prefill"},
     "sampler_weights_bytes"}."""
-    _, topology, devices, mesh = slice_mesh(cfg, topology)
+    accelerator, topology, devices, mesh = slice_mesh(cfg, topology)
+    cfg = _resolve_slots(cfg, accelerator, topology, devices)
     hosts = len({getattr(d, "process_index", 0) for d in devices})
     try:
         engine_cfg = dataclasses.replace(tool_engine_config(cfg, hosts, batch_shards(mesh)), enabled=True)
@@ -389,6 +391,20 @@ def compile_engine(cfg, *, topology: str | None = None, attention: str | None = 
     return {"topology": topology, "mesh": dict(mesh.shape), "attention": engine.attention,
             "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
             "sampler_weights_bytes": tree_bytes_per_device(engine.state)}
+
+
+def _resolve_slots(cfg, accelerator: str | None, topology: str, devices: list):
+    """cfg with sampling.engine.max_slots=auto resolved for the slice (plan.resolve_max_slots: the accelerator's
+    HBM, or the topology's where only a topology is named); a CompileError when nothing fits."""
+    if cfg.sampling.engine.max_slots != "auto":
+        return cfg
+    hosts = len({getattr(d, "process_index", 0) for d in devices})
+    acc = parse_accelerator(accelerator) if accelerator else Accelerator(
+        topology, "tpu", len(devices), hbm_bytes_per_device(topology, devices) or 0, 0.0, hosts)
+    try:
+        return resolve_max_slots(cfg, acc)
+    except ValueError as e:
+        raise CompileError(f"topology {topology}: {e}") from None
 
 
 def slice_mesh(cfg, topology: str | None = None) -> tuple[str | None, str, list, jax.sharding.Mesh]:
@@ -417,6 +433,7 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     earlier report of a config with the same sampler_key; its sampler and reshard figures are taken instead of
     compiling the same programs again (a CompileError if the keys differ)."""
     accelerator, topology, devices, mesh = slice_mesh(cfg, topology)
+    cfg = _resolve_slots(cfg, accelerator, topology, devices)
     n = len(devices)
     hosts = len({getattr(d, "process_index", 0) for d in devices})
     try:  # with tool.enabled: the engine, and only where it runs (plan.tool_engine_config)

@@ -95,8 +95,9 @@ def coerce(value: Any, tp, key: str, where: str) -> Any:
 
 
 def check_range(value, meta, key: str, where: str) -> None:
-    """ConfigError when `value` is outside the field's declared range (None is always in range)."""
-    if "range" not in meta or value is None:
+    """ConfigError when `value` is outside the field's declared range (None, and a string choice of an `int |
+    Literal[...]` field, are always in range)."""
+    if "range" not in meta or value is None or isinstance(value, str):
         return
     lo, hi, lo_open, hi_open = meta["range"]
     if meta.get("nonzero") and value == 0:

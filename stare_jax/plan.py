@@ -79,6 +79,26 @@ def parse_accelerator(name: str) -> Accelerator:
     )
 
 
+def live_accelerator(devices=None) -> Accelerator | None:
+    """The accelerator this process runs on, from its devices (all processes'): HBM per device as the runtime
+    reports it (memory_stats()["bytes_limit"]); None where it reports none (the CPU)."""
+    devices = list(jax.devices() if devices is None else devices)
+    try:
+        stats = devices[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        stats = {}
+    limit = int(stats.get("bytes_limit", 0) or 0)
+    if not limit:
+        return None
+    d = devices[0]
+    return Accelerator(name=f"{len(devices)}x{d.device_kind}", kind=d.platform, num_devices=len(devices),
+                       hbm_bytes=limit, peak_flops=0.0, num_hosts=len({x.process_index for x in devices}))
+
+
+def _as_accelerator(accelerator: "str | Accelerator") -> Accelerator:
+    return accelerator if isinstance(accelerator, Accelerator) else parse_accelerator(accelerator)
+
+
 def param_count(model_cfg) -> int:
     """Parameter count from jax.eval_shape of the real model (no allocation)."""
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
@@ -174,7 +194,7 @@ def run_model_config(cfg):
     return model_cfg.replace(**cfg.model.architecture_overrides())
 
 
-def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = None,
+def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params: int | None = None,
              lengths: LengthModel = LengthModel(), fit_slots: bool = True) -> dict:
     """Per-device memory (bytes) and per-step FLOPs for run config `cfg` on `accelerator` (default: cfg.launch).
 
@@ -186,10 +206,11 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
     acc_name = accelerator or getattr(getattr(cfg, "launch", None), "accelerator", None)
     if not acc_name:
         raise ValueError("no accelerator given (pass one, or set launch.accelerator in the config)")
-    acc = parse_accelerator(acc_name)
+    acc = _as_accelerator(acc_name)
     mesh = resolve_mesh(cfg.mesh, acc.num_devices)
     model_cfg = run_model_config(cfg)
     P = num_params if num_params is not None else param_count(model_cfg)
+    cfg = resolve_max_slots(cfg, acc, num_params=P, lengths=lengths)
     dp = batch_shards(mesh)
     shard = mesh["fsdp"] * mesh["tensor"]
     tensor = mesh["tensor"]
@@ -288,7 +309,7 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "train_fwd_bwd": cfg.rl.ppo_epochs * train_tokens * ((6 + recompute) * P + 3 * train_attn),
     }
     total_flops = sum(flops.values())
-    slots_fit = max_slots_that_fit(cfg, acc_name, num_params=P, lengths=lengths) \
+    slots_fit = max_slots_that_fit(cfg, acc, num_params=P, lengths=lengths) \
         if generator == "engine" and fit_slots else None
     return {
         "estimate": True,
@@ -306,28 +327,53 @@ def estimate(cfg, accelerator: str | None = None, *, num_params: int | None = No
         "fits": bool(peak <= 0.9 * acc.hbm_bytes),
         "flops_per_step": flops,
         "total_flops_per_step": total_flops,
-        "step_time_s_at_40pct_mfu": total_flops / (acc.num_devices * acc.peak_flops * 0.4),
+        "step_time_s_at_40pct_mfu": total_flops / (acc.num_devices * acc.peak_flops * 0.4) if acc.peak_flops
+        else None,
+        "max_slots": engine_cfg.max_slots,
         "warnings": _warnings(model_cfg, acc),
         **({"max_slots_that_fit": slots_fit} if slots_fit is not None else {}),
     }
 
 
-def max_slots_that_fit(cfg, accelerator: str, *, num_params: int | None = None,
+def resolve_max_slots(cfg, accelerator: "str | Accelerator | None", *, num_params: int | None = None,
+                      lengths: LengthModel = LengthModel()):
+    """`cfg` with sampling.engine.max_slots=auto replaced by a number: the largest whose sampling phase fits
+    (`max_slots_that_fit`) on `accelerator`, or one slot per response of a generation batch where there is no
+    accelerator figure (None: a CPU host). A ValueError naming the key when not even one slot per data shard
+    fits. Other values: `cfg` unchanged."""
+    engine = cfg.sampling.engine
+    if engine.max_slots != "auto":
+        return cfg
+    if accelerator is None:
+        slots = cfg.rl.gen_batch_size * cfg.rl.group_size
+    else:
+        fit = max_slots_that_fit(cfg, accelerator, num_params=num_params, lengths=lengths)
+        if not fit["max_slots"]:
+            acc = _as_accelerator(accelerator)
+            raise ValueError(f"sampling.engine.max_slots=auto: not even one decode slot per data shard fits in 90% "
+                             f"of {acc.name}'s {acc.hbm_bytes / GiB:.1f} GiB per device (by `stare-jax plan`'s "
+                             f"estimate): a larger slice, more tensor parallelism or a shorter sequence")
+        slots = fit["max_slots"]
+    return dataclasses.replace(cfg, sampling=dataclasses.replace(
+        cfg.sampling, engine=dataclasses.replace(engine, max_slots=slots)))
+
+
+def max_slots_that_fit(cfg, accelerator: "str | Accelerator", *, num_params: int | None = None,
                        lengths: LengthModel = LengthModel()) -> dict:
     """The largest sampling.engine.max_slots (a multiple of the data shards, at most one slot per response of a
     generation batch: more never run at once) whose estimated SAMPLING phase stays within 90% of HBM; slots change
     only that phase (the decode batch, and the auto-sized page pool). {"max_slots", "per_shard", "one_per_response",
     "sampling_peak_bytes"}; max_slots 0 when not even one slot per shard fits."""
-    base = estimate(cfg, accelerator, num_params=num_params, lengths=lengths, fit_slots=False)
-    dp = batch_shards(base["mesh"])
-    limit = 0.9 * base["hbm_bytes_per_device"]
+    acc = _as_accelerator(accelerator)
+    dp = batch_shards(resolve_mesh(cfg.mesh, acc.num_devices))
+    limit = 0.9 * acc.hbm_bytes
     responses = cfg.rl.gen_batch_size * cfg.rl.group_size
-    P = base["model"]["params"]
+    P = num_params if num_params is not None else param_count(run_model_config(cfg))
 
     def sampling_peak(per_shard: int) -> float:
         engine = dataclasses.replace(cfg.sampling.engine, max_slots=per_shard * dp)
         c = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, engine=engine))
-        return phase_peaks(estimate(c, accelerator, num_params=P, lengths=lengths, fit_slots=False))["sampling"]
+        return phase_peaks(estimate(c, acc, num_params=P, lengths=lengths, fit_slots=False))["sampling"]
 
     lo, hi = 0, -(-responses // dp)  # per-shard slots: lo is known to fit (0: none), the answer is <= hi
     while lo < hi:
@@ -398,7 +444,8 @@ def format_plan(plan: dict) -> str:
     """Human-readable table of an `estimate` result."""
     lines = [
         f"ESTIMATE (analytic model, not a measurement) for {plan['accelerator']}: {plan['devices']} devices on "
-        f"{plan['hosts']} host(s), mesh {plan['mesh']}, generator: {plan['generator']}",
+        f"{plan['hosts']} host(s), mesh {plan['mesh']}, generator: {plan['generator']}"
+        + (f" ({plan['max_slots']} decode slots)" if plan["generator"] == "engine" and "max_slots" in plan else ""),
         f"model: {plan['model']['params'] / 1e9:.2f}B params, {plan['model']['layers']} layers, "
         f"sequence {plan['model']['seq_len']} tokens",
         "per-device memory:",
@@ -430,7 +477,8 @@ def format_plan(plan: dict) -> str:
     lines.append("FLOPs per RL step:")
     for k, v in plan["flops_per_step"].items():
         lines.append(f"  {k:<32} {v:.3e}")
-    lines.append(f"  {'total':<32} {plan['total_flops_per_step']:.3e}  "
-                 f"(~{plan['step_time_s_at_40pct_mfu']:.0f} s/step at 40% MFU)")
+    step_s = plan.get("step_time_s_at_40pct_mfu")
+    lines.append(f"  {'total':<32} {plan['total_flops_per_step']:.3e}"
+                 + (f"  (~{step_s:.0f} s/step at 40% MFU)" if step_s is not None else ""))
     lines += [f"WARNING: {w}" for w in plan.get("warnings", [])]
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from stare_jax import models, toy
 from stare_jax.config import Config
 from stare_jax.data.prompts import PromptRow, format_prompt
 from stare_jax.models.sharding import batch_shards
+from stare_jax.plan import live_accelerator, resolve_max_slots
 from stare_jax.rl.stare import StareState, init_stare_state
 from stare_jax.rl.train_step import TrainState, TrainStepConfig, init_train_state, place_train_state, split_model
 from stare_jax.run_dir import is_remote, local_copy
@@ -196,10 +197,21 @@ def reference_params(cfg: Config, params, mesh=None, *, log: Callable[[str], Non
     return jax.device_put(loaded, shardings)
 
 
-def make_sampler(model, cfg: Config, mesh, pad_id: int | None) -> Sampler | Engine:
+def make_sampler(model, cfg: Config, mesh, pad_id: int | None, log: Callable[[str], None] | None = None
+                 ) -> Sampler | Engine:
     """The run's generator per sampling.engine.enabled (sampling.engine.make_generator): the rollout engine
     (continuous batching over paged KV) or the static sampler; both draw the same samples. With tool.enabled,
-    auto means the engine (the multi-turn rollouts need its append-and-continue)."""
+    auto means the engine (the multi-turn rollouts need its append-and-continue). sampling.engine.max_slots=auto
+    is resolved here for this host's devices (plan.resolve_max_slots) and the number logged."""
+    if cfg.sampling.engine.max_slots == "auto":
+        acc = live_accelerator()
+        try:
+            cfg = resolve_max_slots(cfg, acc)
+        except ValueError as e:
+            raise TrainingError(str(e)) from None
+        (log or print)(f"sampling.engine.max_slots=auto -> {cfg.sampling.engine.max_slots} ("
+                       + (f"fits {acc.name}'s {acc.hbm_bytes / 2**30:.1f} GiB per device by the plan's estimate)"
+                          if acc else "no HBM figure on this host: one slot per response of a generation batch)"))
     engine = cfg.sampling.engine
     if cfg.tool.enabled and engine.enabled == "auto":
         engine = dataclasses.replace(engine, enabled=True)

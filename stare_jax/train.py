@@ -338,7 +338,7 @@ def open_run(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool, require_
     # before any restore: "initial" is the run's starting weights (model.path), on resume too
     ref_params = reference_params(cfg, train_state.params, mesh, log=log)
     step_fn = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
-    sampler = make_sampler(model, cfg, mesh, tokenizer.pad_id)
+    sampler = make_sampler(model, cfg, mesh, tokenizer.pad_id, log=log)
     ckpt = Checkpointer(rd.checkpoints, keep=cfg.checkpoint.keep, every_steps=cfg.checkpoint.every_steps,
                         async_save=cfg.checkpoint.async_save, must_exist=resume)
     start_step = 0

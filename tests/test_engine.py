@@ -217,10 +217,22 @@ def test_multi_turn_continuation_equals_full_forward(model):
     (dict(num_pages=1), "sampling.engine: 'num_pages' = 1 is not accepted: 0 \\(auto\\)"),
     (dict(attention="flash"), "sampling.engine: 'attention' = 'flash' is not accepted; accepted values: 'auto', "
                               "'gather', 'pallas'"),
+    (dict(max_slots="many"), "sampling.engine: 'max_slots' = 'many' has the wrong type; expected int or one of "
+                             "'auto'"),
 ])
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)
+
+
+def test_auto_slots_must_be_resolved_before_the_engine(model):
+    """max_slots=auto is a config value (stare_jax.plan.resolve_max_slots turns it into a number for the host or
+    slice): the engine and the pool sizing refuse it unresolved, by name."""
+    auto = EngineConfig(max_slots="auto")
+    with pytest.raises(ValueError, match="max_slots=auto reached the engine unresolved"):
+        Engine(model, config=auto)
+    with pytest.raises(ValueError, match="max_slots=auto must be resolved"):
+        auto.pool_pages(64)
 
 
 def test_attention_config_resolves_per_platform(model):

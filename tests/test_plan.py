@@ -161,6 +161,30 @@ def test_plan_reports_the_largest_max_slots_that_fit():
     static = estimate(load_config(None, base + ["sampling.engine.enabled=false"]), "2xH100", num_params=n)
     assert "max_slots_that_fit" not in static
 
+
+def test_auto_max_slots_resolves_to_what_fits():
+    """sampling.engine.max_slots=auto: the plan (and `plan --compile`, and the run on its own devices) resolves it
+    to max_slots_that_fit; without an accelerator figure (a CPU host) to one slot per response; a clear error
+    naming the key when nothing fits."""
+    from stare_jax.models import get_preset
+    from stare_jax.plan import Accelerator, max_slots_that_fit, resolve_max_slots
+
+    base = ["model.preset=qwen2.5-math-7b", "data.max_prompt_len=1024", "sampling.max_new_tokens=3072",
+            "model.dtype=bfloat16", "rl.micro_batch_size=1", "rl.gen_batch_size=64", "mesh.fsdp=-1"]
+    n = get_preset("qwen2.5-math-7b").num_params()
+    auto = load_config(None, base + ["sampling.engine.max_slots=auto"])
+    fit = max_slots_that_fit(auto, "2xH100", num_params=n)["max_slots"]
+    plan = estimate(auto, "2xH100", num_params=n)
+    assert plan["max_slots"] == fit and f"({fit} decode slots)" in format_plan(plan)
+    fixed = estimate(load_config(None, base + [f"sampling.engine.max_slots={fit}"]), "2xH100", num_params=n)
+    assert plan["memory_bytes"] == fixed["memory_bytes"]
+    assert resolve_max_slots(auto, None).sampling.engine.max_slots == 64 * 8  # no HBM figure: one per response
+    live = Accelerator("2xH100 (live)", "gpu", 2, 80 * 10**9, 0.0, 1)  # what live_accelerator builds on a GPU host
+    assert resolve_max_slots(auto, live, num_params=n).sampling.engine.max_slots == fit
+    assert "s/step" not in format_plan(estimate(auto, live, num_params=n))  # no peak FLOP/s figure: no time
+    with pytest.raises(ValueError, match="max_slots=auto: not even one decode slot per data shard fits"):
+        estimate(auto, "v5e-1", num_params=n)
+
 def test_plan_models_packing_and_the_optimizer_offload():
     """rl.packing: the step's FLOPs count the packed rows first-fit-decreasing finds under the assumed lengths
     (whole micro-batches), far fewer than the padded rows; rl.offload.optimizer: the moments leave the sampling

@@ -163,6 +163,20 @@ def test_collect_with_the_rollout_engine_draws_the_same_samples(run):
             np.testing.assert_array_equal(paged.batch[k], static.batch[k], err_msg=f"{k} (mesh {mesh})")
 
 
+
+def test_auto_max_slots_on_this_host_is_one_slot_per_response(run):
+    """sampling.engine.max_slots=auto is resolved by make_sampler for the devices the run has: the CPU reports no
+    HBM figure, so one slot per response of a generation batch (rl.gen_batch_size x rl.group_size), logged."""
+    cfg = dataclasses.replace(run.cfg, sampling=dataclasses.replace(
+        run.cfg.sampling, engine=dataclasses.replace(run.cfg.sampling.engine, enabled=True, max_slots="auto")))
+    model = nnx.merge(run.graphdef, run.train_state.params, run.train_state.rest)
+    lines: list[str] = []
+    engine = make_sampler(model, cfg, None, run.tokenizer.pad_id, log=lines.append)
+    slots = cfg.rl.gen_batch_size * cfg.rl.group_size
+    assert isinstance(engine, Engine) and engine.engine_config.max_slots == slots
+    assert lines == [f"sampling.engine.max_slots=auto -> {slots} (no HBM figure on this host: one slot per response "
+                     f"of a generation batch)"]
+
 def test_kl_reference_is_the_starting_policy_also_after_resume(toy_cache, tmp_path):
     """rl.kl.reference 'initial' is re-derived from model.path when a run opens: on resume it is still the run's
     starting weights, not the restored (trained) policy; it is not in the checkpoint."""

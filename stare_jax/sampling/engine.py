@@ -331,6 +331,9 @@ class Engine:
                  cache_dtype=jnp.float32, pad_id: int | None = None):
         self.config = model_config(model)
         self.engine_config = config if config is not None else EngineConfig()
+        if self.engine_config.max_slots == "auto":
+            raise ValueError("sampling.engine.max_slots=auto reached the engine unresolved: resolve it with "
+                             "stare_jax.plan.resolve_max_slots (the run does) or give a number")
         self.mesh = mesh
         self.cache_dtype = jnp.dtype(cache_dtype).name
         cfg_pad = getattr(self.config, "pad_token_id", None)

@@ -25,8 +25,11 @@ class EngineConfig:
         128, "with enabled=auto, the shortest response budget (sampling.max_new_tokens) that uses the engine: "
              "for a few tokens per response there is no tail to refill and the static sampler's single program "
              "is faster (the CPU toy's 8 tokens: ~1.4-2.5x)", lo=1)
-    max_slots: int = option(64, "decode slots: rows decoded together per step (the decode batch; split over the "
-                                "mesh's data shards)", lo=1)
+    max_slots: int | Literal["auto"] = option(
+        64, "decode slots: rows decoded together per step (the decode batch; split over the mesh's data shards), or "
+            "auto = the most whose sampling phase fits in 90% of the accelerator's HBM by `stare-jax plan`'s estimate, "
+            "at most one per response of a generation batch (on a host that reports no HBM figure, e.g. the CPU: one "
+            "per response); `stare-jax plan` prints the number", lo=1)
     page_size: int = option(16, "tokens per KV page (the unit of allocation and of prefix sharing)", lo=1)
     num_pages: int = option(0, "pages in the pool (split over the mesh's data shards; page 0 of each reserved); 0 = "
                                "auto (max_slots x the longest request's pages + prefix staging: never preempts); "
@@ -53,6 +56,9 @@ class EngineConfig:
         """Pages of the pool for requests of up to `longest_tokens` tokens (prompt + new tokens): num_pages, or in
         auto mode one request's pages + a prefix staging page for every slot and one more prompt, + the trash
         page (so the auto pool never preempts)."""
+        if self.max_slots == "auto":
+            raise ValueError("sampling.engine.max_slots=auto must be resolved to a number first "
+                             "(stare_jax.plan.resolve_max_slots)")
         one = -(-int(longest_tokens) // self.page_size) + 1
         return self.num_pages if self.num_pages else (self.max_slots + 1) * one + 1
 
