@@ -631,7 +631,9 @@ class Engine:
 
     def _slots_per_shard(self) -> int:
         """Decode slots of each data shard: max_slots split over the shards (rounded up)."""
-        return -(-self.engine_config.max_slots // self.data_shards)
+        slots = self.engine_config.max_slots
+        assert isinstance(slots, int)  # auto is refused in __init__
+        return -(-slots // self.data_shards)
 
     def _ensure_pool(self, convs) -> None:
         """Allocate the page pools once (or grow them in auto mode): one of num_pages / D pages per data shard;
