@@ -126,8 +126,9 @@ def training_activation_bytes(model_cfg, seqs: float, seq_len: int, *, tensor: i
     # scores, exp and probabilities in fp32 for the reference attention
     scores = seqs * (h / tensor) * seq_len * seq_len * 4 * 3 if model_cfg.attention_impl == "xla" else 0.0
     policy = model_cfg.remat_policy
-    if policy == "full":  # saved layer inputs + one layer recomputed and differentiated (forward + backward sets)
-        return L * tok * d * b + 2 * per_layer_all + scores
+    if policy == "full":  # saved layer inputs + one layer's working set, recomputed and differentiated (the TPU
+        # peaks of the paper configs, 2026-12-06: counting that set twice over-counted their train steps by 10-48%)
+        return L * tok * d * b + per_layer_all + scores
     if policy.startswith("dots"):
         return L * per_layer_dots + per_layer_all + scores
     return L * (per_layer_all + scores)
@@ -240,9 +241,9 @@ def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params:
     d, L, V = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.vocab_size
     layer_params = (P - V * d * (1 if model_cfg.tie_word_embeddings else 2)) / L
 
-    # Calibrated against the compiled train step (stare-jax plan --compile; BUILD.md): the micro-batch scan holds
-    # the gradient accumulator and one micro-batch's gradient; the log-prob pass gathers the unembedding in fp32
-    # and XLA keeps bf16 copies of the embedding/unembedding tables (three in the 7B step's buffer report).
+    # Calibrated against the compiled train step (stare-jax plan --compile, its peak_memory_in_bytes; BUILD.md): the
+    # micro-batch scan holds the gradient accumulator and one micro-batch's gradient; the log-prob pass gathers the
+    # unembedding in fp32 beside a bf16 copy of a vocab table (the Qwen3-8B step's buffer report, fsdp 64).
     # Layer weights in the compute dtype: with FSDP two layers' gathered weights at a time; without it (fsdp 1)
     # XLA hoists the cast of every layer's (tensor-sharded) weights out of the micro-batch loop and keeps them all
     # for the step (the 7B tool config's buffer report: bf16 [28, ...] stacks, 3.0 GiB per chip).
@@ -254,7 +255,7 @@ def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params:
         "gathered_layer_weights": cast_layers * layer_params * cb / tensor,
         "activations": training_activation_bytes(model_cfg, mb_seqs_dev, mb_len, tensor=tensor),
         "logits_chunks": mb_seqs_dev * min(cfg.rl.logprob_chunk_size, mb_len) * (V / tensor) * 4 * 3,
-        "vocab_tables": V * d * (4 + 3 * cb) / tensor,
+        "vocab_tables": V * d * (4 + cb) / tensor,
     }
     if cfg.rl.kl.enabled:  # the frozen reference policy: the policy's parameters and shardings, no optimizer state
         mem["reference_params"] = P * pb / shard

@@ -183,15 +183,16 @@ def test_missing_libtpu_names_the_package(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["r1-distill-qwen-1.5b_stare_o1", "qwen2.5-math-7b_stare_o1"])
 def test_paper_config_fits_its_slice(config):
-    """Opt-in (--runslow): a paper config compiled for its real slice fits with 10% headroom, and the estimate is
-    within 20% of each compiled phase (6 and 17 minutes on a loaded 2-core host; ~6 and ~9 GB of host memory)."""
+    """Opt-in (--runslow): a paper config compiled for its real slice fits with 10% headroom, and the estimate of
+    each phase is at most 5% under the compiled peak (the unsafe direction) and at most 30% over it (R1-Distill's
+    sampling phase: +23% on 2026-12-06; 4-7 minutes each on a 2-core host; ~6 and ~9 GB of host memory)."""
     from stare_jax.plan import estimate, phase_peaks
 
     cfg = load_config(f"configs/paper/{config}.yaml")
     r = aot.compile_run(cfg, log=lambda _: None)
     assert r["fits"] is True
     for phase, e in phase_peaks(estimate(cfg)).items():
-        assert abs(e / r["phases"][phase]["peak_bytes"] - 1) <= 0.2, (phase, e, r["phases"][phase])
+        assert -0.05 <= e / r["phases"][phase]["peak_bytes"] - 1 <= 0.3, (phase, e, r["phases"][phase])
 
 
 def test_engine_run_compiles_the_engine_programs():
