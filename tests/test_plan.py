@@ -188,7 +188,7 @@ def test_auto_max_slots_resolves_to_what_fits():
 def test_plan_models_packing_and_the_optimizer_offload():
     """rl.packing: the step's FLOPs count the packed rows first-fit-decreasing finds under the assumed lengths
     (whole micro-batches), far fewer than the padded rows; rl.offload.optimizer: the moments leave the sampling
-    phase and, in training, are held only by the update."""
+    phase; the train step still holds them (the compiled offloaded steps are no smaller: BUILD.md)."""
     from stare_jax.plan import LengthModel, expected_packing, phase_peaks
 
     base = "configs/paper/qwen3-8b-base_stare_o1.yaml"
@@ -209,7 +209,7 @@ def test_plan_models_packing_and_the_optimizer_offload():
     p_on, p_off = phase_peaks(padded), phase_peaks(off)
     opt = padded["memory_bytes"]["train/optimizer"]
     assert p_on["sampling"] - p_off["sampling"] == pytest.approx(opt)
-    assert p_off["training"] <= p_on["training"] and off["peak_bytes_per_device"] < padded["peak_bytes_per_device"]
+    assert p_off["training"] == p_on["training"] and off["peak_bytes_per_device"] < padded["peak_bytes_per_device"]
     assert "optimizer offloaded" in format_plan(off) and "packing (assumed lengths" in format_plan(packed)
 
 
