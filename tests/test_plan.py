@@ -230,3 +230,21 @@ def test_plan_counts_the_kl_reference_with_packing():
             assert peak == pytest.approx(phase_peaks(without)[phase] + ref), (packed, phase)
     flops = with_kl["flops_per_step"]["old_logprob_pass"]
     assert flops == pytest.approx(2 * without["flops_per_step"]["old_logprob_pass"])
+
+
+def test_live_accelerator_reads_the_runtime_hbm():
+    """live_accelerator: the devices' HBM as the runtime reports it (memory_stats bytes_limit), hosts from their
+    process indices; None on a backend that reports none (this CPU host)."""
+    from types import SimpleNamespace
+
+    from stare_jax.plan import live_accelerator
+
+    assert live_accelerator() is None  # the CPU reports no bytes_limit
+
+    def gpu(i):
+        return SimpleNamespace(memory_stats=lambda: {"bytes_limit": 79 * 10**9}, device_kind="NVIDIA H100 80GB HBM3",
+                               platform="gpu", process_index=i // 8)
+
+    acc = live_accelerator([gpu(i) for i in range(16)])
+    assert (acc.num_devices, acc.num_hosts, acc.hbm_bytes, acc.kind) == (16, 2, 79 * 10**9, "gpu")
+    assert acc.name == "16xNVIDIA H100 80GB HBM3"
