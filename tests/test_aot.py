@@ -132,6 +132,20 @@ def test_collectives_parsed_from_hlo():
 
 
 
+
+def test_auto_slots_resolve_for_the_slice_compiled():
+    """plan --compile with sampling.engine.max_slots=auto compiles the engine at the number the plan finds for the
+    slice: launch.accelerator's HBM, or (only a topology named) libtpu's own HBM figure of that topology."""
+    from stare_jax.plan import max_slots_that_fit
+
+    cfg = load_config("configs/paper/qwen2.5-7b-tool_stare_o1.yaml", ["sampling.engine.max_slots=auto"])
+    devices = aot.get_topology("v5p:2x2x1").devices
+    fit = max_slots_that_fit(cfg, "v5p-8")["max_slots"]
+    assert fit > 128  # the config's own 128 fits with room
+    assert aot._resolve_slots(cfg, "v5p-8", "v5p:2x2x1", devices).sampling.engine.max_slots == fit
+    by_topology = aot._resolve_slots(cfg, None, "v5p:2x2x1", devices).sampling.engine.max_slots
+    assert by_topology == fit  # libtpu's HBM figure for v5p is the table's (95.74 GiB)
+
 def test_program_peak_is_the_compilers_enforced_peak():
     """Program.peak_bytes is libtpu's peak_memory_in_bytes (+ code): the figure the TPU compiler refuses a program
     over (benchmarks/tpu_peak_memory.py finds the boundary), not arguments + temp_size_in_bytes, which over-counts
