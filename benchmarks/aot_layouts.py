@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import subprocess
 import sys
-import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from aot_paper_configs import REPO, plan_compile
+
 GiB = 1024**3
 
 # (config, micro_batch_tokens of the packed layouts: the padded configs' micro-batch in tokens)
@@ -31,15 +29,7 @@ LAYOUTS = {"padded": [], "packed": ["rl.packing.enabled=true", "rl.micro_batch_t
 
 def compile_layout(config: str, overrides: list[str], padded_report: pathlib.Path) -> dict:
     """`stare-jax plan CONFIG OVERRIDES --compile --json --reuse-sampler PADDED` in its own process."""
-    t0 = time.time()
-    cmd = [sys.executable, "-m", "stare_jax.cli", "plan", f"configs/paper/{config}.yaml", *overrides, "--compile",
-           "--json", "--reuse-sampler", str(padded_report)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=REPO)
-    if proc.returncode != 0:
-        return {"error": ([ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or ["(no message)"])[0]}
-    report = json.loads(proc.stdout)
-    report["wall_s"] = time.time() - t0
-    return report
+    return plan_compile([f"configs/paper/{config}.yaml", *overrides, "--reuse-sampler", str(padded_report)])
 
 
 def row(config: str, layout: str, overrides: list[str], r: dict) -> str:

@@ -66,19 +66,23 @@ def compile_one(config: pathlib.Path, out: pathlib.Path, fresh: bool, reuse: boo
     code_mtime = max(p.stat().st_mtime for p in (REPO / "stare_jax").rglob("*.py"))
     if out.is_file() and not fresh and out.stat().st_mtime > max(code_mtime, config.stat().st_mtime):
         return json.loads(out.read_text())
-    t0 = time.time()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     source = sampler_source(config, out.parent) if reuse else None
-    extra = ["--reuse-sampler", str(source)] if source else []
-    proc = subprocess.run([sys.executable, "-m", "stare_jax.cli", "plan", str(config), "--compile", "--json", *extra],
-                          capture_output=True, text=True, env=env, cwd=REPO)
+    report = plan_compile([str(config), *(["--reuse-sampler", str(source)] if source else [])])
+    out.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def plan_compile(args: list[str]) -> dict:
+    """`stare-jax plan ARGS --compile --json` in its own process: its report with `wall_s`, or {"error": the last
+    line it printed to stderr, "wall_s"}."""
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "stare_jax.cli", "plan", *args, "--compile", "--json"],
+                          capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=REPO)
     if proc.returncode != 0:
         err = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or ["(no message)"]
-        report = {"error": err[0], "wall_s": time.time() - t0}
-    else:
-        report = json.loads(proc.stdout)
-        report["wall_s"] = time.time() - t0
-    out.write_text(json.dumps(report, indent=1))
+        return {"error": err[0], "wall_s": time.time() - t0}
+    report = json.loads(proc.stdout)
+    report["wall_s"] = time.time() - t0
     return report
 
 

@@ -433,7 +433,6 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     earlier report of a config with the same sampler_key; its sampler and reshard figures are taken instead of
     compiling the same programs again (a CompileError if the keys differ)."""
     accelerator, topology, devices, mesh = slice_mesh(cfg, topology)
-    cfg = _resolve_slots(cfg, accelerator, topology, devices)
     n = len(devices)
     hosts = len({getattr(d, "process_index", 0) for d in devices})
     try:  # with tool.enabled: the engine, and only where it runs (plan.tool_engine_config)
@@ -441,6 +440,9 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     except ValueError as e:
         raise CompileError(f"topology {topology}: {e}") from None
     generator = run_generator(engine_cfg, hosts, batch_shards(mesh), cfg.sampling.max_new_tokens)
+    if generator == "engine":  # max_slots=auto matters only where the engine generates
+        cfg = _resolve_slots(cfg, accelerator, topology, devices)
+        engine_cfg = tool_engine_config(cfg, hosts, batch_shards(mesh))
     model_cfg = model_cfg or run_model_config(cfg)
     key = sampler_key(cfg, topology, model_cfg)
     if reuse_sampler is not None and reuse_sampler.get("sampler_key") != key:

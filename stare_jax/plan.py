@@ -211,8 +211,14 @@ def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params:
     mesh = resolve_mesh(cfg.mesh, acc.num_devices)
     model_cfg = run_model_config(cfg)
     P = num_params if num_params is not None else param_count(model_cfg)
-    cfg = resolve_max_slots(cfg, acc, num_params=P, lengths=lengths)
     dp = batch_shards(mesh)
+    engine_cfg = tool_engine_config(cfg, acc.num_hosts, dp)
+    generator = run_generator(engine_cfg, acc.num_hosts, dp, cfg.sampling.max_new_tokens)
+    slots_fit = None  # max_slots_that_fit, computed once: for the report and for max_slots=auto
+    if generator == "engine" and (fit_slots or engine_cfg.max_slots == "auto"):
+        slots_fit = max_slots_that_fit(cfg, acc, num_params=P, lengths=lengths)
+        cfg = resolve_max_slots(cfg, acc, fit=slots_fit)
+        engine_cfg = tool_engine_config(cfg, acc.num_hosts, dp)
     shard = mesh["fsdp"] * mesh["tensor"]
     tensor = mesh["tensor"]
     pb, cb = _BYTES[model_cfg.param_dtype], _BYTES[model_cfg.dtype]
@@ -259,8 +265,6 @@ def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params:
     }
     if cfg.rl.kl.enabled:  # the frozen reference policy: the policy's parameters and shardings, no optimizer state
         mem["reference_params"] = P * pb / shard
-    engine_cfg = tool_engine_config(cfg, acc.num_hosts, dp)
-    generator = run_generator(engine_cfg, acc.num_hosts, dp, cfg.sampling.max_new_tokens)
     kv_heads, dh = model_cfg.num_kv_heads, model_cfg.head_dim
     if generator == "engine":
         # each data shard's page pool (allocated once: sampling.engine.num_pages / dp, or auto-sized for its
@@ -310,8 +314,6 @@ def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params:
         "train_fwd_bwd": cfg.rl.ppo_epochs * train_tokens * ((6 + recompute) * P + 3 * train_attn),
     }
     total_flops = sum(flops.values())
-    slots_fit = max_slots_that_fit(cfg, acc, num_params=P, lengths=lengths) \
-        if generator == "engine" and fit_slots else None
     return {
         "estimate": True,
         "accelerator": acc.name,
@@ -332,23 +334,23 @@ def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params:
         else None,
         "max_slots": engine_cfg.max_slots,
         "warnings": _warnings(model_cfg, acc),
-        **({"max_slots_that_fit": slots_fit} if slots_fit is not None else {}),
+        **({"max_slots_that_fit": slots_fit} if slots_fit is not None and fit_slots else {}),
     }
 
 
 def resolve_max_slots(cfg, accelerator: "str | Accelerator | None", *, num_params: int | None = None,
-                      lengths: LengthModel = LengthModel()):
+                      lengths: LengthModel = LengthModel(), fit: dict | None = None):
     """`cfg` with sampling.engine.max_slots=auto replaced by a number: the largest whose sampling phase fits
-    (`max_slots_that_fit`) on `accelerator`, or one slot per response of a generation batch where there is no
-    accelerator figure (None: a CPU host). A ValueError naming the key when not even one slot per data shard
-    fits. Other values: `cfg` unchanged."""
+    (`max_slots_that_fit` on `accelerator`, or `fit` when the caller has it), or one slot per response of a
+    generation batch where there is no accelerator figure (None: a CPU host). A ValueError naming the key when
+    not even one slot per data shard fits. Other values: `cfg` unchanged."""
     engine = cfg.sampling.engine
     if engine.max_slots != "auto":
         return cfg
     if accelerator is None:
         slots = cfg.rl.gen_batch_size * cfg.rl.group_size
     else:
-        fit = max_slots_that_fit(cfg, accelerator, num_params=num_params, lengths=lengths)
+        fit = fit or max_slots_that_fit(cfg, accelerator, num_params=num_params, lengths=lengths)
         if not fit["max_slots"]:
             acc = _as_accelerator(accelerator)
             raise ValueError(f"sampling.engine.max_slots=auto: not even one decode slot per data shard fits in 90% "

@@ -23,7 +23,7 @@ from stare_jax.plan import live_accelerator, resolve_max_slots
 from stare_jax.rl.stare import StareState, init_stare_state
 from stare_jax.rl.train_step import TrainState, TrainStepConfig, init_train_state, place_train_state, split_model
 from stare_jax.run_dir import is_remote, local_copy
-from stare_jax.sampling import Engine, Sampler
+from stare_jax.sampling import Engine, EngineConfig, Sampler
 from stare_jax.sampling.engine import make_generator
 from stare_jax.tools.config import make_pool
 from stare_jax.tools.pool import SandboxPool
@@ -202,22 +202,25 @@ def make_sampler(model, cfg: Config, mesh, pad_id: int | None, log: Callable[[st
     """The run's generator per sampling.engine.enabled (sampling.engine.make_generator): the rollout engine
     (continuous batching over paged KV) or the static sampler; both draw the same samples. With tool.enabled,
     auto means the engine (the multi-turn rollouts need its append-and-continue). sampling.engine.max_slots=auto
-    is resolved here for this host's devices (plan.resolve_max_slots) and the number logged."""
-    if cfg.sampling.engine.max_slots == "auto":
+    is resolved for this host's devices (plan.resolve_max_slots) when the engine is built, and the number logged."""
+
+    def resolve_slots(engine: EngineConfig) -> EngineConfig:
+        if engine.max_slots != "auto":
+            return engine
         acc = live_accelerator()
-        try:
-            cfg = resolve_max_slots(cfg, acc)
-        except ValueError as e:
-            raise TrainingError(str(e)) from None
-        (log or print)(f"sampling.engine.max_slots=auto -> {cfg.sampling.engine.max_slots} ("
+        slots = resolve_max_slots(cfg, acc).sampling.engine.max_slots
+        (log or print)(f"sampling.engine.max_slots=auto -> {slots} ("
                        + (f"fits {acc.name}'s {acc.hbm_bytes / 2**30:.1f} GiB per device by the plan's estimate)"
                           if acc else "no HBM figure on this host: one slot per response of a generation batch)"))
+        return dataclasses.replace(engine, max_slots=slots)
+
     engine = cfg.sampling.engine
     if cfg.tool.enabled and engine.enabled == "auto":
         engine = dataclasses.replace(engine, enabled=True)
     try:
         return make_generator(model, config=engine, max_new_tokens=cfg.sampling.max_new_tokens,
-                              mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id)
+                              mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id,
+                              resolve=resolve_slots)
     except ValueError as e:
         raise TrainingError(str(e)) from None
 

@@ -184,6 +184,9 @@ def test_auto_max_slots_resolves_to_what_fits():
     assert "s/step" not in format_plan(estimate(auto, live, num_params=n))  # no peak FLOP/s figure: no time
     with pytest.raises(ValueError, match="max_slots=auto: not even one decode slot per data shard fits"):
         estimate(auto, "v5e-1", num_params=n)
+    # with the static sampler the slot count is moot: nothing to resolve, nothing to refuse
+    static = load_config(None, base + ["sampling.engine.max_slots=auto", "sampling.engine.enabled=false"])
+    assert estimate(static, "v5e-1", num_params=n)["generator"] == "static"
 
 def test_plan_models_packing_and_the_optimizer_offload():
     """rl.packing: the step's FLOPs count the packed rows first-fit-decreasing finds under the assumed lengths

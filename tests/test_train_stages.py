@@ -176,6 +176,10 @@ def test_auto_max_slots_on_this_host_is_one_slot_per_response(run):
     assert isinstance(engine, Engine) and engine.engine_config.max_slots == slots
     assert lines == [f"sampling.engine.max_slots=auto -> {slots} (no HBM figure on this host: one slot per response "
                      f"of a generation batch)"]
+    static_cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(
+        cfg.sampling, engine=dataclasses.replace(cfg.sampling.engine, enabled=False)))
+    assert not isinstance(make_sampler(model, static_cfg, None, run.tokenizer.pad_id, log=lines.append), Engine)
+    assert len(lines) == 1  # resolved only where the engine is built
 
 def test_kl_reference_is_the_starting_policy_also_after_resume(toy_cache, tmp_path):
     """rl.kl.reference 'initial' is re-derived from model.path when a run opens: on resume it is still the run's

@@ -78,7 +78,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -1034,18 +1034,21 @@ def engine_unsupported(mesh: Mesh | None) -> str | None:
 
 
 def make_generator(model: nnx.Module, *, config: EngineConfig, max_new_tokens: int, mesh: Mesh | None = None,
-                   cache_dtype=jnp.float32, pad_id: int | None = None) -> Engine | Sampler:
+                   cache_dtype=jnp.float32, pad_id: int | None = None,
+                   resolve: Callable[[EngineConfig], EngineConfig] | None = None) -> Engine | Sampler:
     """The generator for `config.enabled`: the engine (true), the static sampler (false), or (auto) the engine
     wherever it runs (any mesh, in one process or several: over data shards each has its own slots and page pool)
     and the responses may be long enough to pay (max_new_tokens >= auto_min_new_tokens), the static sampler
     elsewhere. Both draw the same samples. enabled=true where the engine cannot run (`engine_unsupported`) is a
-    ValueError naming sampling.engine.enabled and the reason."""
+    ValueError naming sampling.engine.enabled and the reason. `resolve` turns the config into the engine's own
+    (e.g. max_slots=auto into a number), called only when the engine is built."""
     reason = engine_unsupported(mesh)
     if config.enabled is True and reason:
         raise ValueError(f"sampling.engine.enabled=true: {reason}; set it to auto or false")
     if config.enabled is False or reason or (config.enabled == "auto" and max_new_tokens < config.auto_min_new_tokens):
         return Sampler(model, mesh=mesh, cache_dtype=cache_dtype, pad_id=pad_id)
-    return Engine(model, mesh=mesh, cache_dtype=cache_dtype, pad_id=pad_id, config=config)
+    return Engine(model, mesh=mesh, cache_dtype=cache_dtype, pad_id=pad_id,
+                  config=resolve(config) if resolve is not None else config)
 
 
 def kv_bytes(engine: Engine) -> int:
