@@ -9,6 +9,7 @@ estimate; tests compare the activation model against XLA's compiled memory analy
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pathlib
 import re
@@ -373,6 +374,7 @@ def max_slots_that_fit(cfg, accelerator: "str | Accelerator", *, num_params: int
     responses = cfg.rl.gen_batch_size * cfg.rl.group_size
     P = num_params if num_params is not None else param_count(run_model_config(cfg))
 
+    @functools.cache  # the search's last probe is the reported peak: not estimated twice
     def sampling_peak(per_shard: int) -> float:
         engine = dataclasses.replace(cfg.sampling.engine, max_slots=per_shard * dp)
         c = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, engine=engine))
