@@ -12,6 +12,12 @@ Seen on 2026-12-06 (jax 0.10.2, libtpu 0.0.42.1; 24 s on this 2-core host): L=13
 peak_memory_in_bytes 95.46 GiB although arguments + temp_size come to 130.32 GiB; L=135 is refused: "the total
 memory required for HLO temporaries (96.15G) exceeds available HBM (95.74G)". peak_memory_in_bytes (arguments +
 outputs - aliases + the buffer assignment's temp allocation) is the enforced figure.
+
+Second part, host memory (memory kind pinned_host, the rl.offload.optimizer state): a step that takes 60 GiB per
+chip of host-resident and 60 GiB of device-resident arguments compiles, although peak_memory_in_bytes reports 120
+GiB > HBM: the host buffers are in peak_memory_in_bytes but not in what the compiler holds against HBM, so
+stare_jax.aot takes them out of the device peak. Bringing 60 GiB in from host while 30 GiB are on device is refused
+(150 GiB of device memory needed). Seen on 2026-12-06 (61 s in all): both, as described.
 """
 from __future__ import annotations
 
@@ -22,8 +28,9 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from stare_jax.aot import get_topology
 
 GiB = 2**30
 B, T, D, F, MICRO = 4, 9216, 3584, 18944, 8
@@ -69,11 +76,36 @@ def try_compile(L: int, mesh) -> dict:
             "arguments_gib": ma.argument_size_in_bytes / GiB}
 
 
+def host_memory_rows(mesh) -> list[dict]:
+    """(host GiB, device GiB, brought in) per chip -> peak_memory_in_bytes, host figures, or the refusal."""
+    hs = NamedSharding(mesh, P("tensor"), memory_kind="pinned_host")
+    ds = NamedSharding(mesh, P("tensor"))
+    rows = []
+    for host_gib, dev_gib, bring_in in ((60, 60, False), (60, 30, True)):
+        def step(h, d, bring_in=bring_in):
+            if bring_in:  # the moments' round trip: in, updated, back out
+                return jax.device_put(jax.device_put(h, jax.memory.Space.Device) * 2, jax.memory.Space.Host), d + 1
+            return h, d + 1
+        n = mesh.size
+        h = jax.ShapeDtypeStruct((host_gib * GiB // 4 * n,), jnp.float32, sharding=hs)
+        d = jax.ShapeDtypeStruct((dev_gib * GiB // 4 * n,), jnp.float32, sharding=ds)
+        row = {"host_gib": host_gib, "device_gib": dev_gib, "brought_in": bring_in}
+        try:
+            ma = jax.jit(step, out_shardings=(hs, ds), donate_argnums=(0, 1)).lower(h, d).compile().memory_analysis()
+            row.update(compiles=True, peak_memory_gib=ma.peak_memory_in_bytes / GiB,
+                       host_arguments_gib=ma.host_argument_size_in_bytes / GiB,
+                       arguments_gib=ma.argument_size_in_bytes / GiB)
+        except Exception as e:  # noqa: BLE001 - the refusal is the measurement
+            row.update(compiles=False, message=str(e).splitlines()[0][:200])
+        rows.append(row)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    topo = topologies.get_topology_desc("v5p:2x2x1", "tpu")
+    topo = get_topology("v5p:2x2x1")  # stare_jax.aot's: never takes libtpu's one-process lock
     mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(4), ("tensor",))
     lo, hi = 8, 256  # compiles at lo (checked), refused at hi (checked): bisect the boundary
     rows = {L: try_compile(L, mesh) for L in (lo, hi)}
@@ -82,7 +114,7 @@ def main() -> int:
         mid = (lo + hi) // 2
         rows[mid] = try_compile(mid, mesh)
         lo, hi = (mid, hi) if rows[mid]["compiles"] else (lo, mid)
-    out = {"last_compiling": rows[lo], "first_refused": rows[hi]}
+    out = {"last_compiling": rows[lo], "first_refused": rows[hi], "host_memory": host_memory_rows(mesh)}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -92,6 +124,12 @@ def main() -> int:
     print(f"first L refused: {hi}: the compiler's required figure {r['required_gib']:.2f} GiB ({r['message']})")
     print("enforced: " + ("peak_memory_in_bytes" if a["peak_memory_gib"] <= r["hbm_gib"] * 1.0001 <
                            a["args_plus_temp_size_gib"] else "inconclusive"))
+    for h in out["host_memory"]:
+        what = (f"{h['host_gib']} GiB host + {h['device_gib']} GiB device arguments per chip"
+                + (", the host ones brought in and sent back" if h["brought_in"] else ""))
+        print(f"{what}: " + (f"compiles, peak_memory_in_bytes {h['peak_memory_gib']:.2f} GiB (host arguments "
+                              f"{h['host_arguments_gib']:.2f}, device arguments {h['arguments_gib']:.2f})"
+                              if h["compiles"] else f"refused ({h['message']})"))
     return 0
 
 
