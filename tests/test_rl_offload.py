@@ -65,8 +65,8 @@ def test_offloaded_optimizer_trains_identically(mesh_axes):
 
 @pytest.mark.parametrize("mesh_axes", [None, {"data": 2, "fsdp": 4}], ids=["one-device", "mesh-2x4"])
 def test_offloaded_nonfinite_step_is_skipped(mesh_axes):
-    """A NaN advantage in each mini-batch: every update of the step is skipped; params and the host-resident moments come back equal
-    to the initial ones, still in host memory."""
+    """A NaN advantage in each mini-batch: every update of the step is skipped; params and the host-resident
+    moments come back equal to the initial ones, still in host memory."""
     mesh = make_mesh(mesh_axes) if mesh_axes else None
     cfg = dataclasses.replace(CFG, offload=OffloadConfig(optimizer=True))
     model = init_model(MODEL, seed=0, mesh=mesh)
