@@ -21,6 +21,7 @@ from flax import nnx
 from stare_jax import toy
 from stare_jax.models import Transformer, get_preset
 from stare_jax.models.config import ModelConfig
+from stare_jax.models.paged_attention import PREFILL_KEY_BLOCK
 from stare_jax.models.sharding import batch_shards, resolve_mesh
 from stare_jax.rl.packing import first_fit_decreasing
 from stare_jax.sampling import quarter_octave_bucket
@@ -274,19 +275,22 @@ def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params:
         # one layer's gathered pages of the shard's slots (the prefill's, and the decode step's on the gather path:
         # sampling.engine.attention=pallas decodes without gathering, the prefill gathers either way; the layout of
         # the pool, [K, N, P, Dh], does not change its bytes); per prefill call one layer's fp32
-        # attention logits and probabilities of a prefill chunk per slot over the longest request (the pure-JAX
-        # gather path: the larger program on long contexts, 15.6 GiB per chip for the 7B tool configs)
+        # attention logits and probabilities of a prefill chunk per slot over the longest request, or over one
+        # key block where the context is longer than two (attention_kv_major_blocked: over the whole 9k context
+        # they were 15.9 GiB per chip for the 7B tool configs)
         ec = engine_cfg
         slots = -(-ec.max_slots // dp)
         pool_pages = -(-ec.num_pages // dp) if ec.num_pages else dataclasses.replace(
             ec, max_slots=slots).pool_pages(seq_len)
         heads_dev = kv_heads / tensor if kv_heads % tensor == 0 else kv_heads
+        # the prefill's scores over a long context are one key block wide (attention_kv_major_blocked)
+        prefill_keys = seq_len if seq_len <= 2 * PREFILL_KEY_BLOCK else PREFILL_KEY_BLOCK
         sampling = {
             "sampler_weights": P * cb / tensor,
             "kv_page_pool": 2 * L * pool_pages * ec.page_size * heads_dev * dh * kvb,
             "kv_gathered_pages": 2 * slots * seq_len * heads_dev * dh * cb,
             "sampler_logits": slots * (V / tensor) * 4 * 2,
-            "prefill_attention_scores": 2 * slots * ec.prefill_width(seq_len) * seq_len
+            "prefill_attention_scores": 2 * slots * ec.prefill_width(seq_len) * prefill_keys
             * model_cfg.num_heads / tensor * 4,
         }
     else:

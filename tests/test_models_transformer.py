@@ -221,6 +221,32 @@ def test_kv_major_attention_matches_reference():
                                            atol=1e-5)
 
 
+@pytest.mark.parametrize("s, block", [(40, 8), (37, 8), (9, 16)], ids=["whole-blocks", "padded-tail", "one-block"])
+def test_blocked_kv_major_attention_matches_one_pass(s, block):
+    """attention_kv_major_blocked (online softmax over key blocks: the engine's long-context prefill) equals
+    attention_kv_major in float32 to rounding, for GQA, ragged causal masks (rows whose visible keys end inside,
+    at the edge of, and before a block), a key count that is not a multiple of the block, and a fully masked
+    (padding) query row, which stays finite; in bfloat16 to bfloat16 rounding."""
+    from stare_jax.models import attention as A
+
+    rng = np.random.default_rng(2)
+    b, t, h, k, d = 4, 3, 6, 2, 8
+    q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    k_KxBxSxD, v_KxBxSxD = (jnp.asarray(rng.standard_normal((k, b, s, d)), jnp.float32) for _ in range(2))
+    last = np.asarray([[s - 3, s - 2, s - 1], [block - 1, block, block + 1], [0, 1, 2], [4, 5, 6]])
+    mask = np.arange(s)[None, None, :] <= np.minimum(last, s - 1)[:, :, None]
+    mask[3, 0] = False  # a padding query: no key at all
+    mask = jnp.asarray(mask)
+    ref = A.attention_kv_major(q, k_KxBxSxD, v_KxBxSxD, mask)
+    out = A.attention_kv_major_blocked(q, k_KxBxSxD, v_KxBxSxD, mask, block=block)
+    assert np.all(np.isfinite(np.asarray(out)))
+    real = np.asarray(mask).any(-1)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=2e-6, rtol=1e-5)
+    bf = [x.astype(jnp.bfloat16) for x in (q, k_KxBxSxD, v_KxBxSxD)]
+    out_bf = A.attention_kv_major_blocked(*bf, mask, block=block).astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(out_bf)[real], np.asarray(ref)[real], atol=0.05)
+
+
 def test_grads_match_torch_autograd(hf_checkpoints, loaded):
     """Mean next-token cross entropy and its gradients (tied embedding, q-norm, q kernel) equal torch's."""
     import torch

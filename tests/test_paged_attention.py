@@ -69,6 +69,18 @@ def test_chunked_paged_prefill_and_decode_match_full_forward(model):
             assert not np.any(np.asarray(layer["k"][:, p]))
 
 
+def test_long_prefill_runs_key_blocks_and_matches_full_forward(model, monkeypatch):
+    """A prefill whose gathered context exceeds 2 x PREFILL_KEY_BLOCK attends block by block (the online
+    softmax); chunked prefill + decode still equal the model's full forward. The block is made small here so the
+    tiny test context crosses it (the real 1024 is hit by long prompts only)."""
+    calls = []
+    blocked = pa.attn_lib.attention_kv_major_blocked
+    monkeypatch.setattr(pa, "PREFILL_KEY_BLOCK", 4)
+    monkeypatch.setattr(pa.attn_lib, "attention_kv_major_blocked", lambda *a, **k: calls.append(k) or blocked(*a, **k))
+    test_chunked_paged_prefill_and_decode_match_full_forward(model)
+    assert calls and all(k["block"] == 4 for k in calls)  # the 16-key gathered context crossed 2 blocks
+
+
 def _decode_case(num_heads: int, num_kv_heads: int, seed: int = 0, head_dim: int = 128, page_size: int = 16):
     """A bfloat16 pool of scattered pages, ragged lengths (1 token, a partial page, exactly full pages, the whole
     table), a trash-page-padded table; q in float32 [B, 1, H, Dh]."""

@@ -71,6 +71,41 @@ def attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS):
     return jnp.transpose(out_KxBxGxTxD, (1, 3, 0, 2, 4)).reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
 
+def attention_kv_major_blocked(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS, *, block: int):
+    """attention_kv_major over keys in blocks of `block` with an online softmax (flash attention's running max /
+    sum recurrence, in plain JAX under lax.scan): the fp32 logits and probabilities live one [.., T, block] block
+    at a time instead of [.., T, S] (the rollout engine's prefill over a long context: 15.9 GiB per chip of them
+    for the 7B tool configs). Equal to attention_kv_major up to float rounding (the probabilities are normalised
+    at the end, not before the cast to v's dtype); keys past S (padding S up to whole blocks) are masked."""
+    b, t, h, d = q_BxTxHxD.shape
+    kh, _, s, _ = k_KxBxSxD.shape
+    g = h // kh
+    nb = -(-s // block)
+    if nb * block != s:
+        pad = ((0, 0), (0, 0), (0, nb * block - s), (0, 0))
+        k_KxBxSxD, v_KxBxSxD = jnp.pad(k_KxBxSxD, pad), jnp.pad(v_KxBxSxD, pad)
+        mask_BxTxS = jnp.pad(mask_BxTxS, ((0, 0), (0, 0), (0, nb * block - s)))
+    q_KxBxGxTxD = jnp.transpose(q_BxTxHxD.reshape(b, t, kh, g, d), (2, 0, 3, 1, 4))
+
+    def one_block(carry, i):
+        m_KxBxGxT, l_KxBxGxT, acc_KxBxGxTxD = carry
+        k_blk, v_blk = (jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=2) for x in (k_KxBxSxD, v_KxBxSxD))
+        mask_blk = jax.lax.dynamic_slice_in_dim(mask_BxTxS, i * block, block, axis=2)
+        logits = jnp.einsum("kbgtd,kbsd->kbgts", q_KxBxGxTxD, k_blk, preferred_element_type=jnp.float32) * (d ** -0.5)
+        logits = jnp.where(mask_blk[None, :, None, :, :], logits, _NEG)
+        m_new = jnp.maximum(m_KxBxGxT, jnp.max(logits, axis=-1))
+        rescale = jnp.exp(m_KxBxGxT - m_new)
+        p = jnp.exp(logits - m_new[..., None])
+        pv = jnp.einsum("kbgts,kbsd->kbgtd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
+        return (m_new, l_KxBxGxT * rescale + jnp.sum(p, axis=-1), acc_KxBxGxTxD * rescale[..., None] + pv), None
+
+    init = (jnp.full((kh, b, g, t), _NEG, jnp.float32), jnp.zeros((kh, b, g, t), jnp.float32),
+            jnp.zeros((kh, b, g, t, d), jnp.float32))
+    (_, l_KxBxGxT, acc_KxBxGxTxD), _ = jax.lax.scan(one_block, init, jnp.arange(nb))
+    out_KxBxGxTxD = acc_KxBxGxTxD / l_KxBxGxT[..., None]
+    return jnp.transpose(out_KxBxGxTxD, (1, 3, 0, 2, 4)).reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
+
+
 def attention_dot_product(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, *, implementation=None):
     """jax.nn.dot_product_attention (native GQA). implementation=None is XLA's fused path (jax 0.10 never
     auto-selects cuDNN); "cudnn" asks for cuDNN's fused flash kernel (GPU, bf16/fp16 only)."""

@@ -12,7 +12,9 @@ transformer.py needs no second decode path. Two attention backends (sampling.eng
 - "gather" (every platform; prefill always): the row's first M pages are gathered into [B, M*P, K, Dh] and masked
   causally by position, then the model's attention kernel (`attention.attend`) runs on them, so the math is the
   static sampler's (same kernel, same fp32 softmax; masked keys get probability exactly 0). M is chosen per call by
-  the caller (a bucket covering the live pages), so the read traffic scales with live tokens.
+  the caller (a bucket covering the live pages), so the read traffic scales with live tokens. A prefill over more
+  than 2 x PREFILL_KEY_BLOCK keys (xla/splash models) attends block by block with an online softmax
+  (attention.attention_kv_major_blocked: equal to rounding), so its fp32 scores are one block wide.
 - "pallas" (decode: one new token per row): jax's TPU kernel `jax.experimental.pallas.ops.tpu.paged_attention`
   reads each row's live pages straight from the pool (no gathered copy); fp32 logits and softmax, k/v read as
   bfloat16 (the kernel casts every page to bfloat16: a float32 pool loses precision, so `resolve_attention`'s auto
@@ -37,6 +39,9 @@ TRASH_PAGE = 0  # physical page that absorbs writes of padding tokens and finish
 POOL_AXES = ("act_heads", None, None, None)  # logical axes of a pool [K, N, P, Dh]: kv heads split like k/v
 PALLAS_HEAD_DIM = 128  # the TPU kernel's head_dim granularity (lanes): auto picks it for multiples only
 PALLAS_BLOCK_TOKENS = 128  # tokens per kernel compute block (pages_per_compute_block = this / page_size)
+# prefill (several queries per row) over more than 2 blocks of this many keys runs attention_kv_major_blocked: its
+# fp32 scores are one block wide, not the whole context (contexts up to 2 blocks keep the one-pass softmax)
+PREFILL_KEY_BLOCK = 1024
 
 
 def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -227,7 +232,8 @@ def paged_attention(impl: str, q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page
                     attention: str = "gather", batch_axes: tuple = ()):
     """Attention of queries at `positions_BxT` over their row's pages: key s visible iff s <= query position
     (every such key has been written: the prefix before this call plus this call's own tokens). attention="pallas"
-    runs decode (one query per row) through the TPU kernel; "gather" (and any prefill) gathers the pages."""
+    runs decode (one query per row) through the TPU kernel; "gather" (and any prefill) gathers the pages; a
+    prefill over more than 2 x PREFILL_KEY_BLOCK keys attends one key block at a time."""
     if attention == "pallas" and q_BxTxHxD.shape[1] == 1:
         return pallas_decode_attention(q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT,
                                        batch_axes=batch_axes)
@@ -236,6 +242,9 @@ def paged_attention(impl: str, q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page
     s_idx = jnp.arange(k_KxBxSxD.shape[2])
     mask_BxTxS = s_idx[None, None, :] <= positions_BxT[:, :, None]
     if impl in ("xla", "splash"):  # splash is for full self-attention, not a cache: the xla math, kv-head-major
+        if q_BxTxHxD.shape[1] > 1 and k_KxBxSxD.shape[2] > 2 * PREFILL_KEY_BLOCK:
+            return attn_lib.attention_kv_major_blocked(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS,
+                                                       block=PREFILL_KEY_BLOCK)
         return attn_lib.attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS)
     k, v = (jnp.moveaxis(x, 0, 2) for x in (k_KxBxSxD, v_KxBxSxD))  # the fused kernels take [B, S, K, Dh]
     return attn_lib.attend(impl, q_BxTxHxD, k, v, mask_BxTxS)

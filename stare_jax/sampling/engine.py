@@ -68,7 +68,8 @@ Design (host scheduler + three jitted programs):
   per chunk. Draws depend on (seed, prompt, g, step) only, so the tokens equal the single-process engine's
   (tests/test_multihost_engine.py: 2 processes x 4 devices == 1 x 8). `generate_arrays` returns arrays
   replicated over the mesh (global arrays that fetch_global reads on every process).
-- Not yet: a Pallas prefill kernel (prefill gathers on every platform).
+- Not yet: a Pallas prefill kernel (prefill gathers on every platform; over a context longer than two
+  PREFILL_KEY_BLOCKs it attends one key block at a time, so its fp32 scores stay one block wide).
 - Ahead of time: `Engine.trace_programs` traces the decode and prefill programs at their largest shapes on an
   abstract engine (models.abstract_model), for stare_jax.aot to compile for a TPU slice on a CPU host.
 """
