@@ -35,9 +35,10 @@ def paper_configs(only: list[str]) -> list[pathlib.Path]:
     return [p for p in files if not only or any(s in p.name for s in only)]
 
 
-def sampler_source(config: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path | None:
-    """A report of another config with the same sampler_key as `config` (another arm of its setting), if any;
-    a report from before sampler keys were recorded gets the key of the config it was compiled from."""
+def sampler_source(config: pathlib.Path, out_dir: pathlib.Path, newer_than: float = 0.0) -> pathlib.Path | None:
+    """A report of another config with the same sampler_key as `config` (another arm of its setting), written after
+    `newer_than` (the code's mtime: a report compiled by older code may hold other sampler programs), if any; a
+    report from before sampler keys were recorded gets the key of the config it was compiled from."""
     from stare_jax.aot import sampler_key, topology_for
     from stare_jax.config import load_config
 
@@ -48,7 +49,7 @@ def sampler_source(config: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path 
     mine = key(config)
     for other in paper_configs([]):
         report = out_dir / f"{other.stem}.json"
-        if other == config or not report.is_file():
+        if other == config or not report.is_file() or report.stat().st_mtime <= newer_than:
             continue
         data = json.loads(report.read_text())
         if "error" in data or data.get("sampler_reused"):
@@ -66,7 +67,7 @@ def compile_one(config: pathlib.Path, out: pathlib.Path, fresh: bool, reuse: boo
     code_mtime = max(p.stat().st_mtime for p in (REPO / "stare_jax").rglob("*.py"))
     if out.is_file() and not fresh and out.stat().st_mtime > max(code_mtime, config.stat().st_mtime):
         return json.loads(out.read_text())
-    source = sampler_source(config, out.parent) if reuse else None
+    source = sampler_source(config, out.parent, newer_than=code_mtime) if reuse else None
     report = plan_compile([str(config), *(["--reuse-sampler", str(source)] if source else [])])
     out.write_text(json.dumps(report, indent=1))
     return report
