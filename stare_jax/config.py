@@ -205,6 +205,7 @@ class ToyConfig:
     num_eval: int = option(200, lo=1)
     k_min: int = option(3, lo=1)
     k_max: int = option(5, lo=1)
+    set_size: int = option(3, lo=1, hi=9, doc="digit_set, tool_mul: how many digits a prompt's set has")
     hidden_size: int = option(128, lo=8)
     num_layers: int = option(4, lo=1)
     sft_steps: int = option(150, lo=0)

@@ -7,8 +7,10 @@ task tool_mul (`stare-jax demo --scenario tool`): the warm start is multi-turn -
 `<code>print(m*D)</code>` call, the interpreter's observation (loss mask 0: assistant-only loss, as in
 stare_jax.sft's conversation SFT) and the copied answer. It is deliberately imperfect so RL has something to gain:
 a fraction `sft_direct_frac` of the examples answer with a guessed number without calling the tool, and a fraction
-`sft_noise` of D's digits are replaced by digits outside the set. The retool tags and the newline are user-defined
-pieces of the tokenizer, so each closing tag is one stop token.
+`sft_noise` of D's digits are replaced by random digits (1-9). The retool tags, the call's opener `<code>print(`
+and the newline are user-defined pieces of the tokenizer (each closing tag is one stop token), and its tokenizer
+adds no dummy-prefix piece, so a call `<code>print(37*54282)</code>` is k + 6 model tokens and most of what the
+model writes is D's free digits and the copied product.
 
 Everything is built once per asset config and cached under `cache_dir/<hash>/`, so both arms of the demo (GRPO-ds
 and STARE) start from the very same checkpoint and data.
@@ -122,10 +124,24 @@ def _tokenizer_corpus(cfg: ToyAssetConfig) -> list[str]:
     return [task.prompt_text(*sp) + " " + task.sample_answer(*sp, rng) for sp in _specs(cfg)]
 
 
+TOOL_MUL_OPENER = "<code>print("  # tool_mul's call opener as one piece: the call's fixed format is 4 tokens
+
+
 def _user_symbols(cfg: ToyAssetConfig) -> tuple[str, ...]:
-    """Pieces the tokenizer keeps whole: tool_mul's retool tags (one stop token per closing tag) and the newline
-    of its observations."""
-    return (*call_tags("retool"), "<interpreter>", "</interpreter>", "\n") if cfg.task == "tool_mul" else ()
+    """Pieces the tokenizer keeps whole: tool_mul's retool tags (one stop token per closing tag), its call opener
+    `<code>print(` (longest match wins, so `<code>` alone is still one piece) and the newline of its observations."""
+    if cfg.task != "tool_mul":
+        return ()
+    return (TOOL_MUL_OPENER, *call_tags("retool"), "<interpreter>", "</interpreter>", "\n")
+
+
+def train_tokenizer(cfg: ToyAssetConfig, prefix: pathlib.Path) -> pathlib.Path:
+    """The toy's SentencePiece model (BPE, digits split) trained on its task's text; returns the .model path.
+    tool_mul: its user symbols, and no dummy-prefix "▁" piece at the start of each segment (call, observation,
+    answer)."""
+    return train_sentencepiece(_tokenizer_corpus(cfg), cfg.vocab_size, prefix, byte_fallback=False,
+                               model_type="bpe", seed=cfg.seed, user_defined_symbols=_user_symbols(cfg),
+                               add_dummy_prefix=cfg.task != "tool_mul")
 
 
 def tool_transcript(cfg: ToyAssetConfig, sp: tuple, rng: random.Random) -> list[tuple[str, int]]:
@@ -206,10 +222,7 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
 
     model_dir = tmp / "model"
     model_dir.mkdir()
-    sp_path = train_sentencepiece(_tokenizer_corpus(cfg), cfg.vocab_size, model_dir / "tokenizer",
-                                  byte_fallback=False, model_type="bpe", seed=cfg.seed,
-                                  user_defined_symbols=_user_symbols(cfg))
-    sp_path.rename(model_dir / "tokenizer.model")
+    train_tokenizer(cfg, model_dir / "tokenizer").rename(model_dir / "tokenizer.model")
     for extra in model_dir.glob("tokenizer.vocab"):
         extra.unlink()
     tok = load_tokenizer(model_dir / "tokenizer.model")

@@ -87,3 +87,18 @@ def test_encode_transcript_masks_the_observation():
     assert len(ids) == len(mask) == 1 + 3 + 14 + 12 + 1 + 1
     np.testing.assert_array_equal(mask, [0] * 4 + [1] * 14 + [0] * 12 + [1, 1])
     assert ids[-1] == 2
+
+
+def test_toy_tokenizer_keeps_the_call_format_short(tmp_path):
+    """The tool_mul tokenizer: `<code>print(` and each tag are one piece, no dummy-prefix piece, so a call is
+    k + 6 tokens and the closing tag is one stop token."""
+    from stare_jax.tokenizer import load_tokenizer
+
+    cfg = toy.ToyAssetConfig(task="tool_mul", k_min=4, k_max=6, set_size=4, vocab_size=44)
+    tok = load_tokenizer(toy.train_tokenizer(cfg, tmp_path / "tok"))
+    pieces = [tok.id_to_token(i) for i in tok.encode(tm.call_text(37, "54282"), add_bos=False)]
+    assert pieces == ["<code>print(", "3", "7", "*", "5", "4", "2", "8", "2", ")", "</code>"]
+    assert [tok.id_to_token(i) for i in tok.encode("<code>", add_bos=False)] == ["<code>"]
+    assert len(tok.encode("2008434", add_bos=False)) == 7  # digits split, no leading "▁" piece
+    assert tok.decode(tok.encode(tm.call_text(37, "54282"), add_bos=False), skip_special_tokens=False) \
+        == tm.call_text(37, "54282")

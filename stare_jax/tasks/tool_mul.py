@@ -1,21 +1,25 @@
 """The tool-use toy task: "multiply m by any k-digit number made of these digits" - for `stare-jax demo --scenario
 tool` (multi-turn RL with the code interpreter).
 
-A prompt `mul 37 by 4 from 2 5 8 =` is answered correctly by any number equal to 37 * D where D is a 4-digit number
-whose digits all come from {2, 5, 8}: |set|^k correct answers (81 here), so policy entropy can be held, as in the
-digit-set task. Computing 37 * 5282 in its head is out of reach for the toy's 4-layer model (the product's digits
-depend on every digit of both factors; by construction accuracy without the tool is ~0), but with the tool it
-writes `<code>print(37*5282)</code>`, gets `<interpreter>195434</interpreter>` back and copies `195434`: choosing D
-is the digit-set task, the multiplication is the tool's. Why this design (and not e.g. "add two numbers"):
+A prompt `mul 37 by 5 from 2 4 5 8 =` is answered correctly by any number equal to 37 * D where D is a 5-digit
+number whose digits all come from {2, 4, 5, 8}: |set|^k correct answers (1024 here), so policy entropy can be held,
+as in the digit-set task. Computing 37 * 54282 in its head is out of reach for the toy's 4-layer model (the
+product's digits depend on every digit of both factors; by construction accuracy without the tool is ~0), but with
+the tool it writes `<code>print(37*54282)</code>`, gets `<interpreter>2008434</interpreter>` back and copies
+`2008434`: choosing D is the digit-set task, the multiplication is the tool's. Why this design (and not e.g. "add
+two numbers"):
 
 - (a) no shortcut: multiples of 10 are never the multiplier (m*D would be D followed by a 0), and 0 is never in the
   set (no leading zeros, so D is read back from the answer unambiguously as answer // m);
-- (b) many correct answers: the choice of D carries the entropy; the call, the copy and the answer's length do not;
+- (b) many correct answers: the choice of D carries the entropy; the call, the copy and the answer's length do not.
+  The toy's tokenizer keeps the call's opener `<code>print(` and its closing tag as single pieces, so D's k digits
+  are k of the ~2k + 8 tokens the model writes (the demo's k = 4-6, 4-digit sets: an always-right policy that
+  keeps D uniform has ~0.36 nats/token);
 - (c) a tiny model learns the format: the call copies m from the prompt and draws D from the set; the answer
   copies the interpreter's digits (an induction-head job).
 
-The reference stored with a row is the spec `37:4:258` (m:k:digits). The verifier reads only the response's digits
-after its last closing tag (</interpreter> or </code>: the tool-disabled ablation has no observation), never
+The reference stored with a row is the spec `37:5:2458` (m:k:digits). The verifier reads only the response's
+digits after its last closing tag (</interpreter> or </code>: the tool-disabled ablation has no observation), never
 evaluates model text, and checks answer % m == 0 and answer // m has exactly k digits, all from the set.
 """
 from __future__ import annotations
