@@ -123,18 +123,15 @@ def test_plan_models_the_engine_page_pool():
     assert fsdp["memory_bytes"]["sample/kv_page_pool"] == shard_pool * mc.head_dim * 2
     multi = estimate(load_config(None, base), "v5p-64", num_params=n)  # 8 hosts: the replicated scheduler
     assert multi["hosts"] == 8 and multi["generator"] == "engine" and not multi["warnings"]
-    # the prefill program's fp32 attention logits + probabilities: a prefill chunk per slot over one key block of
-    # the 4096-token requests (more than two blocks: attention_kv_major_blocked), the query heads split over the
-    # tensor axis (the compiled prefill's temps, see BUILD.md's tool rows); over the whole request when short
+    # the prefill program's fp32 attention logits + probabilities: a prefill chunk per slot over the 4096-token
+    # requests, the query heads split over the tensor axis (the compiled prefill's temps, see BUILD.md's tool rows);
+    # past 8 key blocks the term stops growing (attention_kv_major_blocked: one block of scores at a time; the
+    # 8 are a calibration, see plan.estimate)
     from stare_jax.models.paged_attention import PREFILL_KEY_BLOCK
 
-    scores = 2 * ec.max_slots * ec.prefill_chunk * PREFILL_KEY_BLOCK * (mc.num_heads / 4) * 4
+    scores = 2 * ec.max_slots * ec.prefill_chunk * 4096 * (mc.num_heads / 4) * 4
     assert tp["memory_bytes"]["sample/prefill_attention_scores"] == scores
-    short = estimate(load_config(None, base + ["mesh.fsdp=1", "mesh.tensor=4", "sampling.max_new_tokens=1024",
-                                               "sampling.engine.enabled=true"]), num_params=n)
-    assert short["memory_bytes"]["sample/prefill_attention_scores"] == (
-        2 * ec.max_slots * ec.prefill_width(2048) * 2048 * (mc.num_heads / 4) * 4)
-
+    assert 4096 <= 8 * PREFILL_KEY_BLOCK  # (the cap itself is exercised by the long-CoT configs: BUILD.md)
 
 
 def test_plan_reports_the_largest_max_slots_that_fit():
