@@ -228,7 +228,8 @@ def test_missing_libtpu_names_the_package(monkeypatch):
 def test_paper_config_fits_its_slice(config):
     """Opt-in (--runslow): a paper config compiled for its real slice fits with 10% headroom, and the estimate of
     each phase is at most 5% under the compiled peak (the unsafe direction) and at most 30% over it (R1-Distill's
-    sampling phase: +28% on 2026-12-06, after the blocked prefill; 4-7 minutes each on a 2-core host; ~6 and ~9 GB of host memory)."""
+    sampling phase: +28% on 2026-12-06, after the blocked prefill; 4-7 minutes each on a 2-core host; ~6 and ~9 GB
+    of host memory)."""
     from stare_jax.plan import estimate, phase_peaks
 
     cfg = load_config(f"configs/paper/{config}.yaml")
