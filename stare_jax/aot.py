@@ -45,9 +45,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stare_jax import models
 from stare_jax.models.sharding import batch_shards, make_mesh, mesh_for_config
-from stare_jax.plan import (Accelerator, GiB, estimate, parse_accelerator, phase_peaks, resolve_max_slots,
-                            run_generator, run_model_config,
-                            tool_engine_config)
+from stare_jax.plan import (HEADROOM, Accelerator, GiB, estimate, fits_hbm, parse_accelerator, phase_peaks,
+                            resolve_max_slots, run_generator, run_model_config, tool_engine_config)
 from stare_jax.rl.packing import batch_shapes
 from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.train_step import ShardedStep, init_train_state, make_train_step
@@ -57,7 +56,6 @@ from stare_jax.sampling.engine import Engine
 from stare_jax.sampling.sharding import reshard_program, sampler_param_sharding
 from stare_jax.sft import SFT_KEYS, init_sft_state, make_sft_step
 
-HEADROOM = 0.10  # a config fits when every phase's compiled peak is <= 90% of HBM
 
 
 class CompileError(ValueError):
@@ -509,7 +507,7 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
         "optimizer_offloaded": bool(tcfg.offload.optimizer),
         "packing": bool(tcfg.packing.enabled),
         "phases": phases, "peak_bytes": peak,
-        "fits": None if hbm is None else bool(peak <= (1 - HEADROOM) * hbm),
+        "fits": None if hbm is None else fits_hbm(peak, hbm),
         "estimate": est,
     }
 
@@ -584,6 +582,6 @@ def compile_sft(cfg, *, topology: str | None = None, log=print) -> dict:
         "phases": {"training": {"peak_bytes": program.peak_bytes, "program_peak_bytes": program.peak_bytes,
                                 "resident_bytes": 0}},
         "peak_bytes": program.peak_bytes,
-        "fits": None if hbm is None else bool(program.peak_bytes <= (1 - HEADROOM) * hbm),
+        "fits": None if hbm is None else fits_hbm(program.peak_bytes, hbm),
         "estimate": None,
     }

@@ -309,7 +309,7 @@ def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params:
     offload = cfg.rl.offload.optimizer
     memory_bytes = {**{f"train/{k}": v for k, v in mem.items()}, **{f"sample/{k}": v for k, v in sampling.items()}}
     peak = max(phase_peaks({"memory_bytes": memory_bytes, "offload_optimizer": offload}).values())
-    fits = bool(peak <= 0.9 * acc.hbm_bytes)
+    fits = fits_hbm(peak, acc.hbm_bytes)
     peak_offloaded = None if fits or offload else max(
         phase_peaks({"memory_bytes": memory_bytes, "offload_optimizer": True}).values())
 
@@ -381,7 +381,6 @@ def max_slots_that_fit(cfg, accelerator: "str | Accelerator", *, num_params: int
     "sampling_peak_bytes"}; max_slots 0 when not even one slot per shard fits."""
     acc = _as_accelerator(accelerator)
     dp = batch_shards(resolve_mesh(cfg.mesh, acc.num_devices))
-    limit = 0.9 * acc.hbm_bytes
     responses = cfg.rl.gen_batch_size * cfg.rl.group_size
     P = num_params if num_params is not None else param_count(run_model_config(cfg))
 
@@ -394,7 +393,7 @@ def max_slots_that_fit(cfg, accelerator: "str | Accelerator", *, num_params: int
     lo, hi = 0, -(-responses // dp)  # per-shard slots: lo is known to fit (0: none), the answer is <= hi
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if sampling_peak(mid) <= limit:
+        if fits_hbm(sampling_peak(mid), acc.hbm_bytes):
             lo = mid
         else:
             hi = mid - 1
@@ -436,6 +435,14 @@ def _warnings(model_cfg, acc: Accelerator) -> list[str]:
                    "early; 25.5 GiB train-step temp for the 7B on v5p-64): the activation figure assumes "
                    "model.scan_layers=true")
     return out
+
+
+HEADROOM = 0.10  # a config fits when every phase's peak is <= 90% of HBM (the estimate here, compiled: aot)
+
+
+def fits_hbm(peak_bytes: float, hbm_bytes: float) -> bool:
+    """Whether a per-device peak leaves HEADROOM of the device's HBM free: the one fit rule of the plan and aot."""
+    return bool(peak_bytes <= (1 - HEADROOM) * hbm_bytes)
 
 
 def phase_peaks(plan: dict) -> dict[str, float]:
@@ -487,7 +494,7 @@ def format_plan(plan: dict) -> str:
         f" HBM -> {verdict} (needs <= 90%)"
     )
     if plan.get("peak_with_offload") is not None:
-        off_fits = plan["peak_with_offload"] <= 0.9 * plan["hbm_bytes_per_device"]
+        off_fits = fits_hbm(plan["peak_with_offload"], plan["hbm_bytes_per_device"])
         lines.append(f"  with rl.offload.optimizer=true (AdamW moments in host memory but for the update): "
                      f"{plan['peak_with_offload'] / GiB:.2f} GiB -> {'fits' if off_fits else 'does not fit either'}")
     fit = plan.get("max_slots_that_fit")
