@@ -54,17 +54,27 @@ def attention_xla(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
     return out.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
 
+def _scores_kv_major(q_KxBxGxTxD, k_KxBxSxD):
+    """q . k in fp32, [K, B, G, T, S]. One query per row (T = 1, a decode step) on a CPU: a multiply and a reduce
+    over Dh that XLA fuses into one pass over k, instead of K*B tiny [G, Dh] x [Dh, S] matrix products (XLA's CPU
+    batched dot of those runs at ~25 GFLOP/s: the multiply-reduce form is ~30% faster per attention call and ~8%
+    per greedy decode step, benchmarks/rollout_engine.py). Same products, summed in another order (rounding)."""
+    if q_KxBxGxTxD.shape[3] == 1 and target_platform() == "cpu":
+        q_KxBxGx1xD = q_KxBxGxTxD.astype(jnp.float32)  # T = 1 broadcasts over the keys
+        return jnp.sum(q_KxBxGx1xD * k_KxBxSxD.astype(jnp.float32)[:, :, None], axis=-1)[:, :, :, None]
+    return jnp.einsum("kbgtd,kbsd->kbgts", q_KxBxGxTxD, k_KxBxSxD, preferred_element_type=jnp.float32)
+
+
 def attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS):
-    """attention_xla's math with k/v kv-head-major [K, B, S, Dh] (a paged pool's layout, gathered): the two
-    einsums batch over (kv head, row) in that order, so the large k/v operands are read in place and only the
-    small q / output are transposed (about 4% faster per CPU greedy decode call than stacking the gathered cache
-    row-major [B, S, K, Dh] for attention_xla, in one paired run)."""
+    """attention_xla's math with k/v kv-head-major [K, B, S, Dh] (a paged pool's layout, gathered): the scores
+    (`_scores_kv_major`) and the output einsum batch over (kv head, row) in that order, so the large k/v operands
+    are read in place and only the small q / output are transposed (about 4% faster per CPU greedy decode call
+    than stacking the gathered cache row-major [B, S, K, Dh] for attention_xla, in one paired run)."""
     b, t, h, d = q_BxTxHxD.shape
     kh = k_KxBxSxD.shape[0]
     g = h // kh
     q_KxBxGxTxD = jnp.transpose(q_BxTxHxD.reshape(b, t, kh, g, d), (2, 0, 3, 1, 4))
-    logits = jnp.einsum("kbgtd,kbsd->kbgts", q_KxBxGxTxD, k_KxBxSxD,
-                        preferred_element_type=jnp.float32) * (d ** -0.5)
+    logits = _scores_kv_major(q_KxBxGxTxD, k_KxBxSxD) * (d ** -0.5)
     logits = jnp.where(mask_BxTxS[None, :, None, :, :], logits, _NEG)
     probs = jax.nn.softmax(logits, axis=-1).astype(v_KxBxSxD.dtype)
     out_KxBxGxTxD = jnp.einsum("kbgts,kbsd->kbgtd", probs, v_KxBxSxD, preferred_element_type=jnp.float32)

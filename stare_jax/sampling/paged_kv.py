@@ -82,8 +82,15 @@ def page_table(rows: list[list[int]], width: int) -> np.ndarray:
     return out
 
 
-def width_bucket(num_pages: int, cap: int) -> int:
+def width_bucket(num_pages: int, cap: int, *, fine: bool = False) -> int:
     """Page-table width for a call: the next power of two >= num_pages (at least 1), at most cap, so the
-    number of compiled programs is logarithmic in the context while attention reads about the live pages."""
+    number of compiled programs is logarithmic in the context while attention reads about the live pages. fine:
+    also 3 * 2^k (steps of 1.5x: 1, 2, 3, 4, 6, 8, 12, ...), at most a third of the width padding instead of half,
+    for twice the programs (for attention that reads the whole width: the gather backend)."""
     n = max(int(num_pages), 1)
-    return min(1 << (n - 1).bit_length(), int(cap)) if n <= cap else n
+    if n > cap:
+        return n
+    width = 1 << (n - 1).bit_length()
+    if fine and width >= 4 and 3 * width // 4 >= n:
+        width = 3 * width // 4
+    return min(width, int(cap))
