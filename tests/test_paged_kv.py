@@ -46,9 +46,6 @@ def test_page_table_and_buckets():
     assert [pages_for(n, 4) for n in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]
     assert [width_bucket(n, 16) for n in (0, 1, 3, 5, 16)] == [1, 1, 4, 8, 16]
     assert width_bucket(9, 10) == 10 and width_bucket(11, 10) == 11  # capped at the context; beyond: exact
-    fine = [width_bucket(n, 64, fine=True) for n in (1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 17, 25, 33, 49)]
-    assert fine == [1, 2, 3, 4, 6, 6, 8, 12, 12, 16, 24, 32, 48, 64]
-    assert width_bucket(13, 14, fine=True) == 14  # capped at the context
 
 
 def test_prefill_width_is_a_power_of_two_bucket_of_the_longest_chunk():

@@ -905,11 +905,9 @@ class Engine:
         return min(1 << (max(num_rows, MIN_ROWS) - 1).bit_length(), self._slots_per_shard())
 
     def _width(self, num_pages: int) -> int:
-        """Page-table width of a call: a bucket of the live pages, at least MIN_WIDTH pages (few programs), at most
-        the context's pages. Powers of two where decode attention reads only the live pages (pallas); steps of 1.5x
-        where it gathers the whole width (gather: ~6% faster greedy decode on CPU than powers of two, paired runs
-        in one process, for up to twice the programs)."""
-        return paged_kv.width_bucket(max(num_pages, MIN_WIDTH), self._max_pages(), fine=self.attention == "gather")
+        """Page-table width of a call: a power-of-two bucket of the live pages, at least MIN_WIDTH pages (few
+        programs), at most the context's pages."""
+        return paged_kv.width_bucket(max(num_pages, MIN_WIDTH), self._max_pages())
 
     def _max_pages(self) -> int:
         max_pos = getattr(self.config, "max_position_embeddings", None) or 1 << 20
