@@ -197,16 +197,18 @@ def test_splash_attention_interpret_matches_reference():
         np.testing.assert_allclose(np.asarray(gs), np.asarray(gr), atol=1e-5)
 
 
-def test_kv_major_attention_matches_reference():
+@pytest.mark.parametrize("t", [2, 1], ids=["prefill", "decode"])
+def test_kv_major_attention_matches_reference(t):
     """attention_kv_major (k/v [K, B, S, Dh], the paged pool's gathered layout) equals attention_xla on the same
-    keys in [B, S, K, Dh] and a numpy float64 softmax, for GQA with several query tokens and a ragged mask."""
+    keys in [B, S, K, Dh] and a numpy float64 softmax, for GQA with a ragged mask: several query tokens (einsum
+    scores) and one (a decode step: on CPU the scores are a multiply-reduce over Dh, `_scores_kv_major`)."""
     from stare_jax.models import attention as A
 
     rng = np.random.default_rng(1)
-    b, t, s, h, k, d = 3, 2, 7, 6, 2, 8
+    b, s, h, k, d = 3, 7, 6, 2, 8
     q = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
     k_BxSxKxD, v_BxSxKxD = (jnp.asarray(rng.standard_normal((b, s, k, d)), jnp.float32) for _ in range(2))
-    pos_BxT = np.asarray([[3, 4], [0, 1], [5, 6]])
+    pos_BxT = np.asarray([[3, 4], [0, 1], [5, 6]])[:, :t]
     mask = jnp.asarray(np.arange(s)[None, None, :] <= pos_BxT[:, :, None])
     out = A.attention_kv_major(q, *(jnp.moveaxis(x, 2, 0) for x in (k_BxSxKxD, v_BxSxKxD)), mask)
     np.testing.assert_allclose(np.asarray(out), np.asarray(A.attention_xla(q, k_BxSxKxD, v_BxSxKxD, mask)), atol=1e-6)

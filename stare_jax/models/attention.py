@@ -57,8 +57,9 @@ def attention_xla(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
 def _scores_kv_major(q_KxBxGxTxD, k_KxBxSxD):
     """q . k in fp32, [K, B, G, T, S]. One query per row (T = 1, a decode step) on a CPU: a multiply and a reduce
     over Dh that XLA fuses into one pass over k, instead of K*B tiny [G, Dh] x [Dh, S] matrix products (XLA's CPU
-    batched dot of those runs at ~25 GFLOP/s: the multiply-reduce form is ~30% faster per attention call and ~8%
-    per greedy decode step, benchmarks/rollout_engine.py). Same products, summed in another order (rounding)."""
+    batched dot of those runs at ~25 GFLOP/s: the multiply-reduce form is ~25-30% faster per attention call and ~5%
+    per greedy call of benchmarks/rollout_engine.py's shape, in same-process paired runs). Same products, summed
+    in another order (rounding); tests/test_models_transformer.py::test_kv_major_attention_matches_reference."""
     if q_KxBxGxTxD.shape[3] == 1 and target_platform() == "cpu":
         q_KxBxGx1xD = q_KxBxGxTxD.astype(jnp.float32)  # T = 1 broadcasts over the keys
         return jnp.sum(q_KxBxGx1xD * k_KxBxSxD.astype(jnp.float32)[:, :, None], axis=-1)[:, :, :, None]
