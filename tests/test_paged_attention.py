@@ -122,6 +122,34 @@ def test_pallas_decode_matches_gather(num_heads, num_kv_heads):
             np.testing.assert_allclose(np.asarray(out[b, 0, h]), (p / p.sum()) @ v[b, :n, h // g], atol=2e-5)
 
 
+def test_decode_attends_over_the_fewest_pages_that_hold_every_row():
+    """The decode switch (over_live_pages) picks the smallest of width x {1/2, 5/8, 3/4, 7/8, 1} pages covering the
+    longest row (max position + 1), and a decode step over a table wider than its rows need gives the numpy
+    float64 softmax over exactly each row's keys, whichever branch runs (jitted: the branch is picked on device)."""
+    assert pa.decode_page_widths(16) == [8, 10, 12, 14, 16]
+    assert pa.decode_page_widths(4) == [2, 3, 4] and pa.decode_page_widths(1) == [1]
+    picked = jax.jit(lambda pos: pa.over_live_pages(lambda m: jnp.float32(m), pos, 16, 4))
+    for longest, m in [(1, 8), (32, 8), (33, 10), (40, 10), (41, 12), (56, 14), (57, 16), (64, 16)]:
+        assert int(picked(jnp.asarray([[0], [longest - 1]]))) == m, longest
+    assert int(pa.over_live_pages(lambda m: jnp.float32(m), jnp.zeros((2, 1), jnp.int32), 16, 4,
+                                  batch_axes=("data",))) == 16  # one width inside the data-shard vmap
+    rng = np.random.default_rng(5)
+    ps, width, n_pages = 4, 16, 40
+    kp, vp = (jnp.asarray(rng.normal(size=pa.pool_shape(n_pages, ps, 2, 8)), jnp.float32) for _ in range(2))
+    table = jnp.asarray(rng.permutation(np.arange(1, n_pages))[:2 * width].reshape(2, width))
+    attend = jax.jit(lambda q, pos: pa.paged_attention("xla", q, kp, vp, table, pos))
+    k = np.moveaxis(np.asarray(pa.gather_pages(kp, table), np.float64), 0, 2)  # [B, S, K, Dh]
+    v = np.moveaxis(np.asarray(pa.gather_pages(vp, table), np.float64), 0, 2)
+    for lengths in ([3, 17], [30, 33], [50, 41], [64, 2]):  # branches 8, 10, 12 (+ a short row) and 16 pages
+        q = jnp.asarray(rng.normal(size=(2, 1, 4, 8)), jnp.float32)
+        out = np.asarray(attend(q, jnp.asarray(lengths, jnp.int32)[:, None] - 1))
+        for b, n in enumerate(lengths):
+            for h in range(4):
+                logits = k[b, :n, h // 2] @ np.asarray(q[b, 0, h], np.float64) / np.sqrt(8)
+                p = np.exp(logits - logits.max())
+                np.testing.assert_allclose(out[b, 0, h], (p / p.sum()) @ v[b, :n, h // 2], atol=1e-5)
+
+
 @pytest.mark.parametrize("tensor", [2, 4])
 def test_pallas_decode_on_a_tensor_mesh_matches_gather(tensor):
     """Under a mesh the kernel runs under shard_map: over tensor=2 each device on its kv head and its q heads; over

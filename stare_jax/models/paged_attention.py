@@ -12,9 +12,12 @@ transformer.py needs no second decode path. Two attention backends (sampling.eng
 - "gather" (every platform; prefill always): the row's first M pages are gathered into [B, M*P, K, Dh] and masked
   causally by position, then the model's attention kernel (`attention.attend`) runs on them, so the math is the
   static sampler's (same kernel, same fp32 softmax; masked keys get probability exactly 0). M is chosen per call by
-  the caller (a bucket covering the live pages), so the read traffic scales with live tokens. A prefill over more
-  than 2 x PREFILL_KEY_BLOCK keys (xla/splash models) attends block by block with an online softmax
-  (attention.attention_kv_major_blocked: equal to rounding), so its fp32 scores are one block wide.
+  the caller (a power-of-two bucket covering the live pages at the end of the call), so the read traffic scales
+  with live tokens; a decode step gathers only the first m pages of the table, m the fewest of 1/2, 5/8, 3/4, 7/8
+  or all of them that hold the longest row (`over_live_pages`: a lax.switch inside the same program, so no more
+  programs). A prefill over more than 2 x PREFILL_KEY_BLOCK keys (xla/splash models) attends block by block with
+  an online softmax (attention.attention_kv_major_blocked: equal to rounding), so its fp32 scores are one block
+  wide.
 - "pallas" (decode: one new token per row): jax's TPU kernel `jax.experimental.pallas.ops.tpu.paged_attention`
   reads each row's live pages straight from the pool (no gathered copy); fp32 logits and softmax, k/v read as
   bfloat16 (the kernel casts every page to bfloat16: a float32 pool loses precision, so `resolve_attention`'s auto
@@ -42,6 +45,9 @@ PALLAS_BLOCK_TOKENS = 128  # tokens per kernel compute block (pages_per_compute_
 # prefill (several queries per row) over more than 2 blocks of this many keys runs attention_kv_major_blocked: its
 # fp32 scores are one block wide, not the whole context (contexts up to 2 blocks keep the one-pass softmax)
 PREFILL_KEY_BLOCK = 1024
+# a decode step attends over the fewest of these fractions of its call's page-table width (and the whole width)
+# that cover every row's keys (`over_live_pages`)
+DECODE_WIDTH_FRACTIONS = (0.5, 0.625, 0.75, 0.875)
 
 
 def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
@@ -232,11 +238,43 @@ def paged_attention(impl: str, q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page
                     attention: str = "gather", batch_axes: tuple = ()):
     """Attention of queries at `positions_BxT` over their row's pages: key s visible iff s <= query position
     (every such key has been written: the prefix before this call plus this call's own tokens). attention="pallas"
-    runs decode (one query per row) through the TPU kernel; "gather" (and any prefill) gathers the pages; a
-    prefill over more than 2 x PREFILL_KEY_BLOCK keys attends one key block at a time."""
+    runs decode (one query per row) through the TPU kernel; "gather" (and any prefill) gathers the pages (a decode
+    step only the pages its longest row needs: over_live_pages); a prefill over more than 2 x PREFILL_KEY_BLOCK
+    keys attends one key block at a time."""
     if attention == "pallas" and q_BxTxHxD.shape[1] == 1:
         return pallas_decode_attention(q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT,
                                        batch_axes=batch_axes)
+    if q_BxTxHxD.shape[1] > 1:
+        return _attend_pages(impl, q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT)
+    return over_live_pages(lambda m: _attend_pages(impl, q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD,
+                                                   page_table_BxM[:, :m], positions_BxT),
+                           positions_BxT, page_table_BxM.shape[1], k_pages_KxNxPxD.shape[2], batch_axes=batch_axes)
+
+
+def decode_page_widths(width: int) -> list[int]:
+    """The page counts a decode step of a call with page-table width `width` may attend over: width and
+    DECODE_WIDTH_FRACTIONS of it (whole pages)."""
+    return sorted({max(1, int(width * f)) for f in DECODE_WIDTH_FRACTIONS} | {int(width)})
+
+
+def over_live_pages(attend_over, positions_BxT, width: int, page_size: int, *, batch_axes: tuple = ()):
+    """attend_over(m) for the fewest pages m of `decode_page_widths(width)` that hold every row's keys (max
+    position + 1 <= m * page_size), chosen on device by lax.switch: the page-table width is a power-of-two bucket
+    fixed for a whole decode chunk (few programs), so without this the steps of a row at 129 tokens would attend
+    over 256 keys. Keys past a row's position are masked either way, so only the rounding of the softmax sums
+    changes. One width (the whole table) inside a data-shard vmap (batch_axes), where a per-shard predicate would
+    make the switch run every branch."""
+    widths = decode_page_widths(width)
+    if len(widths) == 1 or batch_axes:
+        return attend_over(int(width))
+    need = jnp.max(positions_BxT) + 1
+    index = sum((need > m * page_size).astype(jnp.int32) for m in widths[:-1])
+    return jax.lax.switch(index, [functools.partial(attend_over, m) for m in widths])
+
+
+def _attend_pages(impl: str, q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT):
+    """The gather path: the row's pages gathered by position ([K, B, M*P, Dh]), key s visible iff s <= query
+    position, the model's attention kernel."""
     k_KxBxSxD = gather_pages(k_pages_KxNxPxD, page_table_BxM).astype(q_BxTxHxD.dtype)
     v_KxBxSxD = gather_pages(v_pages_KxNxPxD, page_table_BxM).astype(q_BxTxHxD.dtype)
     s_idx = jnp.arange(k_KxBxSxD.shape[2])
