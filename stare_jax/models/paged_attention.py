@@ -266,7 +266,7 @@ def over_live_pages(attend_over, positions_BxT, width: int, page_size: int, *, b
     make the switch run every branch."""
     widths = decode_page_widths(width)
     if len(widths) == 1 or batch_axes:
-        return attend_over(int(width))
+        return attend_over(width)
     need = jnp.max(positions_BxT) + 1
     index = sum((need > m * page_size).astype(jnp.int32) for m in widths[:-1])
     return jax.lax.switch(index, [functools.partial(attend_over, m) for m in widths])
