@@ -388,6 +388,11 @@ def _stderr_line(text: str) -> None:
         pass
 
 
+SIGINT_IGNORED = ("SIGINT is ignored in this process (started in the background by a non-interactive shell, or "
+                  "under nohup?): Ctrl-C will not stop it; `kill PID` (SIGTERM) stops it after the current step, "
+                  "which is saved as a checkpoint")
+
+
 class PreemptionHandler:
     """Set by SIGTERM (TPU/GCE preemption notice) or SIGINT (Ctrl-C); the training loop polls
     `should_stop(step)` each step, and when True saves a checkpoint and exits cleanly. The handler only sets a
@@ -396,7 +401,8 @@ class PreemptionHandler:
     Ctrl-C: the first one stops the run at the end of the current step (checkpoint saved, exit status 0); it
     also puts SIGINT back to the system default, so a second Ctrl-C ends the process at once (the current step
     is lost; the previous checkpoint stays). A SIGINT that was ignored when the handler was installed (e.g. a
-    background job of a non-interactive shell) stays ignored.
+    background job of a non-interactive shell) stays ignored, and `install` says so in one line (SIGINT_IGNORED:
+    Ctrl-C will not stop the run, SIGTERM will).
 
     Multi-host: `should_stop` is this process's flag; the training loop combines the flags of all processes
     each step (stare_jax.distributed.any_process), so every host stops and saves at the same step even when
@@ -430,7 +436,9 @@ class PreemptionHandler:
             raise RuntimeError("install_preemption_handler() must be called from the main thread")
         for sig in self._signals:
             if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:
-                continue  # ignored on purpose by whoever started us
+                if self._announce is not None:  # ignored on purpose by whoever started us: say what still works
+                    self._announce(SIGINT_IGNORED)
+                continue
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

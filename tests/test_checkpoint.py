@@ -251,15 +251,21 @@ def test_ctrl_c_sets_the_flag_says_so_once_and_a_second_one_would_end_the_proces
     assert signal.getsignal(signal.SIGINT) == before
 
 
-def test_an_ignored_sigint_stays_ignored():
+def test_an_ignored_sigint_stays_ignored_and_install_says_what_still_stops_the_run():
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    said = []
     try:
-        handler = C.install_preemption_handler(announce=None)
+        handler = C.install_preemption_handler(announce=said.append)
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert said == [C.SIGINT_IGNORED] and "Ctrl-C will not stop" in said[0] and "SIGTERM" in said[0]
+        assert signal.getsignal(signal.SIGTERM) == handler._handle  # SIGTERM still stops it
         handler.uninstall()
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, before)
+    said.clear()
+    C.install_preemption_handler(announce=said.append).uninstall()  # SIGINT not ignored: nothing said
+    assert said == []
 
 
 # ------------------------------------------------------------------------------------------------------
