@@ -12,7 +12,7 @@ in the optimized HLO (dumped with --xla_dump_to) and put in one class:
 - layer_matmuls: every other dot (q/k/v/o projections, MLP);
 - attention: ops inside the decode step's live-page switch (`over_live_pages`: the page gather and the attend);
 - kv_write: the scatters that write the new token's k/v into its page;
-- sampling: ops that read the [rows, vocab] logits (block max, argmax, log-prob);
+- sampling: every op downstream of the LM head's logits (block max, argmax, log-prob, the token bookkeeping);
 - other: norms, RoPE, embedding, loop bookkeeping.
 
 Op time is thread time (two ops may run at once on two cores), so the classes can add up to more than the wall
@@ -29,6 +29,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -89,8 +90,8 @@ def classify_ops(ops: dict[str, dict], vocab: int) -> dict[str, str | None]:
 
 
 def aggregate(events: list[dict], classes_by_module: dict[str, dict]) -> dict[str, dict]:
-    """Per HLO module: thread-seconds per class, the wall span of each execution (first op start to last op
-    end, per run_id) and the number of executions."""
+    """Per HLO module: {"op_s": thread-seconds per class, "wall_s": the summed wall span of its executions (first
+    op start to last op end, per run_id)}."""
     out: dict[str, dict] = {}
     for e in events:
         args = e.get("args", {})
@@ -107,6 +108,22 @@ def aggregate(events: list[dict], classes_by_module: dict[str, dict]) -> dict[st
         rec["wall_s"] = sum(hi - lo for lo, hi in rec.pop("spans").values()) / 1e6
         rec["op_s"] = {c: rec["op_s"].get(c, 0.0) for c in CLASSES}
     return out
+
+
+def merge_variants(class_maps: list[dict[str, str | None]]) -> tuple[dict[str, str | None], int]:
+    """One instruction-name -> class map for a program compiled at several shapes (the engine's page-table width
+    and row buckets): the profiler names an op by module and instruction only. A name whose class differs between
+    variants is counted as "other"; returns (map, number of such names)."""
+    merged: dict[str, str | None] = {}
+    conflicts: set[str] = set()
+    for m in class_maps:
+        for name, cls in m.items():
+            if name in merged and merged[name] != cls:
+                conflicts.add(name)
+            merged.setdefault(name, cls)
+    for name in conflicts:
+        merged[name] = None if any(m.get(name) is None for m in class_maps) else "other"
+    return merged, len(conflicts)
 
 
 def matmul_flops_per_token(cfg) -> tuple[int, int]:
@@ -144,6 +161,7 @@ def _parse(argv=None):
     ap.add_argument("--repeats", type=int, default=2, help="timed calls before the profiled one")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout (text to stderr)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", action="store_true", help="keep the HLO dump and the trace (paths printed)")
     add_model_args(ap)
     return ap.parse_args(argv)
 
@@ -180,12 +198,13 @@ def main(argv=None):
         engine.generate(prompts, **kw)
     steps = engine.stats["decode_steps"]
     trace = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))
-    ops_by_module = {}
+    ops_by_module, conflicts = {}, {}
     for module in ("jit__decode_chunk", "jit__prefill"):
         files = sorted(glob.glob(f"{dump}/*.{module}.cpu_after_optimizations.txt"))
         if not files:
             raise SystemExit(f"no optimized HLO of {module} under {dump}: did XLA_FLAGS reach XLA?")
-        ops_by_module[module] = classify_ops(hlo_ops(open(files[-1]).read()), cfg.vocab_size)
+        ops_by_module[module], conflicts[module] = merge_variants(
+            [classify_ops(hlo_ops(open(f).read()), cfg.vocab_size) for f in files])
     agg = aggregate([e for e in trace["traceEvents"] if e.get("ph") == "X"], ops_by_module)
     decode, prefill = agg["jit__decode_chunk"], agg.get("jit__prefill", {"wall_s": 0.0})
     layer_flops, head_flops = matmul_flops_per_token(cfg)
@@ -199,6 +218,7 @@ def main(argv=None):
         "decode_op_ms_per_step": {c: 1e3 * s / steps for c, s in decode["op_s"].items()},
         "matmul_gflop_per_step": step_flops / 1e9, "matmul_peak_gflops": peak,
         "step_ms_at_matmul_peak": 1e3 * step_flops / (peak * 1e9),
+        "instruction_names_classed_other_by_variant_conflict": conflicts["jit__decode_chunk"],
     }
     result["decode_step_vs_matmul_roofline"] = result["decode_step_ms"] / result["step_ms_at_matmul_peak"]
     result["machine"] = machine_state()
@@ -213,6 +233,11 @@ def main(argv=None):
           f"{result['decode_step_vs_matmul_roofline']:.2f}x that roofline", file=out)
     if args.json:
         print(json.dumps(result, indent=1))
+    if args.keep:
+        print(f"HLO dump: {dump}\ntrace: {trace_dir}", file=sys.stderr)
+    else:  # last: every compile (the peak matmul's too) writes into the dump
+        shutil.rmtree(dump, ignore_errors=True)
+        shutil.rmtree(trace_dir, ignore_errors=True)
     return result
 
 

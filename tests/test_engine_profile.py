@@ -65,6 +65,12 @@ def test_aggregate_sums_thread_time_per_class_and_wall_per_execution():
     assert out["m"]["wall_s"] == pytest.approx((100 + 30) / 1e6)
 
 
+def test_variants_of_one_program_merge_by_name_and_conflicts_are_counted():
+    merged, n = ep.merge_variants([{"a": "lm_head", "b": "attention", "w": None},
+                                   {"a": "lm_head", "b": "layer_matmuls", "c": "sampling", "w": "other"}])
+    assert merged == {"a": "lm_head", "b": "other", "c": "sampling", "w": None} and n == 2
+
+
 def test_matmul_flops_per_token_by_hand():
     cfg = ModelConfig(vocab_size=100, hidden_size=8, num_layers=3, num_heads=4, num_kv_heads=2,
                       intermediate_size=16)
