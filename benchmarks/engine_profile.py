@@ -58,9 +58,12 @@ def hlo_ops(hlo_text: str) -> dict[str, dict]:
     return ops
 
 
+def _is_dot(op: dict) -> bool:
+    return "dot_general" in op["op_name"] or op["opcode"] == "dot"
+
+
 def _is_lm_head(op: dict, vocab: int) -> bool:
-    return ("dot_general" in op["op_name"] or op["opcode"] == "dot") and \
-        re.search(rf"\[\d+,{vocab}\]", op["shape"]) is not None
+    return _is_dot(op) and re.search(rf"\[\d+,{vocab}\]", op["shape"]) is not None
 
 
 def classify_ops(ops: dict[str, dict], vocab: int) -> dict[str, str | None]:
@@ -80,7 +83,7 @@ def classify_ops(ops: dict[str, dict], vocab: int) -> dict[str, str | None]:
             downstream.add(name)
         elif "/cond/branch" in name_meta or "/switch/branch" in name_meta:
             out[name] = "attention"
-        elif "dot_general" in name_meta or op["opcode"] == "dot":
+        elif _is_dot(op):
             out[name] = "layer_matmuls"
         elif "scatter" in name or "scatter" in op["opcode"] or "scatter" in name_meta:
             out[name] = "kv_write"
@@ -198,14 +201,14 @@ def main(argv=None):
         engine.generate(prompts, **kw)
     steps = engine.stats["decode_steps"]
     trace = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))
-    ops_by_module, conflicts = {}, {}
+    classes_by_module, conflicts = {}, {}
     for module in ("jit__decode_chunk", "jit__prefill"):
         files = sorted(glob.glob(f"{dump}/*.{module}.cpu_after_optimizations.txt"))
         if not files:
             raise SystemExit(f"no optimized HLO of {module} under {dump}: did XLA_FLAGS reach XLA?")
-        ops_by_module[module], conflicts[module] = merge_variants(
+        classes_by_module[module], conflicts[module] = merge_variants(
             [classify_ops(hlo_ops(open(f).read()), cfg.vocab_size) for f in files])
-    agg = aggregate([e for e in trace["traceEvents"] if e.get("ph") == "X"], ops_by_module)
+    agg = aggregate([e for e in trace["traceEvents"] if e.get("ph") == "X"], classes_by_module)
     decode, prefill = agg["jit__decode_chunk"], agg.get("jit__prefill", {"wall_s": 0.0})
     layer_flops, head_flops = matmul_flops_per_token(cfg)
     peak = matmul_peak_gflops(args.batch, cfg.hidden_size, cfg.vocab_size)
