@@ -55,8 +55,11 @@ def test_data_split_mesh_matches_single_device_and_sampler(model, shape):
         assert engine.stats["prefix_prefills"] == sum(len(p) > 1 for p in PROMPTS)  # one per prompt, on its shard
     k = engine.pages[0]["k"]
     cfg = model.config
-    assert k.shape == pa.pool_shape(32 // D, CONFIG.page_size, cfg.num_kv_heads, cfg.head_dim, data_shards=D)
-    assert single.pages[0]["k"].shape == pa.pool_shape(32, CONFIG.page_size, cfg.num_kv_heads, cfg.head_dim)
+    assert engine.keys_transposed and single.keys_transposed  # the CPU's key layout, on a mesh as on one device
+    assert k.shape == pa.pool_shape(32 // D, CONFIG.page_size, cfg.num_kv_heads, cfg.head_dim, data_shards=D,
+                                    transposed=True)
+    assert single.pages[0]["k"].shape == pa.pool_shape(32, CONFIG.page_size, cfg.num_kv_heads, cfg.head_dim,
+                                                       transposed=True)
     # each device holds its shard's pages (and its share of the kv heads where tensor divides them): 1/D of the
     # pool a data-replicated engine holds per device
     heads_split = shape["tensor"] if model.config.num_kv_heads % shape["tensor"] == 0 else 1
@@ -114,12 +117,14 @@ def test_compiled_programs_gather_pages_locally(model, monkeypatch):
         monkeypatch.setattr(engine_lib, name, record)
     engine.generate(PROMPTS, max_new_tokens=8, num_samples=3, temperature=1.0, eos_ids=EOS, seed=2)
     assert set(seen) == set(jitted)
-    N = engine.pages[0]["k"].shape[2]  # [D, K, N, P, Dh]
+    N = engine.pages[0]["v"].shape[2]  # [D, K, N, P, Dh] (keys [D, K, N, Dh, P])
+    Dh = model.config.head_dim
     with engine.program_context():
         for name, (args, kwargs) in seen.items():
             hlo = jitted[name].lower(*args, **kwargs).compile().as_text()
             gathers = [line for line in hlo.splitlines() if re.search(r"all-gather(-start)?\(", line)]
-            pool = [g for g in gathers if re.search(rf"\[(\d+,)*{N},{CONFIG.page_size},", g)]
+            tail = rf"({CONFIG.page_size},{Dh}|{Dh},{CONFIG.page_size})"  # a v or (transposed) k pool
+            pool = [g for g in gathers if re.search(rf"\[(\d+,)*{N},{tail}\]", g)]
             assert not pool, (name, pool[:3])
 
 

@@ -197,11 +197,12 @@ def test_splash_attention_interpret_matches_reference():
         np.testing.assert_allclose(np.asarray(gs), np.asarray(gr), atol=1e-5)
 
 
+@pytest.mark.parametrize("keys_transposed", [False, True], ids=["keys-SxD", "keys-DxS"])
 @pytest.mark.parametrize("t", [2, 1], ids=["prefill", "decode"])
-def test_kv_major_attention_matches_reference(t):
-    """attention_kv_major (k/v [K, B, S, Dh], the paged pool's gathered layout) equals attention_xla on the same
-    keys in [B, S, K, Dh] and a numpy float64 softmax, for GQA with a ragged mask: several query tokens (einsum
-    scores) and one (a decode step: on CPU the scores are a multiply-reduce over Dh, `_scores_kv_major`)."""
+def test_kv_major_attention_matches_reference(t, keys_transposed):
+    """attention_kv_major (k/v [K, B, S, Dh], the paged pool's gathered layout; keys [K, B, Dh, S] from the CPU's
+    transposed key pool) equals attention_xla on the same keys in [B, S, K, Dh] and a numpy float64 softmax, for
+    GQA with a ragged mask: several query tokens and one (a decode step)."""
     from stare_jax.models import attention as A
 
     rng = np.random.default_rng(1)
@@ -210,7 +211,8 @@ def test_kv_major_attention_matches_reference(t):
     k_BxSxKxD, v_BxSxKxD = (jnp.asarray(rng.standard_normal((b, s, k, d)), jnp.float32) for _ in range(2))
     pos_BxT = np.asarray([[3, 4], [0, 1], [5, 6]])[:, :t]
     mask = jnp.asarray(np.arange(s)[None, None, :] <= pos_BxT[:, :, None])
-    out = A.attention_kv_major(q, *(jnp.moveaxis(x, 2, 0) for x in (k_BxSxKxD, v_BxSxKxD)), mask)
+    keys = jnp.transpose(k_BxSxKxD, (2, 0, 3, 1) if keys_transposed else (2, 0, 1, 3))
+    out = A.attention_kv_major(q, keys, jnp.moveaxis(v_BxSxKxD, 2, 0), mask, keys_transposed=keys_transposed)
     np.testing.assert_allclose(np.asarray(out), np.asarray(A.attention_xla(q, k_BxSxKxD, v_BxSxKxD, mask)), atol=1e-6)
     kk, vv, qq = (np.asarray(x, np.float64) for x in (k_BxSxKxD, v_BxSxKxD, q))
     for r in range(b):
@@ -228,7 +230,7 @@ def test_blocked_kv_major_attention_matches_one_pass(s, block):
     """attention_kv_major_blocked (online softmax over key blocks: the engine's long-context prefill) equals
     attention_kv_major in float32 to rounding, for GQA, ragged causal masks (rows whose visible keys end inside,
     at the edge of, and before a block), a key count that is not a multiple of the block, and a fully masked
-    (padding) query row, which stays finite; in bfloat16 to bfloat16 rounding."""
+    (padding) query row, which stays finite; with keys [K, B, Dh, S] too; in bfloat16 to bfloat16 rounding."""
     from stare_jax.models import attention as A
 
     rng = np.random.default_rng(2)
@@ -244,6 +246,9 @@ def test_blocked_kv_major_attention_matches_one_pass(s, block):
     assert np.all(np.isfinite(np.asarray(out)))
     real = np.asarray(mask).any(-1)
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=2e-6, rtol=1e-5)
+    out_t = A.attention_kv_major_blocked(q, jnp.swapaxes(k_KxBxSxD, -1, -2), v_KxBxSxD, mask, block=block,
+                                         keys_transposed=True)  # the CPU's transposed key pool, gathered
+    np.testing.assert_allclose(np.asarray(out_t)[real], np.asarray(ref)[real], atol=2e-6, rtol=1e-5)
     bf = [x.astype(jnp.bfloat16) for x in (q, k_KxBxSxD, v_KxBxSxD)]
     out_bf = A.attention_kv_major_blocked(*bf, mask, block=block).astype(jnp.float32)
     np.testing.assert_allclose(np.asarray(out_bf)[real], np.asarray(ref)[real], atol=0.05)

@@ -1,6 +1,7 @@
 """Paged forward == the model's full forward: prefill a sequence in chunks into scattered pages, then decode one
-token, and compare hidden states / logits with Transformer.__call__ on the whole sequence. The pool layout
-(kv heads first), and the TPU Pallas decode kernel (Pallas interpret mode on CPU) == the gather path."""
+token, and compare hidden states / logits with Transformer.__call__ on the whole sequence, with the key pool
+[K, N, P, Dh] and transposed [K, N, Dh, P] (the CPU's). The pool layout (kv heads first), and the TPU Pallas decode
+kernel (Pallas interpret mode on CPU) == the gather path."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,30 +25,60 @@ def model():
 def test_pool_shape_is_kv_heads_first():
     assert pa.pool_shape(9, 4, 2, 16) == (2, 9, 4, 16)
     assert pa.pool_shape(9, 4, 2, 16, data_shards=3) == (3, 2, 9, 4, 16)
+    assert pa.pool_shape(9, 4, 2, 16, data_shards=3, transposed=True) == (3, 2, 9, 16, 4)
     assert pa.init_pages(1, 9, 4, 2, 16)[0]["k"].shape == (2, 9, 4, 16)
+    layer = pa.init_pages(1, 9, 4, 2, 16, keys_transposed=True)[0]
+    assert layer["k"].shape == (2, 9, 16, 4) and layer["v"].shape == (2, 9, 4, 16)
 
 
-def test_gather_and_write_layout():
-    pages = jnp.zeros((2, 5, 2, 1))  # [K, N, P, Dh]
+def test_keys_are_transposed_for_the_cpu_gather_path_only():
+    assert pa.keys_transposed("gather", "cpu", "xla") and pa.keys_transposed("gather", "cpu", "splash")
+    assert not pa.keys_transposed("pallas", "cpu", "xla")  # the TPU kernel reads [K, N, P, Dh] pages
+    assert not pa.keys_transposed("gather", "gpu", "xla") and not pa.keys_transposed("gather", "tpu", "xla")
+    assert not pa.keys_transposed("gather", "cpu", "cudnn")  # the fused kernels take [B, S, K, Dh] keys
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["PxDh", "DhxP"])
+def test_gather_and_write_layout(transposed):
+    pages = jnp.zeros((2, 5, 1, 2) if transposed else (2, 5, 2, 1))  # [K, N, P, Dh] or [K, N, Dh, P]
     page, off = pa.write_slots(jnp.asarray([[3, 1, 0]]), jnp.asarray([[0, 1, 2, 3]]), jnp.asarray([[1, 1, 1, 0]]) > 0,
                                2)
     np.testing.assert_array_equal(page, [[3, 3, 1, 0]])  # the invalid token goes to the trash page
     np.testing.assert_array_equal(off, [[0, 1, 0, 1]])
     new_BxTxKxD = jnp.stack([jnp.arange(1.0, 5.0), 10 * jnp.arange(1.0, 5.0)], axis=-1).reshape(1, 4, 2, 1)
-    pages = pa.write_pages(pages, new_BxTxKxD, page, off)
-    assert pages[1, 3, 1, 0] == 20 and pages[0, 1, 0, 0] == 3  # head 1 of token 1 -> page 3 offset 1
-    seq_KxS = pa.gather_pages(pages, jnp.asarray([[3, 1]]))[:, 0, :, 0]  # [K, B, M*P, Dh]: kv heads first
+    pages = pa.write_pages(pages, new_BxTxKxD, page, off, transposed=transposed)
+    at = (lambda h, p, o: pages[h, p, 0, o]) if transposed else (lambda h, p, o: pages[h, p, o, 0])
+    assert at(1, 3, 1) == 20 and at(0, 1, 0) == 3  # head 1 of token 1 -> page 3 offset 1
+    seq = pa.gather_pages(pages, jnp.asarray([[3, 1]]), transposed=transposed)  # kv heads first
+    seq_KxS = seq[:, 0, 0, :] if transposed else seq[:, 0, :, 0]  # [K, B, Dh, M*P] or [K, B, M*P, Dh]
     np.testing.assert_array_equal(seq_KxS, [[1, 2, 3, 0], [10, 20, 30, 0]])
     copied = pa.copy_pages(pages, jnp.asarray([3]), jnp.asarray([2]))
     np.testing.assert_array_equal(copied[:, 2], pages[:, 3])
     np.testing.assert_array_equal(copied[:, 3], pages[:, 3])
 
 
-def test_chunked_paged_prefill_and_decode_match_full_forward(model):
+def test_transposed_key_pages_gather_to_the_transposed_sequence():
+    """Written through the same slots, a [K, N, Dh, P] key pool gathers to exactly the [K, N, P, Dh] pool's
+    sequence with Dh and S swapped (several heads, Dh > 1, scattered pages, a trash-padded table)."""
+    rng = np.random.default_rng(3)
+    K, N, P, D = 2, 7, 4, 3
+    table = jnp.asarray([[5, 2, 0], [1, 6, 3]])
+    pos = jnp.asarray(np.tile(np.arange(10), (2, 1)))
+    page, off = pa.write_slots(table, pos, jnp.ones((2, 10), bool), P)
+    new = jnp.asarray(rng.normal(size=(2, 10, K, D)), jnp.float32)
+    std = pa.write_pages(jnp.zeros((K, N, P, D)), new, page, off)
+    tr = pa.write_pages(jnp.zeros((K, N, D, P)), new, page, off, transposed=True)
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(tr), -1, -2), np.asarray(std))
+    np.testing.assert_array_equal(np.asarray(pa.gather_pages(tr, table, transposed=True)),
+                                  np.swapaxes(np.asarray(pa.gather_pages(std, table)), -1, -2))
+
+
+@pytest.mark.parametrize("keys_transposed", [False, True], ids=["keys-PxDh", "keys-DhxP"])
+def test_chunked_paged_prefill_and_decode_match_full_forward(model, keys_transposed):
     cfg = model.config
     ps, L = 4, 11
     ids = np.random.default_rng(0).integers(1, cfg.vocab_size, size=L + 1)
-    pages = pa.init_pages(cfg.num_layers, 9, ps, cfg.num_kv_heads, cfg.head_dim)
+    pages = pa.init_pages(cfg.num_layers, 9, ps, cfg.num_kv_heads, cfg.head_dim, keys_transposed=keys_transposed)
     table = jnp.asarray([[7, 2, 5, 8]])  # scattered physical pages, logical order
     hidden = []
     for start in (0, 5, 10):  # chunks of 5, 5, 1 (the last padded to 5: padding writes go to the trash page)
@@ -57,10 +88,11 @@ def test_chunked_paged_prefill_and_decode_match_full_forward(model):
         tok[0, :n] = chunk
         pos = np.arange(start, start + 5)[None]
         valid = np.arange(5)[None] < n
-        h, pages = pa.paged_forward(model, tok, pos, jnp.asarray(valid), pages, table, ps)
+        h, pages = pa.paged_forward(model, tok, pos, jnp.asarray(valid), pages, table, ps,
+                                    keys_transposed=keys_transposed)
         hidden.append(np.asarray(h[0, :n]))
     h_dec, pages = pa.paged_forward(model, ids[None, L:L + 1], np.asarray([[L]]), jnp.ones((1, 1), bool), pages,
-                                    table, ps)
+                                    table, ps, keys_transposed=keys_transposed)
     full = np.asarray(model.hidden_states(jnp.asarray(ids[None])))[0]
     np.testing.assert_allclose(np.concatenate(hidden + [np.asarray(h_dec[0])]), full, atol=2e-5)
     # the trash page absorbed the padding; nothing was written to pages outside the table
@@ -69,7 +101,8 @@ def test_chunked_paged_prefill_and_decode_match_full_forward(model):
             assert not np.any(np.asarray(layer["k"][:, p]))
 
 
-def test_long_prefill_runs_key_blocks_and_matches_full_forward(model, monkeypatch):
+@pytest.mark.parametrize("keys_transposed", [False, True], ids=["keys-PxDh", "keys-DhxP"])
+def test_long_prefill_runs_key_blocks_and_matches_full_forward(model, monkeypatch, keys_transposed):
     """A prefill whose gathered context exceeds 2 x PREFILL_KEY_BLOCK attends block by block (the online
     softmax); chunked prefill + decode still equal the model's full forward. The block is made small here so the
     tiny test context crosses it (the real 1024 is hit by long prompts only)."""
@@ -77,7 +110,7 @@ def test_long_prefill_runs_key_blocks_and_matches_full_forward(model, monkeypatc
     blocked = pa.attn_lib.attention_kv_major_blocked
     monkeypatch.setattr(pa, "PREFILL_KEY_BLOCK", 4)
     monkeypatch.setattr(pa.attn_lib, "attention_kv_major_blocked", lambda *a, **k: calls.append(k) or blocked(*a, **k))
-    test_chunked_paged_prefill_and_decode_match_full_forward(model)
+    test_chunked_paged_prefill_and_decode_match_full_forward(model, keys_transposed)
     assert calls and all(k["block"] == 4 for k in calls)  # the 16-key gathered context crossed 2 blocks
 
 

@@ -54,55 +54,59 @@ def attention_xla(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
     return out.reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
 
-def _scores_kv_major(q_KxBxGxTxD, k_KxBxSxD):
-    """q . k in fp32, [K, B, G, T, S]. One query per row (T = 1, a decode step) on a CPU: a multiply and a reduce
-    over Dh that XLA fuses into one pass over k, instead of K*B tiny [G, Dh] x [Dh, S] matrix products (XLA's CPU
-    batched dot of those runs at ~25 GFLOP/s: the multiply-reduce form is ~25-30% faster per attention call and ~5%
-    per greedy call of benchmarks/rollout_engine.py's shape, in same-process paired runs). Same products, summed
-    in another order (rounding); tests/test_models_transformer.py::test_kv_major_attention_matches_reference."""
-    if q_KxBxGxTxD.shape[3] == 1 and target_platform() == "cpu":
-        q_KxBxGx1xD = q_KxBxGxTxD.astype(jnp.float32)  # T = 1 broadcasts over the keys
-        return jnp.sum(q_KxBxGx1xD * k_KxBxSxD.astype(jnp.float32)[:, :, None], axis=-1)[:, :, :, None]
-    return jnp.einsum("kbgtd,kbsd->kbgts", q_KxBxGxTxD, k_KxBxSxD, preferred_element_type=jnp.float32)
+def _scores_kv_major(q_KxBxGxTxD, k_KxBxSxD, *, keys_transposed: bool = False):
+    """q . k in fp32, [K, B, G, T, S]; with keys_transposed k is [K, B, Dh, S] (the CPU engine's key pool layout:
+    then the product is a plain [G*T, Dh] x [Dh, S] matrix product per (kv head, row), which XLA's CPU dot runs
+    ~2.5x faster than the same product against [S, Dh] keys or a multiply-reduce over Dh)."""
+    spec = "kbgtd,kbds->kbgts" if keys_transposed else "kbgtd,kbsd->kbgts"
+    return jnp.einsum(spec, q_KxBxGxTxD, k_KxBxSxD, preferred_element_type=jnp.float32)
 
 
-def attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS):
-    """attention_xla's math with k/v kv-head-major [K, B, S, Dh] (a paged pool's layout, gathered): the scores
-    (`_scores_kv_major`) and the output einsum batch over (kv head, row) in that order, so the large k/v operands
-    are read in place and only the small q / output are transposed (about 4% faster per CPU greedy decode call
-    than stacking the gathered cache row-major [B, S, K, Dh] for attention_xla, in one paired run)."""
+def attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS, *, keys_transposed: bool = False):
+    """attention_xla's math with k/v kv-head-major [K, B, S, Dh] (a paged pool's layout, gathered; with
+    keys_transposed k is [K, B, Dh, S]): the scores and the output einsum batch over (kv head, row) in that order,
+    so the large k/v operands are read in place and only the small q / output are transposed (about 4% faster per
+    CPU greedy decode call than stacking the gathered cache row-major [B, S, K, Dh] for attention_xla, in one
+    paired run)."""
     b, t, h, d = q_BxTxHxD.shape
     kh = k_KxBxSxD.shape[0]
     g = h // kh
     q_KxBxGxTxD = jnp.transpose(q_BxTxHxD.reshape(b, t, kh, g, d), (2, 0, 3, 1, 4))
-    logits = _scores_kv_major(q_KxBxGxTxD, k_KxBxSxD) * (d ** -0.5)
+    logits = _scores_kv_major(q_KxBxGxTxD, k_KxBxSxD, keys_transposed=keys_transposed) * (d ** -0.5)
     logits = jnp.where(mask_BxTxS[None, :, None, :, :], logits, _NEG)
     probs = jax.nn.softmax(logits, axis=-1).astype(v_KxBxSxD.dtype)
     out_KxBxGxTxD = jnp.einsum("kbgts,kbsd->kbgtd", probs, v_KxBxSxD, preferred_element_type=jnp.float32)
     return jnp.transpose(out_KxBxGxTxD, (1, 3, 0, 2, 4)).reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
 
-def attention_kv_major_blocked(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS, *, block: int):
+def attention_kv_major_blocked(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS, *, block: int,
+                               keys_transposed: bool = False):
     """attention_kv_major over keys in blocks of `block` with an online softmax (flash attention's running max /
     sum recurrence, in plain JAX under lax.scan): the fp32 logits and probabilities live one [.., T, block] block
     at a time instead of [.., T, S] (the rollout engine's prefill over a long context: 15.9 GiB per chip of them
     for the 7B tool configs). Equal to attention_kv_major up to float rounding (the probabilities are normalised
-    at the end, not before the cast to v's dtype); keys past S (padding S up to whole blocks) are masked."""
+    at the end, not before the cast to v's dtype); keys past S (padding S up to whole blocks) are masked. With
+    keys_transposed k is [K, B, Dh, S]."""
     b, t, h, d = q_BxTxHxD.shape
-    kh, _, s, _ = k_KxBxSxD.shape
+    kh, _, s, _ = v_KxBxSxD.shape
     g = h // kh
     nb = -(-s // block)
+    k_axis = 3 if keys_transposed else 2  # k's key axis
     if nb * block != s:
-        pad = ((0, 0), (0, 0), (0, nb * block - s), (0, 0))
-        k_KxBxSxD, v_KxBxSxD = jnp.pad(k_KxBxSxD, pad), jnp.pad(v_KxBxSxD, pad)
+        pad_v = [(0, 0)] * 4
+        pad_v[2] = (0, nb * block - s)
+        pad_k = [(0, 0)] * 4
+        pad_k[k_axis] = (0, nb * block - s)
+        k_KxBxSxD, v_KxBxSxD = jnp.pad(k_KxBxSxD, pad_k), jnp.pad(v_KxBxSxD, pad_v)
         mask_BxTxS = jnp.pad(mask_BxTxS, ((0, 0), (0, 0), (0, nb * block - s)))
     q_KxBxGxTxD = jnp.transpose(q_BxTxHxD.reshape(b, t, kh, g, d), (2, 0, 3, 1, 4))
 
     def one_block(carry, i):
         m_KxBxGxT, l_KxBxGxT, acc_KxBxGxTxD = carry
-        k_blk, v_blk = (jax.lax.dynamic_slice_in_dim(x, i * block, block, axis=2) for x in (k_KxBxSxD, v_KxBxSxD))
+        k_blk = jax.lax.dynamic_slice_in_dim(k_KxBxSxD, i * block, block, axis=k_axis)
+        v_blk = jax.lax.dynamic_slice_in_dim(v_KxBxSxD, i * block, block, axis=2)
         mask_blk = jax.lax.dynamic_slice_in_dim(mask_BxTxS, i * block, block, axis=2)
-        logits = jnp.einsum("kbgtd,kbsd->kbgts", q_KxBxGxTxD, k_blk, preferred_element_type=jnp.float32) * (d ** -0.5)
+        logits = _scores_kv_major(q_KxBxGxTxD, k_blk, keys_transposed=keys_transposed) * (d ** -0.5)
         logits = jnp.where(mask_blk[None, :, None, :, :], logits, _NEG)
         m_new = jnp.maximum(m_KxBxGxT, jnp.max(logits, axis=-1))
         rescale = jnp.exp(m_KxBxGxT - m_new)

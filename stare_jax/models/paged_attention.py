@@ -2,14 +2,15 @@
 
 The pool of one layer is k/v [K, N, P, Dh] (K kv heads, N pages of P tokens; kv heads first, the layout of jax's
 TPU paged-attention kernel), or [D, K, N/D, P, Dh] when the engine splits slots and pages over D data shards
-(`pool_shape`). Row b of a batch maps its logical page m (token positions [m*P, (m+1)*P)) to physical page
-page_table_BxM[b, m]. Page 0 is the pool's trash page: writes of padding / finished rows go there and it is never
-read unmasked.
+(`pool_shape`). On a CPU the gather backend keeps the key pool transposed, [K, N, Dh, P], so a decode step's
+q . k is a plain matrix product (`keys_transposed`). Row b of a batch maps its logical page m (token positions
+[m*P, (m+1)*P)) to physical page page_table_BxM[b, m]. Page 0 is the pool's trash page: writes of padding /
+finished rows go there and it is never read unmasked.
 
 This module is the model-side hook of the rollout engine (stare_jax/sampling/engine.py): `paged_forward` runs the
 Transformer's own submodules (embed, Block norms/qkv/out/mlp, final norm) with attention over the row's pages, so
 transformer.py needs no second decode path. Two attention backends (sampling.engine.attention):
-- "gather" (every platform; prefill always): the row's first M pages are gathered into [B, M*P, K, Dh] and masked
+- "gather" (every platform; prefill always): the row's first M pages are gathered into [K, B, M*P, Dh] and masked
   causally by position, then the model's attention kernel (`attention.attend`) runs on them, so the math is the
   static sampler's (same kernel, same fp32 softmax; masked keys get probability exactly 0). M is chosen per call by
   the caller (a power-of-two bucket covering the live pages at the end of the call), so the read traffic scales
@@ -50,19 +51,32 @@ PREFILL_KEY_BLOCK = 1024
 DECODE_WIDTH_FRACTIONS = (0.5, 0.625, 0.75, 0.875)
 
 
+def keys_transposed(attention: str, platform: str, impl: str) -> bool:
+    """Whether the key pool is laid out [K, N, Dh, P] (each page's keys as Dh rows of P tokens) instead of
+    [K, N, P, Dh]: for the gather backend on a CPU with the xla math (impl xla / splash). The gathered keys are then
+    [K, B, Dh, S], so a decode step's q . k is a plain [G, Dh] x [Dh, S] product per (kv head, row): XLA's CPU dot
+    runs it ~2.5x faster than against [S, Dh] keys (or as a multiply-reduce), ~5% of a greedy decode call of
+    benchmarks/rollout_engine.py in same-process paired runs, same tokens. The TPU Pallas kernel reads
+    [K, N, P, Dh] pages, and the fused kernels (cudnn, dot_product) take [B, S, K, Dh] keys: those keep it."""
+    return attention == "gather" and platform == "cpu" and impl in ("xla", "splash")
+
+
 def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-               data_shards: int | None = None) -> tuple[int, ...]:
-    """The shape of one layer's k (or v) pool: [K, N, P, Dh]; with data_shards D, [D, K, N, P, Dh] (N pages per
-    shard, the leading axis over the mesh's batch axes)."""
-    shape = (num_kv_heads, num_pages, page_size, head_dim)
+               data_shards: int | None = None, *, transposed: bool = False) -> tuple[int, ...]:
+    """The shape of one layer's k (or v) pool: [K, N, P, Dh] ([K, N, Dh, P] for keys_transposed's key pool); with
+    data_shards D, [D, ...] (N pages per shard, the leading axis over the mesh's batch axes)."""
+    shape = (num_kv_heads, num_pages, head_dim, page_size) if transposed else (num_kv_heads, num_pages, page_size,
+                                                                                 head_dim)
     return shape if data_shards is None else (data_shards, *shape)
 
 
 def init_pages(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-               dtype=jnp.float32) -> list[dict]:
-    """Per layer {"k", "v"}: zeros pool_shape(num_pages, page_size, num_kv_heads, head_dim)."""
-    shape = pool_shape(num_pages, page_size, num_kv_heads, head_dim)
-    return [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(num_layers)]
+               dtype=jnp.float32, *, keys_transposed: bool = False) -> list[dict]:
+    """Per layer {"k", "v"}: zeros of pool_shape(num_pages, page_size, num_kv_heads, head_dim) (k transposed with
+    keys_transposed)."""
+    k_shape = pool_shape(num_pages, page_size, num_kv_heads, head_dim, transposed=keys_transposed)
+    v_shape = pool_shape(num_pages, page_size, num_kv_heads, head_dim)
+    return [{"k": jnp.zeros(k_shape, dtype), "v": jnp.zeros(v_shape, dtype)} for _ in range(num_layers)]
 
 
 def write_slots(page_table_BxM: jax.Array, positions_BxT: jax.Array, valid_BxT: jax.Array,
@@ -105,13 +119,26 @@ def _scatter_rows(pages_KxNxPxD, new_KxRxD, slot_R):
     return pages_KxNxPxD.reshape(k * n * p, d).at[rows].set(new_KxRxD.reshape(-1, d)).reshape(k, n, p, d)
 
 
-def write_pages(pages_KxNxPxD: jax.Array, new_BxTxKxD: jax.Array, page_BxT: jax.Array,
-                offset_BxT: jax.Array) -> jax.Array:
-    """Scatter the new tokens' k (or v) into their (page, offset) slots of every kv head (each device its heads)."""
-    k, _, p, d = pages_KxNxPxD.shape
-    new_KxRxD = jnp.moveaxis(new_BxTxKxD, 2, 0).reshape(k, -1, d).astype(pages_KxNxPxD.dtype)
-    slot_R = (page_BxT * p + offset_BxT).reshape(-1).astype(jnp.int32)
-    return _on_head_blocks(_scatter_rows, pages_KxNxPxD, new_KxRxD, slot_R, split=(True, True, False))
+def _scatter_columns(pages_KxNxDxP, new_KxRxD, page_R, offset_R):
+    """pages[h, page, :, offset] = new[h, r] for every kv head h (a transposed key pool: a token is a column of
+    its page)."""
+    k, n, d, p = pages_KxNxDxP.shape
+    rows = (jnp.arange(k, dtype=jnp.int32)[:, None] * n + page_R[None]).reshape(-1)
+    cols = jnp.broadcast_to(offset_R[None], (k, offset_R.shape[0])).reshape(-1)
+    return pages_KxNxDxP.reshape(k * n, d, p).at[rows, :, cols].set(new_KxRxD.reshape(-1, d)).reshape(k, n, d, p)
+
+
+def write_pages(pages: jax.Array, new_BxTxKxD: jax.Array, page_BxT: jax.Array, offset_BxT: jax.Array, *,
+                transposed: bool = False) -> jax.Array:
+    """Scatter the new tokens' k (or v) into their (page, offset) slots of every kv head (each device its heads);
+    pages [K, N, P, Dh], or [K, N, Dh, P] when transposed (keys_transposed's key pool)."""
+    k, d = pages.shape[0], new_BxTxKxD.shape[-1]
+    new_KxRxD = jnp.moveaxis(new_BxTxKxD, 2, 0).reshape(k, -1, d).astype(pages.dtype)
+    page_R, offset_R = (x.reshape(-1).astype(jnp.int32) for x in (page_BxT, offset_BxT))
+    if transposed:
+        return _on_head_blocks(_scatter_columns, pages, new_KxRxD, page_R, offset_R, split=(True, True, False, False))
+    slot_R = page_R * pages.shape[2] + offset_R
+    return _on_head_blocks(_scatter_rows, pages, new_KxRxD, slot_R, split=(True, True, False))
 
 
 def _gather_rows(pages_KxNxPxD, page_table_BxM):
@@ -122,12 +149,25 @@ def _gather_rows(pages_KxNxPxD, page_table_BxM):
     return jnp.stack([rows_KxNxR[h][page_table_BxM] for h in range(k)]).reshape(k, b, m * p, d)
 
 
-def gather_pages(pages_KxNxPxD: jax.Array, page_table_BxM: jax.Array) -> jax.Array:
-    """A row's first M pages as one contiguous [K, B, M*P, Dh] sequence per kv head (index = token position).
-    kv heads stay first, as in the pool, so nothing is transposed; each device gathers its own kv heads, one
-    gather per head of whole pages as rows of P*Dh values (XLA's CPU gather of those is ~3x faster than one
-    gather of [P, Dh] slices over every kv head)."""
-    return _on_head_blocks(_gather_rows, pages_KxNxPxD, page_table_BxM, split=(True, False))
+def _gather_columns(pages_KxNxDxP, page_table_BxM):
+    """gather_pages of a transposed pool on one block of kv heads: per kv head, one gather of whole [Dh, P] pages
+    laid out [B, Dh, M, P] (the page index between Dh and the offset), so [B, Dh, M*P] is a free reshape."""
+    b, m = page_table_BxM.shape
+    k, n, d, p = pages_KxNxDxP.shape
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(1, 3), collapsed_slice_dims=(0,), start_index_map=(0,))
+    index_BxMx1 = page_table_BxM[..., None].astype(jnp.int32)
+    return jnp.stack([jax.lax.gather(pages_KxNxDxP[h], index_BxMx1, dims, slice_sizes=(1, d, p),
+                                     mode=jax.lax.GatherScatterMode.CLIP)
+                      for h in range(k)]).reshape(k, b, d, m * p)
+
+
+def gather_pages(pages: jax.Array, page_table_BxM: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """A row's first M pages as one contiguous [K, B, M*P, Dh] sequence per kv head (index = token position);
+    a transposed pool [K, N, Dh, P] gives [K, B, Dh, M*P]. kv heads stay first, as in the pool, so nothing is
+    transposed; each device gathers its own kv heads, one gather per head of whole pages (as rows of P*Dh values:
+    XLA's CPU gather of those is ~3x faster than one gather of [P, Dh] slices over every kv head)."""
+    return _on_head_blocks(_gather_columns if transposed else _gather_rows, pages, page_table_BxM,
+                           split=(True, False))
 
 
 def _copy_rows(pages_KxNxPxD, src_C, dst_C):
@@ -234,21 +274,24 @@ def pallas_decode_attention(q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_ta
     return out_BxHxD[:, None].astype(q_BxTxHxD.dtype)
 
 
-def paged_attention(impl: str, q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT, *,
-                    attention: str = "gather", batch_axes: tuple = ()):
+def paged_attention(impl: str, q_BxTxHxD, k_pages, v_pages_KxNxPxD, page_table_BxM, positions_BxT, *,
+                    attention: str = "gather", batch_axes: tuple = (), keys_transposed: bool = False):
     """Attention of queries at `positions_BxT` over their row's pages: key s visible iff s <= query position
     (every such key has been written: the prefix before this call plus this call's own tokens). attention="pallas"
     runs decode (one query per row) through the TPU kernel; "gather" (and any prefill) gathers the pages (a decode
     step only the pages its longest row needs: over_live_pages); a prefill over more than 2 x PREFILL_KEY_BLOCK
-    keys attends one key block at a time."""
+    keys attends one key block at a time. keys_transposed: k_pages is [K, N, Dh, P] (`keys_transposed`)."""
     if attention == "pallas" and q_BxTxHxD.shape[1] == 1:
-        return pallas_decode_attention(q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT,
+        if keys_transposed:
+            raise ValueError("the Pallas paged-attention kernel reads [K, N, P, Dh] key pages, not transposed ones")
+        return pallas_decode_attention(q_BxTxHxD, k_pages, v_pages_KxNxPxD, page_table_BxM, positions_BxT,
                                        batch_axes=batch_axes)
+    attend = functools.partial(_attend_pages, impl, q_BxTxHxD, k_pages, v_pages_KxNxPxD,
+                               positions_BxT=positions_BxT, keys_transposed=keys_transposed)
     if q_BxTxHxD.shape[1] > 1:
-        return _attend_pages(impl, q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT)
-    return over_live_pages(lambda m: _attend_pages(impl, q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD,
-                                                   page_table_BxM[:, :m], positions_BxT),
-                           positions_BxT, page_table_BxM.shape[1], k_pages_KxNxPxD.shape[2], batch_axes=batch_axes)
+        return attend(page_table_BxM)
+    return over_live_pages(lambda m: attend(page_table_BxM[:, :m]), positions_BxT, page_table_BxM.shape[1],
+                           v_pages_KxNxPxD.shape[2], batch_axes=batch_axes)
 
 
 def decode_page_widths(width: int) -> list[int]:
@@ -272,28 +315,32 @@ def over_live_pages(attend_over, positions_BxT, width: int, page_size: int, *, b
     return jax.lax.switch(index, [functools.partial(attend_over, m) for m in widths])
 
 
-def _attend_pages(impl: str, q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT):
-    """The gather path: the row's pages gathered by position ([K, B, M*P, Dh]), key s visible iff s <= query
-    position, the model's attention kernel."""
-    k_KxBxSxD = gather_pages(k_pages_KxNxPxD, page_table_BxM).astype(q_BxTxHxD.dtype)
+def _attend_pages(impl: str, q_BxTxHxD, k_pages, v_pages_KxNxPxD, page_table_BxM, positions_BxT, *,
+                  keys_transposed: bool = False):
+    """The gather path: the row's pages gathered by position (v [K, B, M*P, Dh]; k the same, or [K, B, Dh, M*P]
+    from a transposed key pool), key s visible iff s <= query position, the model's attention kernel."""
+    k_KxBxSxD = gather_pages(k_pages, page_table_BxM, transposed=keys_transposed).astype(q_BxTxHxD.dtype)
     v_KxBxSxD = gather_pages(v_pages_KxNxPxD, page_table_BxM).astype(q_BxTxHxD.dtype)
-    s_idx = jnp.arange(k_KxBxSxD.shape[2])
+    s_idx = jnp.arange(v_KxBxSxD.shape[2])
     mask_BxTxS = s_idx[None, None, :] <= positions_BxT[:, :, None]
     if impl in ("xla", "splash"):  # splash is for full self-attention, not a cache: the xla math, kv-head-major
-        if q_BxTxHxD.shape[1] > 1 and k_KxBxSxD.shape[2] > 2 * PREFILL_KEY_BLOCK:
+        if q_BxTxHxD.shape[1] > 1 and v_KxBxSxD.shape[2] > 2 * PREFILL_KEY_BLOCK:
             return attn_lib.attention_kv_major_blocked(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS,
-                                                       block=PREFILL_KEY_BLOCK)
-        return attn_lib.attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS)
+                                                       block=PREFILL_KEY_BLOCK, keys_transposed=keys_transposed)
+        return attn_lib.attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS,
+                                           keys_transposed=keys_transposed)
+    if keys_transposed:
+        raise ValueError(f"attention_impl={impl!r} takes [B, S, K, Dh] keys: a transposed key pool is for xla/splash")
     k, v = (jnp.moveaxis(x, 0, 2) for x in (k_KxBxSxD, v_KxBxSxD))  # the fused kernels take [B, S, K, Dh]
     return attn_lib.attend(impl, q_BxTxHxD, k, v, mask_BxTxS)
 
 
 def paged_forward(model, input_ids_BxT, positions_BxT, valid_BxT, pages: list, page_table_BxM,
-                  page_size: int, *, attention: str = "gather", batch_axes: tuple = ()):
+                  page_size: int, *, attention: str = "gather", batch_axes: tuple = (), keys_transposed: bool = False):
     """Run T tokens per row through `model` (a stare_jax Transformer) against the paged cache: write their k/v
     at their positions (valid tokens only), attend over the row's pages (`paged_attention`'s backends; prefill
-    calls, T > 1, always gather). Returns (hidden [B,T,D] after the final norm, new pages). Same layer math as
-    Transformer.decode_step."""
+    calls, T > 1, always gather). keys_transposed: the key pools are [K, N, Dh, P] (`keys_transposed`). Returns
+    (hidden [B,T,D] after the final norm, new pages). Same layer math as Transformer.decode_step."""
     if len(pages) != model.config.num_layers:
         raise ValueError(f"pages has {len(pages)} layers, the model has {model.config.num_layers}")
     positions_BxT = jnp.asarray(positions_BxT, jnp.int32)
@@ -304,10 +351,10 @@ def paged_forward(model, input_ids_BxT, positions_BxT, valid_BxT, pages: list, p
     for block, layer in zip(model.blocks(), pages):
         attn = block.self_attn
         q, k, v = attn.qkv(block.input_layernorm(x), cos, sin)
-        kp = constrain(write_pages(layer["k"], k, page_BxT, offset_BxT), POOL_AXES)
+        kp = constrain(write_pages(layer["k"], k, page_BxT, offset_BxT, transposed=keys_transposed), POOL_AXES)
         vp = constrain(write_pages(layer["v"], v, page_BxT, offset_BxT), POOL_AXES)
         o = paged_attention(attn.impl, q, kp, vp, page_table_BxM, positions_BxT, attention=attention,
-                            batch_axes=batch_axes)
+                            batch_axes=batch_axes, keys_transposed=keys_transposed)
         x = x + attn.out(o)
         x = x + block.mlp(block.post_attention_layernorm(x))
         new_pages.append({"k": kp, "v": vp})

@@ -9,11 +9,12 @@ Design (host scheduler + three jitted programs):
   one decode program of up to `decode_chunk` (K) steps over the ready slots, then reads back the K tokens per
   slot and frees the slots (and pages) of rows that finished (EOS or their max_new_tokens). A finished row's
   slot is refilled in the next round. The decode program exits early when every slot is done.
-- Pages. Per layer k/v [K, num_pages, page_size, Dh] (kv heads first: models.paged_attention.pool_shape)
-  allocated once (page 0 = trash page for padding writes); host-side free list + reference counts
-  (paged_kv.PagePool) and a per-row page table. Pages are allocated as a row grows (one chunk ahead) and
-  returned when it ends, so memory scales with live tokens. Prefill attention gathers a row's first M pages, M a
-  power-of-two bucket over the live rows (models/paged_attention.py); decode attention is
+- Pages. Per layer k/v [K, num_pages, page_size, Dh] (kv heads first: models.paged_attention.pool_shape; on a
+  CPU the keys [K, num_pages, Dh, page_size]: paged_attention.keys_transposed) allocated once (page 0 = trash
+  page for padding writes); host-side free list + reference counts (paged_kv.PagePool) and a per-row page
+  table. Pages are allocated as a row grows (one chunk ahead) and returned when it ends, so memory scales with
+  live tokens. Prefill attention gathers a row's first M pages, M a power-of-two bucket over the live rows
+  (models/paged_attention.py); decode attention is
   `sampling.engine.attention`: the same gather path, or (auto on a TPU with head_dim % 128 == 0 and a bfloat16
   pool) jax's TPU Pallas paged-attention kernel, which reads the live pages in place (under jax.shard_map on a
   mesh: each device runs it on its data shard's pool and its kv heads).
@@ -120,20 +121,21 @@ def _over_shards(f, batch_axes: tuple):
 
 def _decode_chunk(graphdef, state, pages, page_table_SxM, tok_S, pos_S, step_S, budget_S, live_S, prompt_index_S,
                   sample_S, exit_after, key, greedy, temperature, top_k, top_p, eos_E, *, steps: int, page_size: int,
-                  pad_id: int, batch_axes: tuple = (), attention: str = "gather"):
+                  pad_id: int, batch_axes: tuple = (), attention: str = "gather", keys_transposed: bool = False):
     """Up to `steps` decode steps of every live slot: feed tok_S at pos_S, draw the token of response index
     step_S, stop a row on EOS or at step budget_S. The chunk ends early once `exit_after` rows have finished (the
     host has that many queued requests to put in their slots) or every row is done. With batch_axes (a mesh split
     over data shards) every row argument has a leading shard axis [D, S], pages [D, N, ...] and exit_after [D]:
     the chunk ends once any shard can refill its slots. attention: the decode attention backend ("gather" or
-    "pallas": models.paged_attention).
+    "pallas": models.paged_attention); keys_transposed: the key pools' layout (paged_attention.keys_transposed).
     Returns (pages, tokens_SxK, logprobs_SxK, count_S, eos_S)."""
     model = nnx.merge(graphdef, state)
     keys_S = _over_shards(lambda p, g: _row_keys(key, p, g), batch_axes)(prompt_index_S, sample_S)
 
     def step_rows(pages, page_table_SxM, tok, pos, step, done, keys_S):
         hidden, pages = pa.paged_forward(model, tok[:, None], pos[:, None], ~done[:, None], pages, page_table_SxM,
-                                         page_size, attention=attention, batch_axes=batch_axes)
+                                         page_size, attention=attention, batch_axes=batch_axes,
+                                         keys_transposed=keys_transposed)
         logits_SxV = model.logits_from_hidden(hidden)[:, -1].astype(jnp.float32)
         u_S = jax.vmap(lambda k, s: jax.random.uniform(jax.random.fold_in(k, s)))(keys_S, step)
         t, lp = selection.select_tokens(logits_SxV, u_S, greedy=greedy, temperature=temperature, top_k=top_k,
@@ -167,14 +169,15 @@ def _decode_chunk(graphdef, state, pages, page_table_SxM, tok_S, pos_S, step_S, 
 
 
 def _prefill(graphdef, state, pages, ids_RxC, pos_RxC, valid_RxC, page_table_RxM, *, page_size: int,
-             batch_axes: tuple = ()):
+             batch_axes: tuple = (), keys_transposed: bool = False):
     """Write the k/v of one chunk of tokens per row into its pages (the logits are not needed; attention over the
     gathered pages, whatever the decode backend); with batch_axes every argument but the weights has a leading
-    data-shard axis."""
+    data-shard axis. keys_transposed: the key pools' layout (paged_attention.keys_transposed)."""
     model = nnx.merge(graphdef, state)
 
     def write(pages, ids_RxC, pos_RxC, valid_RxC, page_table_RxM):
-        return pa.paged_forward(model, ids_RxC, pos_RxC, valid_RxC, pages, page_table_RxM, page_size)[1]
+        return pa.paged_forward(model, ids_RxC, pos_RxC, valid_RxC, pages, page_table_RxM, page_size,
+                                keys_transposed=keys_transposed)[1]
 
     return _over_shards(write, batch_axes)(pages, ids_RxC, pos_RxC, valid_RxC, page_table_RxM)
 
@@ -189,8 +192,9 @@ def _copy_pages(pages, src_C, dst_C, *, batch_axes: tuple = ()):
 
 
 _decode_jit = jax.jit(_decode_chunk, static_argnames=("graphdef", "steps", "page_size", "pad_id", "batch_axes",
-                                                     "attention"), donate_argnames=("pages",))
-_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "page_size", "batch_axes"), donate_argnames=("pages",))
+                                                     "attention", "keys_transposed"), donate_argnames=("pages",))
+_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "page_size", "batch_axes", "keys_transposed"),
+                       donate_argnames=("pages",))
 _copy_jit = jax.jit(_copy_pages, static_argnames=("batch_axes",), donate_argnames=("pages",))
 
 
@@ -356,6 +360,8 @@ class Engine:
             self._split = NamedSharding(mesh, PartitionSpec(self._batch_axes))
         self.attention = pa.resolve_attention(self.engine_config.attention, platform=self.platform,
                                               head_dim=self.config.head_dim, cache_dtype=self.cache_dtype)
+        self.keys_transposed = pa.keys_transposed(self.attention, self.platform,
+                                                  getattr(self.config, "attention_impl", "xla"))
         self.update_params(state)
 
     @property
@@ -476,10 +482,13 @@ class Engine:
         cfg, ec = self.config, self.engine_config
         num = self._pages_per_shard(longest_tokens)
         lead = (self.data_shards,) if self._batch_axes else ()
-        pool = pa.pool_shape(num, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self._shard_axis())
-        page = jax.ShapeDtypeStruct(pool, jnp.dtype(self.cache_dtype),
-                                    sharding=self._pool_sharding(pool) if self.mesh is not None else None)
-        pages = [{"k": page, "v": page} for _ in range(cfg.num_layers)]
+        def pool(transposed: bool):
+            shape = pa.pool_shape(num, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self._shard_axis(),
+                                  transposed=transposed)
+            return jax.ShapeDtypeStruct(shape, jnp.dtype(self.cache_dtype),
+                                        sharding=self._pool_sharding(shape) if self.mesh is not None else None)
+
+        pages = [{"k": pool(self.keys_transposed), "v": pool(False)} for _ in range(cfg.num_layers)]
         rows = self._slots_per_shard()
         width = self._width(paged_kv.pages_for(longest_tokens, ec.page_size))
         split = self._split if self._split is not None else self._replicated
@@ -495,11 +504,12 @@ class Engine:
                 self.graphdef, self.state, pages, arg((rows, width)), *(arg((rows,)) for _ in range(4)),
                 arg((rows,), bool), arg((rows,), np.uint32), arg((rows,), np.uint32), arg((), np.int32), *scalars,
                 steps=ec.decode_chunk, page_size=ec.page_size, pad_id=self.pad_id, batch_axes=self._batch_axes,
-                attention=self.attention)
+                attention=self.attention, keys_transposed=self.keys_transposed)
             chunk = ec.prefill_width(longest_tokens)
             prefill = _prefill_jit.trace(
                 self.graphdef, self.state, pages, arg((rows, chunk)), arg((rows, chunk)), arg((rows, chunk), bool),
-                arg((rows, width)), page_size=ec.page_size, batch_axes=self._batch_axes)
+                arg((rows, width)), page_size=ec.page_size, batch_axes=self._batch_axes,
+                keys_transposed=self.keys_transposed)
         return {"decode": decode, "prefill": prefill}
 
     # ------------------------------------------------------------------ multi-turn API
@@ -673,7 +683,7 @@ class Engine:
 
         def make():
             pages = pa.init_pages(cfg.num_layers, num, ec.page_size, cfg.num_kv_heads, cfg.head_dim,
-                                  jnp.dtype(self.cache_dtype))
+                                  jnp.dtype(self.cache_dtype), keys_transposed=self.keys_transposed)
             return jax.tree.map(lambda x: jnp.broadcast_to(x, (D,) + x.shape), pages) if self._batch_axes else pages
 
         if self.mesh is None:  # on one device: committed to the weights' device, as the programs' outputs are (the
@@ -682,7 +692,7 @@ class Engine:
             return (jax.device_put(make(), jax.sharding.SingleDeviceSharding(next(iter(devices))))
                     if len(devices) == 1 else make())
         shape = pa.pool_shape(num, ec.page_size, cfg.num_kv_heads, cfg.head_dim, self._shard_axis())
-        return jax.jit(make, out_shardings=self._pool_sharding(shape))()
+        return jax.jit(make, out_shardings=self._pool_sharding(shape))()  # k's too: only the kv-head dim is split
 
     def _shard_axis(self) -> int | None:
         """The pool's leading data-shard axis size (None: one shard, no such axis)."""
@@ -853,7 +863,7 @@ class Engine:
             table[d] = paged_kv.page_table([j[3] for j in jobs] + [[]] * (R - len(jobs)), width)
         self.pages = _prefill_jit(self.graphdef, self.state, self.pages, self._put_rows(ids), self._put_rows(pos),
                                   self._put_rows(valid.astype(bool)), self._put_rows(table), page_size=ec.page_size,
-                                  batch_axes=self._batch_axes)
+                                  batch_axes=self._batch_axes, keys_transposed=self.keys_transposed)
         self.stats["prefill_calls"] += 1
         return True
 
@@ -994,7 +1004,7 @@ class Engine:
             arr(lambda c: c.written), arr(lambda c: c.step), arr(lambda c: c.budget),
             arr(lambda c: True, bool), arr(lambda c: c.prompt_index, np.uint32), arr(lambda c: c.sample, np.uint32),
             self._put_rows(exit_after), *scalars, steps=ec.decode_chunk, page_size=ec.page_size, pad_id=self.pad_id,
-            batch_axes=self._batch_axes, attention=self.attention)
+            batch_axes=self._batch_axes, attention=self.attention, keys_transposed=self.keys_transposed)
         toks, lps, n, eos = distributed.fetch_global((toks, lps, n, eos))  # one gather for every process
         if not self._batch_axes:  # one shard: its rows without the shard axis
             toks, lps, n, eos = (x[None] for x in (toks, lps, n, eos))
