@@ -6,6 +6,7 @@ transformers' generate); `system` - the pod and cluster machinery (TPU ahead-of-
 multi-process runs): opt-in with --system or STARE_JAX_RUN_SYSTEM=1, and always run by .ci/run after the default
 suite; `slow` - opt-in (--runslow or STARE_JAX_RUN_SLOW=1). The default run is unit + integration; `-m unit` /
 `-m integration` select one tier, and every run ends with each tier's time."""
+import gc
 import os
 
 # Must happen before jax is imported anywhere: 8 host devices so mesh tests can build a (2, 4) mesh.
@@ -83,6 +84,33 @@ def pytest_terminal_summary(terminalreporter):
     ran = {t: s for t, s in _TIER_SECONDS.items() if s >= 0.5}
     if ran:
         terminalreporter.write_line("time per tier: " + ", ".join(f"{t} {s:.0f} s" for t, s in ran.items()))
+
+
+# XLA's CPU client maps each compiled executable's code into its own memory regions (~70 per program), and jit
+# caches of module-level functions keep every program a test compiled alive for the whole session: the full suite
+# compiles thousands, passed 63,000 mappings on 7 Dec 2026 and hit the kernel's vm.max_map_count (65,530), where
+# pthread_create fails ("can't start new thread" in orbax's save) or native code segfaults (CI exit 139; the 5 Dec
+# segfaults in executable.serialize() were likely the same). Dropping the caches between modules once the count
+# passes a third of the limit frees them (measured: 4,748 -> 630 mappings after 60 programs).
+_MAPS_BEFORE_CLEARING = 20_000
+
+
+def memory_mappings() -> int:
+    """This process's number of memory mappings (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs_when_mappings_pile_up():
+    """After each test module: clear JAX's caches when the mapping count is high (see _MAPS_BEFORE_CLEARING)."""
+    yield
+    if memory_mappings() > _MAPS_BEFORE_CLEARING:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
