@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import pathlib
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from stare_jax.config import load_config
 from stare_jax.metrics import read_metrics
@@ -63,44 +63,67 @@ def _max_eval(run_dirs, keys: Sequence[str]) -> float | None:
     return max(vals) if vals else None
 
 
-def demo_checks(grpo_dir, stare_dir, *, tool: bool = False) -> list[tuple[str, float | None, str, bool]]:
-    """(check, measured value, requirement, passed) for the demo's claims (tool: the tool scenario's too)."""
+class Check(NamedTuple):
+    """One claim of the demo: `value op bound` (e.g. in-band fraction >= 0.9). margin: how far the measured value
+    is on the passing side of the bound (negative = failed by that much; None when not measured)."""
+    name: str
+    value: float | None
+    op: str  # "<", "<=", ">=" or ">"
+    bound: float
+
+    @property
+    def need(self) -> str:
+        return f"{self.op} {self.bound:g}"
+
+    @property
+    def margin(self) -> float | None:
+        if self.value is None:
+            return None
+        return self.value - self.bound if self.op in (">=", ">") else self.bound - self.value
+
+    @property
+    def passed(self) -> bool:
+        m = self.margin
+        return m is not None and (m > 0 if self.op in ("<", ">") else m >= 0)
+
+
+def demo_checks(grpo_dir, stare_dir, *, tool: bool = False) -> list[Check]:
+    """The demo's claims (tool: the tool scenario's too), measured on the two arms' run folders."""
     g, s = run_summary(grpo_dir), run_summary(stare_dir)
     target = s["target_entropy"]
-    out = []
 
-    def add(name, value, need, ok):
-        out.append((name, value, need, bool(ok) if value is not None else False))
+    def ratio(a, b):
+        return a / b if a is not None and b else None
 
-    ratio = g["last10_entropy"] / g["first_entropy"] if g["first_entropy"] else None
-    add("GRPO-ds last-10 entropy / first-step entropy", ratio, "< 0.5", ratio is not None and ratio < 0.5)
+    out = [Check("GRPO-ds last-10 entropy / first-step entropy", ratio(g["last10_entropy"], g["first_entropy"]),
+                 "<", 0.5)]
     if not tool:  # the tool warm start's entropy is mostly its deliberate noise (guessed answers): no such bound
-        t_ratio = target / s["first_entropy"] if s["first_entropy"] else None
-        add("STARE target / first-step entropy", t_ratio, ">= 0.55", t_ratio is not None and t_ratio >= 0.55)
-    band = s["last_quarter_in_band"]
-    add("STARE last-quarter steps within +-30% of target", band, ">= 0.9", band is not None and band >= 0.9)
-    gq = g["last_quarter_entropy"] / target if target else None
-    add("GRPO-ds last-quarter mean entropy / target", gq, "< 0.7", gq is not None and gq < 0.7)
+        out.append(Check("STARE target / first-step entropy", ratio(target, s["first_entropy"]), ">=", 0.55))
+    out.append(Check("STARE last-quarter steps within +-30% of target", s["last_quarter_in_band"], ">=", 0.9))
+    out.append(Check("GRPO-ds last-quarter mean entropy / target", ratio(g["last_quarter_entropy"], target),
+                     "<", 0.7))
     for name, d in (("GRPO-ds", grpo_dir), ("STARE", stare_dir)):
-        gain = _eval_gain(d)
-        add(f"{name} held-out accuracy gain (last 3 evals - start)", gain, ">= 0.2", gain is not None and gain >= 0.2)
+        out.append(Check(f"{name} held-out accuracy gain (last 3 evals - start)", _eval_gain(d), ">=", 0.2))
     if tool:
         for name, d in (("GRPO-ds", grpo_dir), ("STARE", stare_dir)):
-            rise = _eval_gain(d, "tool/calls_per_response")
-            add(f"{name} held-out tool calls per response rise (last 3 evals - start)", rise, "> 0",
-                rise is not None and rise > 0)
-        no_tool = _max_eval([grpo_dir, stare_dir], ("eval_start_notool/accuracy", "eval_notool/accuracy"))
-        add("held-out accuracy with the tool disabled (max over evals, both arms)", no_tool, "<= 0.2",
-            no_tool is not None and no_tool <= 0.2)
+            out.append(Check(f"{name} held-out tool calls per response rise (last 3 evals - start)",
+                             _eval_gain(d, "tool/calls_per_response"), ">", 0.0))
+        out.append(Check("held-out accuracy with the tool disabled (max over evals, both arms)",
+                         _max_eval([grpo_dir, stare_dir], ("eval_start_notool/accuracy", "eval_notool/accuracy")),
+                         "<=", 0.2))
     return out
 
 
-def format_checks(checks) -> str:
+def format_checks(checks: Sequence[Check]) -> str:
+    """The checks as a markdown table, then one line with the overall verdict."""
     lines = ["| check | measured | required | pass |", "|---|---:|---:|:---:|"]
-    for name, value, need, ok in checks:
-        v = "n/a" if value is None else f"{value:.3f}"
-        lines.append(f"| {name} | {v} | {need} | {'yes' if ok else 'NO'} |")
-    return "\n".join(lines) + "\n"
+    for c in checks:
+        v = "n/a" if c.value is None else f"{c.value:.3f}"
+        lines.append(f"| {c.name} | {v} | {c.need} | {'yes' if c.passed else 'NO'} |")
+    failed = [c.name for c in checks if not c.passed]
+    verdict = (f"all {len(checks)} checks pass" if not failed else
+               f"{len(failed)} of {len(checks)} checks FAIL: {'; '.join(failed)} (README: what a failed check means)")
+    return "\n".join(lines) + "\n\n" + verdict + "\n"
 
 
 def _checkpoint_steps(arm_dir: pathlib.Path) -> list[int]:
