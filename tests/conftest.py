@@ -43,7 +43,8 @@ def pytest_addoption(parser):
 
 
 # test modules of the system and integration tiers (the rest are unit tests)
-SYSTEM = {"test_aot", "test_launch", "test_multihost", "test_multihost_engine", "test_sft_multihost"}
+SYSTEM = {"test_aot", "test_demo_claims", "test_launch", "test_multihost", "test_multihost_engine",
+          "test_sft_multihost"}
 INTEGRATION = {"test_cli", "test_compare", "test_demo_tool", "test_device_suite", "test_sampling_parity",
                "test_smollm2", "test_train", "test_train_stages", "test_gguf_convert", "test_paper_configs"}
 TIERS = ("unit", "integration", "system", "slow")

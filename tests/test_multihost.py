@@ -298,8 +298,9 @@ def test_train_cli_two_processes_equal_one_process(train_runs):
 
     ref, mp = read_metrics(train_runs["ref"]), read_metrics(train_runs["mp"])
     assert [r["step"] for r in mp] == [1, 2, 3, 4]  # one line per step: only process 0 writes, resume appends
-    for r in mp:  # STARE-O1 really reweights: batch gate on, W = 4, some positive-advantage tokens selected
-        assert r["gate_on"] is True and r["stare_w"] == 4.0 and r["selected_frac_pos"] > 0, r
+    for r in mp:  # STARE-O1 really reweights: batch gate on, the adaptive W (W_0 4, alpha 2) climbing by 2 a step
+        # across the resume (the controller state is in the checkpoint), some positive-advantage tokens selected
+        assert r["gate_on"] is True and r["stare_w"] == 4.0 + 2.0 * r["step"] and r["selected_frac_pos"] > 0, r
         assert np.isfinite(r["loss"]) and r["loss"] != 0 and r["skipped_updates"] == 0
     assert "eval_start/accuracy" in mp[0] and "eval/accuracy" in mp[1] and "eval/accuracy" in mp[3]
     worst_metrics = _metric_diffs(mp, ref)
