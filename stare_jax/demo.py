@@ -128,7 +128,7 @@ def format_checks(checks: Sequence[Check]) -> str:
         lines.append(f"| {c.name} | {v} | {c.need} | {'yes' if c.passed else 'NO'} |")
     failed = [c.name for c in checks if not c.passed]
     verdict = (f"all {len(checks)} checks pass" if not failed else
-               f"{len(failed)} of {len(checks)} checks FAIL: {'; '.join(failed)} (README: what a failed check means)")
+               f"{len(failed)} of {len(checks)} checks FAIL: {'; '.join(failed)} (README: When a check says NO)")
     return "\n".join(lines) + "\n\n" + verdict + "\n"
 
 
