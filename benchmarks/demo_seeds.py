@@ -106,33 +106,35 @@ def main() -> None:
     ap.add_argument("--scenario", default="default", choices=sorted(SCENARIOS))
     ap.add_argument("overrides", nargs="*", help="KEY=VALUE overrides for both arms")
     args = ap.parse_args()
-    seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds if args.seeds else 3))
+    seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds if args.seeds is not None else 3))
     out = pathlib.Path(args.out)
     rows: dict[str, dict] = {}
-    seed_rows: list[str] = []
-    for seed in ([] if args.only_perturb else seeds):
-        name = f"seed{seed}"
-        rows[name] = run_one(out / name, args.scenario, seed, args.overrides)
-        seed_rows.append(name)
+    runs = [(f"seed{seed}", seed, None) for seed in ([] if args.only_perturb else seeds)]
+    runs += [(f"seed0-{p}", 0, p) for p in (PERTURBATIONS if args.perturb or args.only_perturb else ())]
+    if not runs:
+        ap.error("nothing to run: give --seeds N >= 1, --seed-list or --only-perturb")
+    for name, seed, perturbation in runs:
+        rows[name] = run_one(out / name, args.scenario, seed, args.overrides, perturbation=perturbation)
         print(f"{name}: {'PASS' if all(c.passed for c in rows[name]['checks']) else 'FAIL'} "
               f"({rows[name]['wall_s']:.0f} s)", flush=True)
-    for p in (PERTURBATIONS if args.perturb or args.only_perturb else ()):
-        name = f"seed0-{p}"
-        rows[name] = run_one(out / name, args.scenario, 0, args.overrides, perturbation=p)
-        print(f"{name}: {'PASS' if all(c.passed for c in rows[name]['checks']) else 'FAIL'} "
-              f"({rows[name]['wall_s']:.0f} s)", flush=True)
+        text = report(rows, args.scenario)
+        (out / "seeds.md").write_text(text)  # after every run: a stopped benchmark keeps what it measured
+    print(text)
+
+
+def report(rows: dict[str, dict], scenario: str) -> str:
+    """The table, the failed runs' checks and the verdict: every check on >= 90% of the seeds and on every
+    perturbation (rows named seed0-<perturbation>)."""
+    seed_rows = [n for n in rows if "-" not in n]
+    perturbed = [n for n in rows if "-" in n]
     n_seed_pass = sum(all(c.passed for c in rows[n]["checks"]) for n in seed_rows)
-    perturbed = [n for n in rows if n not in seed_rows]
     n_pert_pass = sum(all(c.passed for c in rows[n]["checks"]) for n in perturbed)
     ok = n_seed_pass >= 0.9 * len(seed_rows) and n_pert_pass == len(perturbed)
     failed = "".join(f"\n## {n}\n\n{format_checks(r['checks'])}" for n, r in rows.items()
                      if not all(c.passed for c in r["checks"]))
-    text = (f"# demo robustness: scenario {args.scenario}\n\n" + table(rows) + failed
+    return (f"# demo robustness: scenario {scenario}\n\n" + table(rows) + failed
             + f"\n{n_seed_pass} of {len(seed_rows)} seeds and {n_pert_pass} of {len(perturbed)} perturbations pass "
               f"every check: {'the bar holds' if ok else 'the bar (>= 90% of seeds, every perturbation) FAILS'}\n")
-    (out / "seeds.md").write_text(text)
-    print(text)
-
 
 if __name__ == "__main__":
     main()
