@@ -35,8 +35,8 @@ def compile_layout(config: str, overrides: list[str], padded_report: pathlib.Pat
 def row(config: str, layout: str, overrides: list[str], r: dict) -> str:
     """One markdown row: train step peak compiled / estimate, its args / temp, host bytes, sampling phase,
     headroom, fits, train-step compile seconds, the command."""
-    from stare_jax.config import load_config
-    from stare_jax.plan import estimate, phase_peaks
+    from stare_jax.config.loader import load_config
+    from stare_jax.planning.estimate import estimate, phase_peaks
 
     if "error" in r:
         return f"| {config} | {layout} | {r['error']} | | | | | no | | |"

@@ -28,7 +28,7 @@ GiB = 1024**3
 
 def paper_configs(only: list[str]) -> list[pathlib.Path]:
     """The paper's run configs (not the cold-start SFT config: `stare-jax plan --sft CONFIG --compile`)."""
-    from stare_jax.config import is_sft_config_file
+    from stare_jax.config.loader import is_sft_config_file
 
     files = sorted(p for p in (REPO / "configs" / "paper").glob("*.yaml")
                    if not p.name.startswith("_") and not is_sft_config_file(p))
@@ -39,8 +39,8 @@ def sampler_source(config: pathlib.Path, out_dir: pathlib.Path, newer_than: floa
     """A report of another config with the same sampler_key as `config` (another arm of its setting), written after
     `newer_than` (the code's mtime: a report compiled by older code may hold other sampler programs), if any; a
     report from before sampler keys were recorded gets the key of the config it was compiled from."""
-    from stare_jax.aot import sampler_key, topology_for
-    from stare_jax.config import load_config
+    from stare_jax.training.aot import sampler_key, topology_for
+    from stare_jax.config.loader import load_config
 
     def key(path: pathlib.Path) -> str:
         cfg = load_config(path)
@@ -89,8 +89,8 @@ def plan_compile(args: list[str]) -> dict:
 
 def estimate_phases(config: pathlib.Path) -> dict:
     """The analytic model's per-phase peaks now (same phase definitions as the compiled ones)."""
-    from stare_jax.config import load_config
-    from stare_jax.plan import estimate, phase_peaks
+    from stare_jax.config.loader import load_config
+    from stare_jax.planning.estimate import estimate, phase_peaks
 
     return phase_peaks(estimate(load_config(config)))
 

@@ -26,8 +26,8 @@ import subprocess
 import sys
 import time
 
-from stare_jax.demo import SCENARIOS, demo_checks, format_checks
-from stare_jax.plot import run_summary
+from stare_jax.experiments.demo import SCENARIOS, demo_checks, format_checks
+from stare_jax.experiments.plot import run_summary
 
 PERTURBATIONS: dict[str, tuple[dict[str, str], tuple[str, ...], bool]] = {
     # name -> (XLA_FLAGS to add, config overrides, pin to one core)

@@ -16,7 +16,8 @@ Sections (each times the project's own programs, never a copy of them):
    old-log-prob pass, attention = 2 n_layers n_heads head_dim L per token (QK^T and AV, causal: half of the
    L x L scores), N = ModelConfig.num_params() less the input embedding table when it is untied (a gather, not a
    matmul), tokens = batch x L. The remat recompute (one more forward) is not model FLOPs; it is reported as
-   `hfu` (hardware FLOPs utilisation) beside it. The same accounting as `stare-jax plan` (stare_jax/plan.py).
+   `hfu` (hardware FLOPs utilisation) beside it. The same accounting as `stare-jax plan`
+   (stare_jax/planning/estimate.py).
 2. sampler: stare_jax.sampling.Sampler on the same model shape (weights cast to bf16 by the sampler, bf16 KV
    cache as the run configs default), 64 prompts x 1 sample (random 128-token prompts), 512 new tokens with
    eos_ids=[] so every row generates all of them; tokens/s = prompts x samples x new tokens / wall time of
@@ -382,7 +383,7 @@ def _stepper(model, tcfg, batch):
     import jax.numpy as jnp
 
     from stare_jax.rl import init_stare_state
-    from stare_jax.rl.train_step import init_train_state, make_train_step
+    from stare_jax.rl.step import init_train_state, make_train_step
 
     graphdef, state = init_train_state(model, tcfg)
     # own copy of the params: the step donates its train state, and the model's arrays stay usable
@@ -403,7 +404,7 @@ def section_train_step(suite, ctx, sec, peak, *, batch, seq_len, micro_batches, 
     import jax
 
     from stare_jax.rl import StareConfig
-    from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig
+    from stare_jax.rl.step import OptimizerConfig, TrainStepConfig
 
     tcfg = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-6),
                            stare=StareConfig(enabled=True, variant="O1", target_entropy=1e3),
@@ -533,7 +534,7 @@ def section_sampler(suite, ctx, sec, *, prompts, samples, prompt_len, new_tokens
 
 def section_stare_ratio(suite, ctx, sec, *, batch, seq_len, micro_batches, pairs):
     from stare_jax.rl import StareConfig
-    from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig
+    from stare_jax.rl.step import OptimizerConfig, TrainStepConfig
 
     arms = {"grpo_ds": StareConfig(enabled=False),
             "stare_o1": StareConfig(enabled=True, variant="O1", target_entropy=1e3)}

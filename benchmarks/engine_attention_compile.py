@@ -30,8 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", action="store_true", help="also compile the prefill program (gathers either way)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    from stare_jax import aot
-    from stare_jax.config import load_config
+    from stare_jax.training import aot
+    from stare_jax.config.loader import load_config
 
     cfg = load_config(args.config)
     out = {}

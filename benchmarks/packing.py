@@ -37,9 +37,9 @@ import numpy as np  # noqa: E402
 from harness import add_harness_args, compare, emit  # noqa: E402
 from stare_jax.models import ModelConfig, init_model  # noqa: E402
 from stare_jax.rl.packing import fill_rate, host_layout, packed_stats, rows_per_micro  # noqa: E402
-from stare_jax.rl.packing_config import PackingConfig  # noqa: E402
+from stare_jax.config.packing import PackingConfig  # noqa: E402
 from stare_jax.rl.stare import StareConfig, init_stare_state  # noqa: E402
-from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step  # noqa: E402
+from stare_jax.rl.step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001 (progress visible when piped)
 

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from harness import add_harness_args, compare, emit  # noqa: E402
 from stare_jax.models import ModelConfig, init_model  # noqa: E402
 from stare_jax.rl.stare import StareConfig, StareState, init_stare_state, stare_omega  # noqa: E402
-from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step  # noqa: E402
+from stare_jax.rl.step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step  # noqa: E402
 
 print = functools.partial(print, flush=True)  # noqa: A001 (progress visible when piped)
 

@@ -97,7 +97,7 @@ def run(tokens_list, iters: int, seq: int, log=print) -> dict:
 
 def aot(topology: str, tokens_list, seq: int, log=print) -> list[dict]:
     """Compile both implementations for a TPU slice's abstract devices (libtpu; nothing runs): temp bytes/device."""
-    from stare_jax.aot import get_topology
+    from stare_jax.training.aot import get_topology
 
     devices = list(get_topology(topology).devices)
     shape = (2, len(devices) // 2) if len(devices) >= 2 else (1, 1)

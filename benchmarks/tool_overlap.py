@@ -25,10 +25,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import add_harness_args, compare, emit  # noqa: E402
-from stare_jax import models, toy  # noqa: E402
-from stare_jax.config import load_config  # noqa: E402
-from stare_jax.run_setup import make_sampler  # noqa: E402
-from stare_jax.tokenizer import load_tokenizer  # noqa: E402
+from stare_jax import models  # noqa: E402
+from stare_jax.toy import assets as toy
+from stare_jax.config.loader import load_config  # noqa: E402
+from stare_jax.training.setup import make_sampler  # noqa: E402
+from stare_jax.data.tokenizer import load_tokenizer  # noqa: E402
 from stare_jax.tools.config import make_backend  # noqa: E402
 from stare_jax.tools.pool import Backend, SandboxPool  # noqa: E402
 from stare_jax.tools.rollout import tool_rollouts  # noqa: E402

@@ -3,7 +3,8 @@
 A train-step-like program (a scan over L remat'ed MLP layers with fp32 weights split over tensor 4, bf16 compute,
 gradients accumulated over 8 micro-batches, donated SGD update) is compiled for v5p:2x2x1 (4 chips of 95.74 GiB) on
 this CPU host for growing L until the compiler refuses it. At the last L that compiles and the first that does not,
-it prints arguments + outputs - aliases + temp_size (the sum stare_jax.aot reported as the peak until 2026-12-06)
+it prints arguments + outputs - aliases + temp_size (the sum stare_jax.training.aot reported as the peak until
+2026-12-06)
 beside peak_memory_in_bytes and HBM, and the compiler's own refusal message.
 
     python benchmarks/tpu_peak_memory.py [--json]
@@ -16,7 +17,8 @@ outputs - aliases + the buffer assignment's temp allocation) is the enforced fig
 Second part, host memory (memory kind pinned_host, the rl.offload.optimizer state): a step that takes 60 GiB per
 chip of host-resident and 60 GiB of device-resident arguments compiles, although peak_memory_in_bytes reports 120
 GiB > HBM: the host buffers are in peak_memory_in_bytes but not in what the compiler holds against HBM, so
-stare_jax.aot takes them out of the device peak. Bringing 60 GiB in from host while 30 GiB are on device is refused
+stare_jax.training.aot takes them out of the device peak.
+Bringing 60 GiB in from host while 30 GiB are on device is refused
 (150 GiB of device memory needed). Seen on 2026-12-06 (61 s in all): both, as described.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from stare_jax.aot import get_topology
+from stare_jax.training.aot import get_topology
 
 GiB = 2**30
 B, T, D, F, MICRO = 4, 9216, 3584, 18944, 8
@@ -105,7 +107,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    topo = get_topology("v5p:2x2x1")  # stare_jax.aot's: never takes libtpu's one-process lock
+    topo = get_topology("v5p:2x2x1")  # stare_jax.training.aot's: never takes libtpu's one-process lock
     mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(4), ("tensor",))
     lo, hi = 8, 256  # compiles at lo (checked), refused at hi (checked): bisect the boundary
     rows = {L: try_compile(L, mesh) for L in (lo, hi)}

@@ -12,7 +12,7 @@ phase train:   K steps (default 3, batch seeds 100 + i); process 0 writes DIR/re
                s<i>/: every scalar metric, debug/omega, debug/old_logprobs, debug/entropy, debug/loss_mask,
                state/<controller field>, params/<path> (the parameters after the step, gathered to the host).
                With --ckpt every process saves {"train_state", "stare_state"} at step K with
-               stare_jax.checkpoint.Checkpointer (orbax, multi-host, async).
+               stare_jax.training.checkpoint.Checkpointer (orbax, multi-host, async).
 phase restore: restore the newest checkpoint of --ckpt onto the mesh's shardings (abstract state), write
                restored/params/<path> and restored/stare/<field>, then run ONE more step (batch seed 100 + K) and
                write it as s<K>/... (the same keys as a train step).
@@ -68,12 +68,12 @@ def main(argv=None):
     from jax.experimental import multihost_utils
 
     from _rl_fixtures import random_train_batch  # tests/ is on sys.path: this script lives there
-    from stare_jax.checkpoint import Checkpointer
+    from stare_jax.training.checkpoint import Checkpointer
     from stare_jax.distributed import global_batch_from_process_local, process_batch_rows
     from stare_jax.models import ModelConfig, init_model
     from stare_jax.models.sharding import make_mesh
     from stare_jax.rl.stare import StareConfig, init_stare_state
-    from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step, \
+    from stare_jax.rl.step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step, \
         place_train_state
 
     model_cfg = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,

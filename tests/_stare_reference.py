@@ -1,12 +1,12 @@
 """Sort-based reference for STARE's selection (moved here from production): one lax.sort of the flat token array by
 (candidate group, surprisal), the numpy-'linear' quantile read off the sorted array, and exact top-k by a sort with the
-flat index as the last key. Same sets as stare_jax.rl.stare_select._select_flat; the tests check that."""
+flat index as the last key. Same sets as stare_jax.rl.stare.select._select_flat; the tests check that."""
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 
-from stare_jax.rl.stare_select import lerp, mul_div_floor, p_fraction
+from stare_jax.rl.stare.select import lerp, mul_div_floor, p_fraction
 
 
 def _group_quantile(sorted_x, offset, n, q_num: int, q_den: int):

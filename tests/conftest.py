@@ -24,7 +24,8 @@ _REPO = pathlib.Path(__file__).resolve().parents[1]
 # The persistent cache only pays when the same checkout runs the suite again (a clean CI clone starts cold and the
 # in-process jit caches already share programs between tests), and on 5 Dec 2026 jaxlib 0.10.2 segfaulted twice in
 # a full run inside executable.serialize() while writing an engine decode program to it (the same test passes alone,
-# cold or warm): opt in with STARE_JAX_TEST_CACHE=1 for local reruns. Off means off: stare_jax.compare sets a cache
+# cold or warm): opt in with STARE_JAX_TEST_CACHE=1 for local reruns. Off means off: stare_jax.experiments.compare
+# sets a cache
 # dir when it runs in-process, so the cache itself is disabled.
 if os.environ.get("STARE_JAX_TEST_CACHE") == "1":
     jax.config.update("jax_compilation_cache_dir", str(_REPO / ".cache" / "jax"))

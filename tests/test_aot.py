@@ -6,9 +6,10 @@ import sys
 import jax
 import pytest
 
-from stare_jax import aot, cli
-from stare_jax.config import load_config
-from stare_jax.plan import GiB
+from stare_jax import cli
+from stare_jax.training import aot
+from stare_jax.config.loader import load_config
+from stare_jax.planning.estimate import GiB
 
 pytest.importorskip("libtpu", reason="libtpu (jax[tpu]) is a test dependency: pip install -r requirements-test.txt")
 
@@ -152,7 +153,7 @@ def test_collectives_parsed_from_hlo():
 def test_auto_slots_resolve_for_the_slice_compiled():
     """plan --compile with sampling.engine.max_slots=auto compiles the engine at the number the plan finds for the
     slice: launch.accelerator's HBM, or (only a topology named) libtpu's own HBM figure of that topology."""
-    from stare_jax.plan import max_slots_that_fit
+    from stare_jax.planning.estimate import max_slots_that_fit
 
     cfg = load_config("configs/paper/qwen2.5-7b-tool_stare_o1.yaml", ["sampling.engine.max_slots=auto"])
     devices = aot.get_topology("v5p:2x2x1").devices
@@ -230,7 +231,7 @@ def test_paper_config_fits_its_slice(config):
     each phase is at most 5% under the compiled peak (the unsafe direction) and at most 30% over it (R1-Distill's
     sampling phase: +28% on 2026-12-06, after the blocked prefill; 4-7 minutes each on a 2-core host; ~6 and ~9 GB
     of host memory)."""
-    from stare_jax.plan import estimate, phase_peaks
+    from stare_jax.planning.estimate import estimate, phase_peaks
 
     cfg = load_config(f"configs/paper/{config}.yaml")
     r = aot.compile_run(cfg, log=lambda _: None)
@@ -314,7 +315,7 @@ def test_sft_step_compiles_sharded_with_micro_batches(tmp_path):
     of one conversation per device, splash through Mosaic): the train state is sharded and donated, the batch and
     the whole fp32 state fit, and the report is the plan's table."""
     from stare_jax import models
-    from stare_jax.sft import load_sft_config
+    from stare_jax.training.sft import load_sft_config
 
     model_cfg = models.ModelConfig(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4,
                                    head_dim=128, intermediate_size=256, max_position_embeddings=1024,

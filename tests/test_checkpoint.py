@@ -13,7 +13,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from stare_jax import checkpoint as C
+from stare_jax.training import checkpoint as C
 
 
 class ControllerState(typing.NamedTuple):
@@ -312,7 +312,7 @@ class _Crash(Exception):
 
 
 def _train(run_dir, total, *, resume=False, preempt_at=None, crash_after=None):
-    from stare_jax import metrics as M
+    from stare_jax.training import metrics as M
 
     ck = C.Checkpointer(run_dir / "ckpt", keep=2, every_steps=3, async_save=True, must_exist=resume)
     state, data_pos, start = _init_state(), 0, 0
@@ -345,7 +345,7 @@ def _train(run_dir, total, *, resume=False, preempt_at=None, crash_after=None):
 
 
 def test_preempt_crash_resume_equals_uninterrupted_run(tmp_path):
-    from stare_jax import metrics as M
+    from stare_jax.training import metrics as M
 
     status, straight = _train(tmp_path / "straight", 10)
     assert status == "done"
@@ -367,7 +367,7 @@ def test_preempt_crash_resume_equals_uninterrupted_run(tmp_path):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _TrainStateLike:
-    """Shaped like stare_jax.rl.train_step.TrainState: nnx.State params/rest, optax chain state, step."""
+    """Shaped like stare_jax.rl.step.TrainState: nnx.State params/rest, optax chain state, step."""
 
     params: typing.Any
     rest: typing.Any

@@ -52,7 +52,7 @@ def small_context_model(tmp_path_factory):
 @pytest.fixture()
 def runs(tmp_path):
     """A folder like `stare-jax demo`'s: two arms as sub-runs, no metrics.jsonl of its own."""
-    from stare_jax.metrics import MetricsWriter
+    from stare_jax.training.metrics import MetricsWriter
 
     demo = tmp_path / "demo"
     for arm, w in (("grpo_ds", 1.0), ("stare_o1", 4.0)):

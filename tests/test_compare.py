@@ -5,10 +5,11 @@ import json
 import pytest
 
 from stare_jax import cli
-from stare_jax.compare import DEFAULT_METHODS, JSON_NAME, METHODS, PLOT_NAME, TABLE_COLUMNS, TABLE_NAME, run_compare
-from stare_jax.config import load_config
-from stare_jax.demo import CONFIGS
-from stare_jax.run_setup import TrainingError
+from stare_jax.experiments.compare import (DEFAULT_METHODS, JSON_NAME, METHODS, PLOT_NAME, TABLE_COLUMNS, TABLE_NAME,
+                                           run_compare)
+from stare_jax.config.loader import load_config
+from stare_jax.experiments.demo import CONFIGS
+from stare_jax.training.setup import TrainingError
 
 TINY = [
     "toy.hidden_size=32", "toy.num_layers=2", "toy.sft_steps=5", "toy.num_train=200", "toy.num_eval=8",

@@ -5,8 +5,9 @@ import pathlib
 import pytest
 import yaml
 
-from stare_jax.config import Config, ConfigError, config_from_dict, load_config, parse_override, save_config, to_dict
-from stare_jax.run_setup import train_step_config
+from stare_jax.config.loader import (Config, ConfigError, config_from_dict, load_config, parse_override, save_config,
+                                    to_dict)
+from stare_jax.training.setup import train_step_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -107,8 +108,8 @@ def test_resolved_config_round_trip(tmp_path):
 
 def test_every_shipped_config_loads():
     """Every run config loads as a run config, every SFT config (configs/sft_*.yaml, *_sft.yaml) as an SFT config."""
-    from stare_jax.config import is_sft_config_file
-    from stare_jax.sft import load_sft_config
+    from stare_jax.config.loader import is_sft_config_file
+    from stare_jax.training.sft import load_sft_config
 
     files = sorted(CONFIGS.rglob("*.yaml"))
     assert files, "configs/ has no YAML files"
@@ -119,7 +120,7 @@ def test_every_shipped_config_loads():
 def test_rl_stare_is_the_step_stare_config():
     """One StareConfig: the run config's rl.stare section is the jitted step's static config (no field copy)."""
     from stare_jax.rl.stare import StareConfig
-    from stare_jax.run_setup import train_step_config
+    from stare_jax.training.setup import train_step_config
 
     cfg = load_config(None, ["rl.stare.enabled=true", "rl.stare.target_entropy=0", "rl.stare.select_impl=jnp_quantile"])
     assert type(cfg.rl.stare) is StareConfig and cfg.rl.stare.target_entropy == 0.0
@@ -164,7 +165,7 @@ def test_policy_loss_options_errors_name_key_and_source(overrides, fragment):
 
 
 def test_policy_loss_sections_reach_the_step_config():
-    from stare_jax.run_setup import train_step_config
+    from stare_jax.training.setup import train_step_config
 
     cfg = load_config(None, ["rl.policy_loss.name=kl_cov", "rl.policy_loss.kl_cov_ratio=0.01",
                              "rl.entropy_coeff=0.001", "rl.token_filter.enabled=true", "rl.micro_batch_size=4",

@@ -1,10 +1,11 @@
-"""The demo's checks (stare_jax.demo.Check, demo_checks, format_checks) on hand-made run folders: each claim's
+"""The demo's checks (stare_jax.experiments.demo.Check, demo_checks, format_checks) on hand-made run folders: each
+claim's
 value, bound, pass and margin, and the overall verdict line. The demo itself, end to end, is
 tests/test_demo_claims.py (system tier)."""
 import pytest
 
-from stare_jax.demo import Check, demo_checks, format_checks
-from stare_jax.metrics import MetricsWriter
+from stare_jax.experiments.demo import Check, demo_checks, format_checks
+from stare_jax.training.metrics import MetricsWriter
 
 
 @pytest.mark.parametrize("op,value,bound,passed,margin", [

@@ -7,7 +7,7 @@ import pathlib
 import subprocess
 import sys
 
-from stare_jax.demo import SCENARIOS, demo_checks, format_checks
+from stare_jax.experiments.demo import SCENARIOS, demo_checks, format_checks
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

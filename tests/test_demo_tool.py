@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from stare_jax import cli
-from stare_jax.config import load_config
-from stare_jax.demo import CONFIGS, SCENARIOS, run_demo
-from stare_jax.run_setup import TrainingError
+from stare_jax.config.loader import load_config
+from stare_jax.experiments.demo import CONFIGS, SCENARIOS, run_demo
+from stare_jax.training.setup import TrainingError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

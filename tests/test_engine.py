@@ -226,8 +226,8 @@ def test_bad_config(kwargs, match):
 
 
 def test_auto_slots_must_be_resolved_before_the_engine(model):
-    """max_slots=auto is a config value (stare_jax.plan.resolve_max_slots turns it into a number for the host or
-    slice): the engine and the pool sizing refuse it unresolved, by name."""
+    """max_slots=auto is a config value (stare_jax.planning.estimate.auto_max_slots turns it into a number for the
+    host or slice): the engine and the pool sizing refuse it unresolved, by name."""
     auto = EngineConfig(max_slots="auto")
     with pytest.raises(ValueError, match="max_slots=auto reached the engine unresolved"):
         Engine(model, config=auto)
@@ -238,8 +238,8 @@ def test_auto_slots_must_be_resolved_before_the_engine(model):
 def test_attention_config_resolves_per_platform(model):
     """sampling.engine.attention in the run config (validated with the key's name), and what auto resolves to: the
     gather path off TPU, whatever the cache dtype."""
-    from stare_jax.config import load_config
-    from stare_jax.options import ConfigError
+    from stare_jax.config.loader import load_config
+    from stare_jax.config.options import ConfigError
 
     assert load_config(None, ["sampling.engine.attention=pallas"]).sampling.engine.attention == "pallas"
     with pytest.raises(ConfigError, match="'sampling.engine.attention' = 'flash' is not accepted"):
@@ -278,7 +278,7 @@ def test_bad_input(model):
 
 def test_drop_in_for_generate_rollouts(model):
     """The train loop's call (rollouts.generate_rollouts) gives the same rollouts with the engine as the sampler."""
-    from stare_jax.rollouts import RewardFn, generate_rollouts
+    from stare_jax.training.collect import generate_rollouts, reward_fn_for
 
     class Tok:
         bos_id, eos_ids = 1, EOS
@@ -286,7 +286,7 @@ def test_drop_in_for_generate_rollouts(model):
         def decode(self, ids):
             return " ".join(map(str, ids))
 
-    kw = dict(tokenizer=Tok(), reward_fn=RewardFn("digit_sum"), prompt_len=32, max_new_tokens=12, num_samples=2,
+    kw = dict(tokenizer=Tok(), reward_fn=reward_fn_for("digit_sum"), prompt_len=32, max_new_tokens=12, num_samples=2,
               temperature=1.0, top_p=1.0, top_k=0, seed=3, index_offset=5)
     a, texts_a, _ = generate_rollouts(Sampler(model), PROMPTS, ["1:1"] * len(PROMPTS), **kw)
     b, texts_b, _ = generate_rollouts(Engine(model, config=SMALL), PROMPTS, ["1:1"] * len(PROMPTS), **kw)

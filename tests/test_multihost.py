@@ -286,15 +286,16 @@ def _params(run_dir: pathlib.Path, step: int) -> dict:
     import jax
     from flax import nnx
 
-    from stare_jax.policy import load_policy
+    from stare_jax.training.policy import load_policy
+    from stare_jax.toy.assets import run_inputs
 
-    policy = load_policy(run_dir, step=step, log=lambda *_: None)
+    policy = load_policy(run_dir, step=step, inputs_for=run_inputs, log=lambda *_: None)
     leaves = jax.tree_util.tree_flatten_with_path(nnx.state(policy.model, nnx.Param))[0]
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
 
 
 def test_train_cli_two_processes_equal_one_process(train_runs):
-    from stare_jax.metrics import read_metrics
+    from stare_jax.training.metrics import read_metrics
 
     ref, mp = read_metrics(train_runs["ref"]), read_metrics(train_runs["mp"])
     assert [r["step"] for r in mp] == [1, 2, 3, 4]  # one line per step: only process 0 writes, resume appends
@@ -339,7 +340,7 @@ def test_train_cli_with_the_rollout_engine_two_processes_equal_one_process(train
     mp = Launch("train_engine_2x4", d, 2, _train_cli(d / "engine_mp", d / "toy", *extra))
     ref.wait()
     mp.wait()
-    from stare_jax.metrics import read_metrics
+    from stare_jax.training.metrics import read_metrics
 
     got, want = read_metrics(d / "engine_mp"), read_metrics(d / "engine_ref")
     assert [r["step"] for r in got] == [1, 2] and all(r["response_len_mean"] > 0 for r in got)
@@ -357,7 +358,7 @@ def test_train_cli_with_the_rollout_engine_two_processes_equal_one_process(train
 def test_train_cli_checkpoint_of_one_process_resumes_on_two(train_runs):
     """A checkpoint written by 1 process x 8 devices, resumed by 2 processes x 4: step 4 equals the 1 x 8 run's
     own step 4 (the global data order and the resharding restore make the topology irrelevant)."""
-    from stare_jax.metrics import read_metrics
+    from stare_jax.training.metrics import read_metrics
 
     cross, ref = read_metrics(train_runs["cross"]), read_metrics(train_runs["ref"])
     assert [r["step"] for r in cross] == [1, 2, 3, 4]

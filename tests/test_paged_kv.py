@@ -51,7 +51,7 @@ def test_page_table_and_buckets():
 def test_prefill_width_is_a_power_of_two_bucket_of_the_longest_chunk():
     """A prefill call's row width: at least 32, the power of two covering its longest chunk, at most prefill_chunk
     (33-64-token prompts take 64 columns, not 256); the engine, its AOT trace and the plan all use this rule."""
-    from stare_jax.sampling.engine_config import EngineConfig
+    from stare_jax.config.engine import EngineConfig
 
     ec = EngineConfig(prefill_chunk=256)
     assert [ec.prefill_width(n) for n in (1, 32, 33, 64, 65, 200, 256, 9216)] == [32, 32, 64, 64, 128, 256, 256, 256]

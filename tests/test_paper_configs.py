@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from stare_jax.cli import main
-from stare_jax.config import is_sft_config_file, load_config, to_dict
+from stare_jax.config.loader import is_sft_config_file, load_config, to_dict
 from stare_jax.models import PRESETS
-from stare_jax.plan import estimate, phase_peaks
+from stare_jax.planning.estimate import estimate, phase_peaks
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAPER = ROOT / "configs" / "paper"
@@ -171,7 +171,7 @@ def _gpu_overrides(model: str) -> list[str]:
 def test_plan_fits_the_slice_and_the_gpu_alternative(model):
     """`stare-jax plan` (analytic estimate): every arm fits its TPU slice as configured, and its GPU alternative
     with the override its comment names (the comment's figure is the estimate's)."""
-    from stare_jax.plan import GiB, estimate
+    from stare_jax.planning.estimate import GiB, estimate
 
     text = (PAPER / f"_base_{model}.yaml").read_text()
     for arm in ARMS:
@@ -278,7 +278,7 @@ def test_tool_plan_cli_plans_a_multi_host_slice(capsys):
 def test_tool_cold_start_sft_config(tool_cfgs):
     """configs/paper/qwen2.5-7b-tool_sft.yaml: the cold-start SFT of the arms' model at the paper's size (8k tokens,
     batch 32) on the arms' slice and mesh, with their model numerics; micro-batches split the batch."""
-    from stare_jax.sft import load_sft_config
+    from stare_jax.training.sft import load_sft_config
 
     sft = load_sft_config(PAPER / f"{TOOL}_sft.yaml")
     arm = tool_cfgs["stare_o1"]

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from stare_jax.config import MeshConfig, load_config
+from stare_jax.config.loader import MeshConfig, load_config
 from stare_jax.models import ModelConfig, Transformer, get_preset
-from stare_jax.plan import (estimate, format_plan, param_count, parse_accelerator, resolve_mesh,
+from stare_jax.planning.estimate import (estimate, format_plan, param_count, parse_accelerator, resolve_mesh,
                             training_activation_bytes)
 
 
@@ -86,9 +86,9 @@ def test_plan_of_the_embedded_toy_config():
     """The toy config (no model.path/preset) is planned from the toy's own model config (e.g. a TPU smoke run)."""
     import pathlib
 
-    from stare_jax.config import load_config
-    from stare_jax.plan import estimate, param_count
-    from stare_jax.toy import ToyAssetConfig, model_config
+    from stare_jax.config.loader import load_config
+    from stare_jax.planning.estimate import estimate, param_count
+    from stare_jax.toy.spec import ToyAssetConfig, model_config
 
     cfg = load_config(pathlib.Path(__file__).resolve().parents[1] / "configs" / "tiny_cpu_stare.yaml",
                       ["rl.micro_batch_size=16"])
@@ -102,7 +102,7 @@ def test_plan_models_the_engine_page_pool():
     the page pool (sized by slots, not by the generation batch), kv heads split over the tensor axis; on a
     data-parallel mesh each data shard's pool (its slots' share); with the engine off, the static cache."""
     from stare_jax.models import get_preset
-    from stare_jax.sampling.engine_config import EngineConfig
+    from stare_jax.config.engine import EngineConfig
 
     base = ["model.preset=qwen2.5-math-7b", "data.max_prompt_len=1024", "sampling.max_new_tokens=3072",
             "model.dtype=bfloat16", "launch.accelerator=v5p-8", "rl.micro_batch_size=1", "rl.gen_batch_size=64"]
@@ -139,7 +139,7 @@ def test_plan_reports_the_largest_max_slots_that_fit():
     one per response of a generation batch) whose sampling phase stays within 90% of HBM: that many fit, one more
     per shard does not; everything fits -> one per response; not even the weights fit -> 0; static -> absent."""
     from stare_jax.models import get_preset
-    from stare_jax.plan import max_slots_that_fit, phase_peaks
+    from stare_jax.planning.estimate import max_slots_that_fit, phase_peaks
 
     base = ["model.preset=qwen2.5-math-7b", "data.max_prompt_len=1024", "sampling.max_new_tokens=3072",
             "model.dtype=bfloat16", "rl.micro_batch_size=1", "rl.gen_batch_size=64", "mesh.fsdp=-1"]
@@ -171,7 +171,7 @@ def test_auto_max_slots_resolves_to_what_fits():
     to max_slots_that_fit; without an accelerator figure (a CPU host) to one slot per response; a clear error
     naming the key when nothing fits."""
     from stare_jax.models import get_preset
-    from stare_jax.plan import Accelerator, max_slots_that_fit, resolve_max_slots
+    from stare_jax.planning.estimate import Accelerator, max_slots_that_fit, resolve_max_slots
 
     base = ["model.preset=qwen2.5-math-7b", "data.max_prompt_len=1024", "sampling.max_new_tokens=3072",
             "model.dtype=bfloat16", "rl.micro_batch_size=1", "rl.gen_batch_size=64", "mesh.fsdp=-1"]
@@ -196,7 +196,7 @@ def test_plan_models_packing_and_the_optimizer_offload():
     """rl.packing: the step's FLOPs count the packed rows first-fit-decreasing finds under the assumed lengths
     (whole micro-batches), far fewer than the padded rows; rl.offload.optimizer: the moments leave the sampling
     phase and the train step's loop, and come in for the update (params + gradients + moments), as compiled."""
-    from stare_jax.plan import LengthModel, expected_packing, phase_peaks
+    from stare_jax.planning.estimate import LengthModel, expected_packing, phase_peaks
 
     base = "configs/paper/qwen3-8b-base_stare_o1.yaml"
     padded = estimate(load_config(base))
@@ -227,7 +227,7 @@ def test_plan_names_the_offload_when_it_makes_a_config_fit():
     """A config that does not fit without rl.offload.optimizer gets the peak it would have with it (the 7B tool
     config on v6e-8: 30.4 GiB of 31.2 without, 23.3 with), printed as a hint; a fitting or already offloaded one
     gets none."""
-    from stare_jax.plan import phase_peaks
+    from stare_jax.planning.estimate import phase_peaks
 
     base = "configs/paper/qwen2.5-7b-tool_stare_o1.yaml"
     mesh = ["mesh.tensor=4", "mesh.fsdp=2"]
@@ -243,7 +243,7 @@ def test_plan_counts_the_kl_reference_with_packing():
     """rl.kl with rl.packing (and the optimizer offload): the frozen reference's parameters (the policy's shardings)
     are resident in both phases, the offloaded update included, and its no-grad forward over the packed rows
     doubles the old-log-prob pass, as in the padded layout."""
-    from stare_jax.plan import phase_peaks
+    from stare_jax.planning.estimate import phase_peaks
 
     base = "configs/paper/qwen3-8b-base_stare_o1.yaml"
     kl = ["rl.kl.reference=initial", "rl.kl.coef=0.001"]
@@ -263,7 +263,7 @@ def test_live_accelerator_reads_the_runtime_hbm():
     process indices; None on a backend that reports none (this CPU host)."""
     from types import SimpleNamespace
 
-    from stare_jax.plan import live_accelerator
+    from stare_jax.planning.estimate import live_accelerator
 
     assert live_accelerator() is None  # the CPU reports no bytes_limit
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import yaml
 
-from stare_jax import metrics as M
-from stare_jax import plot as PL
+from stare_jax.training import metrics as M
+from stare_jax.experiments import plot as PL
 
 N_STEPS = 24
 

@@ -11,9 +11,9 @@ import pytest
 
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
-from stare_jax.rl.offload_config import OffloadConfig
+from stare_jax.config.offload import OffloadConfig
 from stare_jax.rl.stare import StareConfig, init_stare_state
-from stare_jax.rl.train_step import (OptimizerConfig, TrainStepConfig, init_train_state, make_train_step,
+from stare_jax.rl.step import (OptimizerConfig, TrainStepConfig, init_train_state, make_train_step,
                                      place_train_state)
 
 from _rl_fixtures import random_train_batch

@@ -11,13 +11,13 @@ import pytest
 
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
-from stare_jax.rl.kl_config import KLConfig
+from stare_jax.config.kl import KLConfig
 from stare_jax.rl.packing import (first_fit_decreasing, fill_rate, host_layout, pack_batch, packed_stats,
                                   trim_padded_batch)
-from stare_jax.rl.packing_config import PackingConfig
-from stare_jax.rl.policy_loss_config import PolicyLossConfig, TokenFilterConfig
+from stare_jax.config.packing import PackingConfig
+from stare_jax.config.policy_loss import PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare import StareConfig, init_stare_state
-from stare_jax.rl.train_step import (OptimizerConfig, TrainStepConfig, init_train_state, make_train_step,
+from stare_jax.rl.step import (OptimizerConfig, TrainStepConfig, init_train_state, make_train_step,
                                      place_train_state, split_model)
 
 from _model_fixtures import COMMON

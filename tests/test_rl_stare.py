@@ -253,7 +253,7 @@ def test_config_defaults_and_accepted_edges():
 @pytest.mark.parametrize("rule", ["quantile", "exact_top_k"])
 def test_bisection_selection_equals_sort_reference(rule):
     from _stare_reference import select_flat_sort
-    from stare_jax.rl.stare_select import _select_flat, candidates
+    from stare_jax.rl.stare.select import _select_flat, candidates
     lp, adv, mask, _ = _batch(8, B=8, T=50, ties=True)
     lp[2, :5] = 0.0  # surprisal -0.0 / +0.0 ties
     lp[3, :4] = -0.0

@@ -12,7 +12,7 @@ from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.rl.losses import policy_loss
 from stare_jax.rl.stare import StareConfig, init_stare_state, token_weights
-from stare_jax.rl.train_step import (OptimizerConfig, TrainStepConfig, batch_entropy, init_train_state,
+from stare_jax.rl.step import (OptimizerConfig, TrainStepConfig, batch_entropy, init_train_state,
                                      make_train_step, place_train_state, shift_batch)
 
 from _rl_fixtures import random_train_batch

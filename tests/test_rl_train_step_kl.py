@@ -12,15 +12,15 @@ import pytest
 from flax import nnx
 
 from stare_jax import models
-from stare_jax.config import load_config
+from stare_jax.config.loader import load_config
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
-from stare_jax.rl.advantage_config import AdvantageConfig
-from stare_jax.rl.kl_config import KLConfig
+from stare_jax.config.advantage import AdvantageConfig
+from stare_jax.config.kl import KLConfig
 from stare_jax.rl.stare import init_stare_state
-from stare_jax.rl.train_step import (OptimizerConfig, TrainStepConfig, init_train_state, make_train_step,
+from stare_jax.rl.step import (OptimizerConfig, TrainStepConfig, init_train_state, make_train_step,
                                      place_train_state, shift_batch, split_model)
-from stare_jax.run_setup import TrainingError, reference_params
+from stare_jax.training.setup import TrainingError, reference_params
 
 from _rl_fixtures import np_agg, random_train_batch
 

@@ -12,9 +12,9 @@ from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.rl.loss_terms import entropy_bonus, high_entropy_mask
 from stare_jax.rl.losses import compute_policy_loss
-from stare_jax.rl.policy_loss_config import PolicyLossConfig, TokenFilterConfig
+from stare_jax.config.policy_loss import PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare import StareConfig, init_stare_state, token_weights
-from stare_jax.rl.train_step import (OptimizerConfig, TrainStepConfig, init_train_state, make_train_step,
+from stare_jax.rl.step import (OptimizerConfig, TrainStepConfig, init_train_state, make_train_step,
                                      place_train_state, shift_batch)
 
 from _rl_fixtures import random_train_batch

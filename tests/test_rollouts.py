@@ -1,4 +1,4 @@
-"""stare_jax.rollouts: left padding, and generate_rollouts on the real toy assets (SentencePiece tokenizer, tiny
+"""stare_jax.training.collect: left padding, and generate_rollouts on the real toy assets (SentencePiece tokenizer, tiny
 model, digit-set verifier) on the 8-device test mesh: shapes, scores equal to the verifier applied to the decoded
 texts, and the same samples whether the prompts go to the sampler in one call or in chunks."""
 from __future__ import annotations
@@ -8,19 +8,19 @@ import json
 import numpy as np
 import pytest
 
-from stare_jax.rollouts import RewardFn, generate_rollouts, left_pad
+from stare_jax.training.collect import RewardFn, generate_rollouts, left_pad, reward_fn_for
 
 
 def test_reward_fn_scores_toy_tasks_in_process_and_math_in_the_pool():
     from stare_jax.rewards import RewardFn as FromRewards
 
     assert RewardFn is FromRewards  # the one RewardFn lives with the rewards; rollouts re-exports it
-    scores, stats = RewardFn("digit_sum")(["18", " 99 ", "123"], ["2:9", "2:18", "2:3"])
+    scores, stats = reward_fn_for("digit_sum")(["18", " 99 ", "123"], ["2:9", "2:18", "2:3"])
     np.testing.assert_array_equal(scores, [1.0, 1.0, 0.0])
     assert scores.dtype == np.float32 and stats == {}
     with pytest.raises(ValueError, match="unknown task 'nope'"):
-        RewardFn("nope")(["1"], ["1"])
-    fn = RewardFn("math", num_workers=1)
+        reward_fn_for("nope")
+    fn = reward_fn_for("math", num_workers=1)
     try:  # a joined Minerva-style reference is scored against each of its forms
         scores, stats = fn(["\\boxed{0.02}", "\\boxed{3}", "\\boxed{9^{9^{9^{9}}}}"], ["0.01\n, 0.02\n", "4", "1"])
     finally:
@@ -39,10 +39,11 @@ def test_left_pad():
 def toy_setup(tmp_path_factory):
     import jax
 
-    from stare_jax import models, toy
+    from stare_jax import models
+    from stare_jax.toy import assets as toy
     from stare_jax.models.sharding import make_mesh
     from stare_jax.sampling import Sampler
-    from stare_jax.tokenizer import load_tokenizer
+    from stare_jax.data.tokenizer import load_tokenizer
 
     assets = toy.prepare(toy.ToyAssetConfig(hidden_size=32, num_layers=2, sft_steps=20, num_train=300, num_eval=20),
                          tmp_path_factory.mktemp("toy"), log=lambda *_: None)
@@ -56,7 +57,8 @@ def toy_setup(tmp_path_factory):
 
 def _roll(toy_setup, **kw):
     sampler, tok, prompts, answers = toy_setup
-    return generate_rollouts(sampler, prompts, answers, tokenizer=tok, reward_fn=RewardFn("digit_set"), prompt_len=16,
+    return generate_rollouts(sampler, prompts, answers, tokenizer=tok, reward_fn=reward_fn_for("digit_set"),
+                             prompt_len=16,
                              max_new_tokens=8, num_samples=3, temperature=1.0, top_p=1.0, top_k=0, seed=7,
                              index_offset=100, **kw)
 

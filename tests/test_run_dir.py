@@ -8,7 +8,8 @@ import pathlib
 import pytest
 from etils import epath
 
-from stare_jax.run_dir import RunDir, is_remote
+from stare_jax.training.run_dir import RunDir, is_remote
+from stare_jax.toy.assets import run_inputs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -60,9 +61,9 @@ def test_push_pull_and_reset(tmp_path):
 def test_training_in_a_remote_run_dir_resumes_with_its_history(tmp_path, monkeypatch):
     """run_training against the stand-in object store: fresh run (2 steps), then --resume to 3 steps from an
     EMPTY local mirror (another machine): the remote ends with the whole history and the checkpoints."""
-    import stare_jax.train as train
-    from stare_jax.config import load_config
-    from stare_jax.metrics import read_metrics
+    import stare_jax.training.loop as train
+    from stare_jax.config.loader import load_config
+    from stare_jax.training.metrics import read_metrics
 
     from test_train import TINY
 
@@ -71,21 +72,21 @@ def test_training_in_a_remote_run_dir_resumes_with_its_history(tmp_path, monkeyp
     monkeypatch.setattr(train.RunDir, "for_run", classmethod(lambda cls, run_dir: cls(next(mirrors), remote_root)))
     overrides = [f"toy.cache_dir={tmp_path / 'toy'}", *TINY, "logging.eval_every_steps=0", "rl.micro_batch_size=2"]
     cfg = load_config(str(REPO / "configs" / "tiny_cpu_stare.yaml"), overrides + ["total_steps=2"])
-    train.run_training(cfg, "gs://bucket/run", log=lambda *_: None)
+    train.run_training(cfg, "gs://bucket/run", inputs_for=run_inputs, log=lambda *_: None)
     remote = tmp_path / "bucket" / "run"
     assert [r["step"] for r in read_metrics(remote)] == [1, 2] and (remote / "config.yaml").is_file()
     assert (remote / "checkpoints" / "2").is_dir() and (remote / "summary.json").is_file()
     with pytest.raises(train.TrainingError, match="already holds a run"):
-        train.run_training(cfg, "gs://bucket/run", log=lambda *_: None)
+        train.run_training(cfg, "gs://bucket/run", inputs_for=run_inputs, log=lambda *_: None)
     cfg3 = load_config(str(REPO / "configs" / "tiny_cpu_stare.yaml"), overrides + ["total_steps=3"])
-    summary = train.run_training(cfg3, "gs://bucket/run", resume=True, log=lambda *_: None)
+    summary = train.run_training(cfg3, "gs://bucket/run", resume=True, inputs_for=run_inputs, log=lambda *_: None)
     assert summary["steps_run"] == 1
     assert [r["step"] for r in read_metrics(remote)] == [1, 2, 3]
     assert (remote / "checkpoints" / "3").is_dir()
 
 
 def test_local_copy_of_a_folder_and_a_file(tmp_path):
-    from stare_jax.run_dir import local_copy
+    from stare_jax.training.run_dir import local_copy
 
     src = tmp_path / "bucket" / "Qwen-tiny"
     (src / "sub").mkdir(parents=True)

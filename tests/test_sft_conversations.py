@@ -1,4 +1,4 @@
-"""Cold-start SFT for tool use (stare_jax/data/conversations.py + stare_jax/sft.py + `stare-jax sft`).
+"""Cold-start SFT for tool use (stare_jax/data/conversations.py + stare_jax/training/sft.py + `stare-jax sft`).
 
 The assistant-token mask is checked against an independent reference: transformers' AutoTokenizer rendering the
 real Qwen2.5-Instruct chat template (hermes <tool_call> JSON, <tool_response> inside a user turn) on the same
@@ -26,10 +26,11 @@ from stare_jax.data.conversations import (
     truncate,
 )
 from stare_jax.data.prompts import DataError
-from stare_jax.options import ConfigError
-from stare_jax import policy, sft
-from stare_jax.sft import load_sft_config, with_end_of_turn_eos
-from stare_jax.tokenizer import load_tokenizer
+from stare_jax.config.options import ConfigError
+from stare_jax.training import policy
+from stare_jax.training import sft
+from stare_jax.training.sft import load_sft_config, with_end_of_turn_eos
+from stare_jax.data.tokenizer import load_tokenizer
 from stare_jax.tools.calls import CODE_TOOL_SCHEMA
 
 transformers = pytest.importorskip("transformers")

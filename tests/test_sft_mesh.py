@@ -9,9 +9,9 @@ import pytest
 
 from stare_jax import models
 from stare_jax.models.sharding import make_mesh
-from stare_jax.options import ConfigError
-from stare_jax.rl.train_step import split_model
-from stare_jax.sft import ConversationSFTConfig, SFTConfig, pack_masked, sft_train
+from stare_jax.config.options import ConfigError
+from stare_jax.rl.step import split_model
+from stare_jax.training.sft import ConversationSFTConfig, SFTConfig, pack_masked, sft_train
 
 MODEL = models.ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                            intermediate_size=64, max_position_embeddings=128, architecture="Qwen2ForCausalLM",

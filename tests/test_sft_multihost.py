@@ -16,7 +16,7 @@ import pytest
 from test_multihost import Launch
 from test_sft_conversations import CONVERSATIONS, _tiny_model, qwen_dir  # noqa: F401 (qwen_dir: a fixture)
 
-from stare_jax.tokenizer import load_tokenizer
+from stare_jax.data.tokenizer import load_tokenizer
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 

@@ -38,7 +38,7 @@ def smol():
 
     from stare_jax.models import from_pretrained
     from stare_jax.models.gguf_convert import ensure_smollm2_hf
-    from stare_jax.tokenizer import load_tokenizer
+    from stare_jax.data.tokenizer import load_tokenizer
 
     # torch's default intra-op threads thrash on a busy 2-core machine (4 forwards: 20 s vs 1.7 s single-threaded)
     threads = torch.get_num_threads()

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from stare_jax.tasks import digit_set as ds
-from stare_jax import toy
+from stare_jax.toy import assets as toy
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from stare_jax import toy
+from stare_jax.toy import assets as toy
 from stare_jax.tasks import get_task
 from stare_jax.tasks import tool_mul as tm
 from stare_jax.tools.calls import RETOOL, parse_call
@@ -92,7 +92,7 @@ def test_encode_transcript_masks_the_observation():
 def test_toy_tokenizer_keeps_the_call_format_short(tmp_path):
     """The tool_mul tokenizer: `<code>print(` and each tag are one piece, no dummy-prefix piece, so a call is
     k + 6 tokens and the closing tag is one stop token."""
-    from stare_jax.tokenizer import load_tokenizer
+    from stare_jax.data.tokenizer import load_tokenizer
 
     cfg = toy.ToyAssetConfig(task="tool_mul", k_min=4, k_max=6, set_size=4, vocab_size=44)
     tok = load_tokenizer(toy.train_tokenizer(cfg, tmp_path / "tok"))

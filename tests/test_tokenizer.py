@@ -1,4 +1,4 @@
-"""stare_jax.tokenizer against independent references: transformers' AutoTokenizer on the same HF folder, and the
+"""stare_jax.data.tokenizer against independent references: transformers' AutoTokenizer on the same HF folder, and the
 sentencepiece library itself (plus transformers' LlamaTokenizer where its conversion is faithful).
 
 The HF folders are built here: a small byte-level BPE trained with the `tokenizers` library, saved beside a
@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from stare_jax.tokenizer import (
+from stare_jax.data.tokenizer import (
     HFTokenizer,
     SentencePieceTokenizer,
     load_tokenizer,

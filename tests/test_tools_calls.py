@@ -1,7 +1,7 @@
 """Tool calls in model text (stare_jax.tools.calls): the stop condition, the parse in both formats, the observation
 text, and bad input (invalid JSON, unknown tool, bad arguments, empty code, past max_turns) as defined statuses
 and observations, never exceptions. The hermes wrapper is checked against the real Qwen2.5-Instruct chat template
-(rendered by stare_jax.tokenizer), and one end-to-end call runs the parsed code in the real sandbox."""
+(rendered by stare_jax.data.tokenizer), and one end-to-end call runs the parsed code in the real sandbox."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stare_jax.tokenizer import render_chat_template
+from stare_jax.data.tokenizer import render_chat_template
 from stare_jax.tools import ExecResult, run_python, sandbox_capabilities
 from stare_jax.tools.calls import (HERMES_QWEN25, RETOOL, CallStatus, ObservationFormat, ToolCall, ends_with_call,
                                    observation, observation_content, observation_format_from_template, parse_call,

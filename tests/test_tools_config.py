@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from _tools_fixtures import fake_sandbox_fusion_server
 
-from stare_jax.options import ConfigError
+from stare_jax.config.options import ConfigError
 from stare_jax.tools import SandboxFusionBackend, ToolConfig, make_backend, make_pool
 from stare_jax.tools.pool import LocalBackend
 

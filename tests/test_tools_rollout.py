@@ -30,18 +30,18 @@ import yaml
 from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from stare_jax.config import Config, ConfigError, RLConfig, SamplingConfig, load_config
+from stare_jax.config.loader import Config, ConfigError, RLConfig, SamplingConfig, load_config
 from stare_jax.data.prompts import PAPER_INSTRUCTION, PromptRow
-from stare_jax.metrics import read_metrics
+from stare_jax.training.metrics import read_metrics
 from stare_jax.models import ModelConfig, init_model, save_pretrained
 from stare_jax.rewards.reward_fn import RewardFn
 from stare_jax.rl.losses import policy_loss
 from stare_jax.rl.stare import StareConfig, init_stare_state
-from stare_jax.rl.train_step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step
-from stare_jax.rollouts import Rollouts, collect_batch, train_batch_from_rollouts
-from stare_jax.run_setup import TrainingError, encode_rows, make_tool_pool
+from stare_jax.rl.step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step
+from stare_jax.training.collect import Rollouts, collect_batch, train_batch_from_rollouts
+from stare_jax.training.setup import TrainingError, encode_rows, make_tool_pool
 from stare_jax.sampling.engine import Engine, EngineConfig
-from stare_jax.tokenizer import HFTokenizer
+from stare_jax.data.tokenizer import HFTokenizer
 from stare_jax.tools import CallStatus, SandboxPool, ToolConfig
 from stare_jax.tools.pool import LocalBackend
 from stare_jax.tools.sandbox import ExecResult
@@ -510,7 +510,7 @@ def test_collect_stage_lays_out_observations_with_loss_mask_0(engine, tokenizer,
     rl = RLConfig(train_batch_size=2, group_size=2, gen_batch_size=2, dynamic_sampling=False)
     sampling = SamplingConfig(max_new_tokens=96)
     tool = ToolConfig(enabled=True, timeout_s=1.0, tool_bonus=0.5)
-    reward = RewardFn("math")
+    reward = RewardFn()
     try:
         got = collect_batch(engine, iter([rows]), lambda r: ids[id(r)], rl=rl, sampling=sampling,
                             tokenizer=tokenizer, reward_fn=reward, prompt_len=96, seed=0, step=0, tool=tool,

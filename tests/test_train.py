@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from stare_jax.metrics import REQUIRED_STEP_KEYS, read_metrics
+from stare_jax.training.metrics import REQUIRED_STEP_KEYS, read_metrics
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -161,7 +161,7 @@ def test_ctrl_c_saves_the_current_step_says_so_and_exits_0(toy_cache, tmp_path):
 
 _DOUBLE_CTRL_C = """
 import os, signal, sys, time
-from stare_jax.checkpoint import install_preemption_handler
+from stare_jax.training.checkpoint import install_preemption_handler
 h = install_preemption_handler()
 os.kill(os.getpid(), signal.SIGINT)
 while not h.requested:
@@ -260,13 +260,14 @@ def test_export_and_eval_of_a_training_run(full_run, tmp_path, shared_data_dir):
     import jax.numpy as jnp
 
     from stare_jax.models import from_pretrained
-    from stare_jax.policy import load_policy
+    from stare_jax.training.policy import load_policy
+    from stare_jax.toy.assets import run_inputs
 
     out = tmp_path / "exported"
     p = _run([sys.executable, "-m", "stare_jax.cli", "export", str(full_run), str(out)])
     assert p.returncode == 0, p.stderr[-3000:]
     assert (out / "config.json").is_file() and (out / "tokenizer.model").is_file()
-    policy = load_policy(full_run, log=lambda *_: None)
+    policy = load_policy(full_run, inputs_for=run_inputs, log=lambda *_: None)
     assert policy.step == 4
     ids = jnp.asarray([[1, 5, 9, 13, 7, 8]], jnp.int32)
     np.testing.assert_allclose(np.asarray(from_pretrained(out)(ids)), np.asarray(policy.model(ids)), atol=1e-6)
@@ -283,8 +284,8 @@ def test_export_and_eval_of_a_training_run(full_run, tmp_path, shared_data_dir):
 
 def test_run_config_sorts_changes_into_operational_and_refused(tmp_path):
     """Unit level: execution-only keys pass (and are returned for the record); the rest are refused, all named."""
-    from stare_jax import run_config as R
-    from stare_jax.config import load_config, save_config
+    from stare_jax.config import resume as R
+    from stare_jax.config.loader import load_config, save_config
 
     save_config(load_config(REPO / "configs/tiny_cpu_stare.yaml"), tmp_path)
     ops = ["total_steps=80", "checkpoint.keep=5", "mesh.fsdp=2", "model.remat_policy=full",

@@ -11,15 +11,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stare_jax import models, toy
-from stare_jax.config import load_config
-from stare_jax.metrics import read_metrics
-from stare_jax.rl.packing_config import PackingConfig
-from stare_jax.rl.train_step import TrainStepConfig, make_train_step, split_model
-from stare_jax.rollouts import CollectedBatch, Rollouts, train_batch_from_rollouts
-from stare_jax.run_setup import DERIVED_STEP_FIELDS, TrainingError, make_sampler, train_step_config
+from stare_jax import models
+from stare_jax.toy import assets as toy
+from stare_jax.config.loader import load_config
+from stare_jax.training.metrics import read_metrics
+from stare_jax.config.packing import PackingConfig
+from stare_jax.rl.step import TrainStepConfig, make_train_step, split_model
+from stare_jax.training.collect import CollectedBatch, Rollouts, train_batch_from_rollouts
+from stare_jax.training.setup import DERIVED_STEP_FIELDS, TrainingError, make_sampler, train_step_config
 from stare_jax.sampling import Engine
-from stare_jax.train import open_run, run_training, step_record, update_was_finite
+from stare_jax.training.loop import open_run, run_training, step_record, update_was_finite
 
 # 4 prompts x 4 responses on the 8-device test mesh (fsdp=8): micro-batches of 2 sequences per device
 TINY = [
@@ -63,7 +64,7 @@ def toy_cache(tmp_path_factory):
 def run(tmp_path_factory, toy_cache):
     run_dir = tmp_path_factory.mktemp("stages") / "run"
     cfg = load_config("configs/tiny_cpu_stare.yaml", [f"toy.cache_dir={toy_cache}", *TINY])
-    r = open_run(cfg, run_dir, resume=False, log=lambda *_: None)
+    r = open_run(cfg, run_dir, resume=False, inputs_for=toy.run_inputs, log=lambda *_: None)
     yield r
     r.close()
 
@@ -187,11 +188,11 @@ def test_kl_reference_is_the_starting_policy_also_after_resume(toy_cache, tmp_pa
     over = [f"toy.cache_dir={toy_cache}", *TINY, "rl.kl.reference=initial", "rl.kl.coef=0.01",
             "checkpoint.every_steps=1", "total_steps=2", "logging.eval_every_steps=0"]
     cfg = load_config("configs/tiny_cpu_grpo_kl.yaml", over)
-    summary = run_training(cfg, tmp_path / "run", log=lambda *_: None)
+    summary = run_training(cfg, tmp_path / "run", inputs_for=toy.run_inputs, log=lambda *_: None)
     assert summary["new_compiles_per_step"][1:] == [0]  # the step with the reference: no recompile after warm-up
     recs = read_metrics(tmp_path / "run")
     assert recs[0]["kl"] == 0.0 and recs[1]["kl"] > 0  # the reference is the policy before the first update
-    r = open_run(cfg, tmp_path / "run", resume=True, log=lambda *_: None)
+    r = open_run(cfg, tmp_path / "run", resume=True, inputs_for=toy.run_inputs, log=lambda *_: None)
     try:
         assert r.start_step == 2
         model_dir = toy.prepare(toy.asset_config(cfg.toy), toy_cache, log=lambda *_: None).model_dir

@@ -19,7 +19,7 @@ import numpy as np
 
 from stare_jax.eval.benchmarks import benchmark_metrics
 from stare_jax.rewards.reward_fn import RewardFn
-from stare_jax.rollouts import generate_any_rollouts
+from stare_jax.training.collect import generate_any_rollouts
 from stare_jax.tools.config import ToolConfig
 from stare_jax.tools.pool import SandboxPool
 from stare_jax.tools.rollout import tool_metrics

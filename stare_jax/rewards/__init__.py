@@ -5,8 +5,8 @@
 - `reward_from_correct` (1/0 paper, +1/-1 DAPO), `overlong_penalty` (DAPO soft length penalty, in tokens) and
   `rollout_rewards` (both, for a batch of scored responses, float32) (shaping.py).
 - `RewardPool`: sandboxed scoring in worker processes (timeout, memory limit, crash recovery) (pool.py).
-- `RewardFn`: the verifier of a run's task: a toy task's string check (stare_jax.tasks) or math in a RewardPool
-  (reward_fn.py).
+- `RewardFn`: the verifier of a run's task: an in-process string check the caller passes (a toy task's) or math
+  in a RewardPool (reward_fn.py).
 Importing this package does not import JAX; workers import only these modules and math-verify/SymPy.
 """
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from stare_jax.rl.losses import AGG_MODES, abs_sign_grad, aggregate
-from stare_jax.rl.stare_select import top_fraction_mask
+from stare_jax.rl.stare.select import top_fraction_mask
 
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 TOKEN_FILTER_RULES = ("quantile", "exact_top_k")

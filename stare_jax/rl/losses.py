@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from stare_jax.rl.stare_select import mul_div_floor, p_fraction, top_k_mask
+from stare_jax.rl.stare.select import mul_div_floor, p_fraction, top_k_mask
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("vanilla", "stare", "clip_cov", "kl_cov", "gspo", "cispo", "gpg", "geo_mean", "sapo")

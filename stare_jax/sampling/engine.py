@@ -72,7 +72,7 @@ Design (host scheduler + three jitted programs):
 - Not yet: a Pallas prefill kernel (prefill gathers on every platform; over a context longer than two
   PREFILL_KEY_BLOCKs it attends one key block at a time, so its fp32 scores stay one block wide).
 - Ahead of time: `Engine.trace_programs` traces the decode and prefill programs at their largest shapes on an
-  abstract engine (models.abstract_model), for stare_jax.aot to compile for a TPU slice on a CPU host.
+  abstract engine (models.abstract_model), for stare_jax.training.aot to compile for a TPU slice on a CPU host.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ from stare_jax.models import paged_attention as pa
 from stare_jax.models import sharding as model_sharding
 from stare_jax.sampling import paged_kv, selection
 from stare_jax.sampling import sharding as sampling_sharding
-from stare_jax.sampling.engine_config import EngineConfig
+from stare_jax.config.engine import EngineConfig
 from stare_jax.sampling.sampler import (SampleArrays, SampleOutput, Sampler, _check_prompts, _check_sampling_args,
                                         _eos_array, model_config)
 
@@ -338,7 +338,7 @@ class Engine:
         self.engine_config = config if config is not None else EngineConfig()
         if self.engine_config.max_slots == "auto":
             raise ValueError("sampling.engine.max_slots=auto reached the engine unresolved: resolve it with "
-                             "stare_jax.plan.resolve_max_slots (the run does) or give a number")
+                             "stare_jax.planning.estimate.resolve_max_slots (the run does) or give a number")
         self.mesh = mesh
         self.cache_dtype = jnp.dtype(cache_dtype).name
         cfg_pad = getattr(self.config, "pad_token_id", None)
@@ -476,7 +476,7 @@ class Engine:
         shapes for requests of up to `longest_tokens` tokens (prompt + response): every slot of every data shard
         live, the page table as wide as the longest request's pages, a full prefill chunk per row, the pool as
         the run allocates it (`_pages_per_shard`), in the layouts the scheduler passes. For an ahead-of-time
-        compile (e.g. a TPU slice on a CPU host: stare_jax.aot); needs an abstract engine."""
+        compile (e.g. a TPU slice on a CPU host: stare_jax.training.aot); needs an abstract engine."""
         if not self.abstract:
             raise ValueError("Engine.trace_programs needs an abstract engine (built from models.abstract_model)")
         cfg, ec = self.config, self.engine_config

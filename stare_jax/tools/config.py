@@ -1,6 +1,6 @@
-"""ToolConfig: the code interpreter's options (`tool.*` keys), declared once with stare_jax.options.
+"""ToolConfig: the code interpreter's options (`tool.*` keys), declared once with stare_jax.config.options.
 
-The run config's `tool` section (stare_jax/config.py); with `enabled` the RL loop collects multi-turn rollouts
+The run config's `tool` section (stare_jax/config/loader.py); with `enabled` the RL loop collects multi-turn rollouts
 (stare_jax/tools/rollout.py).
 `make_pool(cfg)` builds the SandboxPool it describes.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from stare_jax.options import ConfigError, option, validate_fields
+from stare_jax.config.options import ConfigError, option, validate_fields
 from stare_jax.tools.calls import CODE_TOOL_SCHEMA
 from stare_jax.tools.pool import Backend, LocalBackend, SandboxPool
 from stare_jax.tools.sandbox_fusion import SandboxFusionBackend
