@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 
 from stare_jax.models.config import AttentionImpl, RematPolicy
-from stare_jax.models.config import ModelConfig as ArchitectureConfig
+from stare_jax.models.config import ModelConfig
 from stare_jax.config.options import ConfigError, check_range, coerce, option
 from stare_jax.config.advantage import AdvantageConfig
 from stare_jax.config.kl import KLConfig
@@ -34,7 +34,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass
-class ModelConfig:
+class ModelRunConfig:
     """Which model to train and how to compute with it."""
 
     path: str | None = option(None, doc="HF checkpoint folder (config.json + *.safetensors); "
@@ -51,7 +51,7 @@ class ModelConfig:
     def architecture_overrides(self) -> dict:
         """The stare_jax.models.ModelConfig fields this section sets on top of the checkpoint's config.json: every
         field of this section that the architecture config also has, by name (numerics, kernels, remat, scan)."""
-        arch = {f.name for f in dataclasses.fields(ArchitectureConfig)}
+        arch = {f.name for f in dataclasses.fields(ModelConfig)}
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in arch}
 
 
@@ -231,7 +231,7 @@ class Config:
 
     seed: int = option(0, lo=0)
     total_steps: int = option(100, lo=1, doc="RL steps")
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelRunConfig = field(default_factory=ModelRunConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

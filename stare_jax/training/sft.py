@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from stare_jax import distributed, models
-from stare_jax.config.loader import LaunchConfig, MeshConfig, ModelConfig, load_section
+from stare_jax.config.loader import LaunchConfig, MeshConfig, ModelRunConfig, load_section
 from stare_jax.data.conversations import (RenderedConversation, end_of_turn_texts, read_conversations,
                                           render_conversation, truncate)
 from stare_jax.data.prompts import DataError
@@ -185,10 +185,10 @@ def pack_masked(rows: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int, leng
 class ConversationSFTConfig:
     """`stare-jax sft --config FILE`: cold-start SFT on multi-turn conversations. The options below, plus the RL
     run config's own sections: `model` (path, dtypes, attention kernel, remat, scan;
-    stare_jax.config.loader.ModelConfig),
+    stare_jax.config.loader.ModelRunConfig),
     `mesh` (data / fsdp / tensor) and `launch` (the accelerator `stare-jax plan --sft --compile` compiles for)."""
 
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    model: ModelRunConfig = dataclasses.field(default_factory=ModelRunConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
     train_path: str = option("", "conversation jsonl: {\"messages\": [...], \"tools\": [...]} or a list of "
