@@ -220,3 +220,22 @@ def test_bad_options_are_named(rs, thr, msg):
         rc.parse_rejection(rs, thr)
     with pytest.raises(ValueError, match="rollout_is"):
         rc.is_weights(jnp.zeros((1, 2)), jnp.ones((1, 2)), level="geometric", threshold=2.0)
+
+
+def test_the_config_section_takes_verls_names_and_names_bad_values():
+    from stare_jax.config.loader import load_config
+    from stare_jax.config.options import ConfigError
+
+    sec = "rl.rollout_correction."
+    cfg = load_config(None, [sec + "rollout_is=sequence", sec + "rollout_rs=token_k1,seq_mean_k3",
+                             sec + "rollout_rs_threshold=0.5_2.0,0.01"]).rl.rollout_correction
+    assert cfg.corrects and cfg.rollout_is_threshold == 2.0
+    assert cfg.rejection_options == (rc.RejectionOption("token_k1", math.log(0.5), math.log(2.0)),
+                                     rc.RejectionOption("seq_mean_k3", None, 0.01))
+    assert not load_config(None, []).rl.rollout_correction.corrects  # off by default
+    for bad, msg in ([[sec + "rollout_rs=token_k9", sec + "rollout_rs_threshold=2"], "unknown option 'token_k9'"],
+                     [[sec + "rollout_is=geometric"], "accepted values: 'token', 'sequence'"],
+                     [[sec + "rollout_rs_threshold=2"], "rollout_rs is null"],
+                     [[sec + "rollout_is_threshold=0"], "rollout_is_threshold"]):
+        with pytest.raises(ConfigError, match=msg):
+            load_config(None, bad)

@@ -24,6 +24,7 @@ from stare_jax.config.kl import KLConfig
 from stare_jax.config.offload import OffloadConfig
 from stare_jax.config.optimizer import OptimizerConfig
 from stare_jax.config.packing import PackingConfig
+from stare_jax.config.rollout_correction import RolloutCorrectionConfig
 from stare_jax.config.policy_loss import TOKEN_LEVEL, PolicyLossConfig, TokenFilterConfig
 from stare_jax.config.stare import StareConfig
 from stare_jax.config.engine import EngineConfig
@@ -137,6 +138,8 @@ class RLConfig:
     token_filter: TokenFilterConfig = field(default_factory=TokenFilterConfig)
     kl: KLConfig = field(default_factory=KLConfig)  # frozen reference policy + KL penalty (stare_jax/config/kl.py)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)  # W-REINF, EntroAdv
+    # the sampler/trainer mismatch: diagnostics always, verl's IS weights / rejection when set
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self):
         """Combinations of the sections that are rejected (ConfigError naming the keys)."""

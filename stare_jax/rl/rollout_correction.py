@@ -21,74 +21,21 @@ high-surprisal tokens STARE selects. With log_ratio = log pi_train - log pi_roll
   same k1/k3/chi-square restricted to a token subset (STARE's selected high-surprisal tokens vs the rest).
 
 Everything here is a pure jnp function over the global [B, T] arrays (jit- and sharding-friendly); the option
-parsing is static (config time). Means over "valid" tokens use the response mask.
+parsing is static (config time: stare_jax.config.rollout_correction). Means over "valid" tokens use the response mask.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from stare_jax.config.rollout_correction import IS_LEVELS, RS_OPTIONS, RejectionOption, parse_rejection
+
+__all__ = ["IS_LEVELS", "RS_OPTIONS", "RejectionOption", "SAFETY_BOUND", "is_weights", "offpolicy_metrics",
+           "parse_rejection", "rejection_mask"]
+
 SAFETY_BOUND = 20.0  # verl's clamp of log-ratios before exp: exp(20) ~ 4.9e8
-RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
-              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
-IS_LEVELS = ("token", "sequence")
-
-
-class RejectionOption(NamedTuple):
-    """One parsed `rollout_rs` option: its name and thresholds (k1: log-space lower/upper; else an upper bound)."""
-    name: str
-    lower: float | None
-    upper: float
-
-
-def parse_rejection(rollout_rs: str, threshold: str | float | None) -> tuple[RejectionOption, ...]:
-    """verl's `rollout_rs` / `rollout_rs_threshold` -> options (ValueError naming the key and the accepted values)."""
-    names: list[str] = []
-    for opt in (o.strip() for o in rollout_rs.split(",")):
-        if not opt:
-            continue
-        if opt not in RS_OPTIONS:
-            raise ValueError(f"rl.rollout_correction.rollout_rs: unknown option {opt!r}; accepted (comma-separated): "
-                             f"{', '.join(RS_OPTIONS)}")
-        if opt not in names:
-            names.append(opt)
-    if not names:
-        raise ValueError("rl.rollout_correction.rollout_rs: give at least one option, e.g. token_k1")
-    if threshold is None:
-        raise ValueError("rl.rollout_correction.rollout_rs_threshold must be set when rollout_rs is")
-    specs = [str(threshold)] if isinstance(threshold, (int, float)) else [s.strip() for s in str(threshold).split(",")
-                                                                          if s.strip()]
-    if len(specs) not in (1, len(names)):
-        raise ValueError(f"rl.rollout_correction.rollout_rs_threshold: one value for all options or one per option "
-                         f"({len(names)}), got {len(specs)}")
-    specs = specs * len(names) if len(specs) == 1 else specs
-    out = []
-    for name, spec in zip(names, specs):
-        try:
-            if name.endswith("k1"):
-                lo_s, hi_s = spec.split("_", 1) if "_" in spec else ("", spec)
-                hi = float(hi_s)
-                lo = float(lo_s) if lo_s else 1.0 / hi
-                if lo <= 0 or hi <= 0:
-                    raise ValueError
-                out.append(RejectionOption(name, math.log(lo), math.log(hi)))
-            else:
-                if "_" in spec:
-                    raise ValueError
-                hi = float(spec)
-                if hi <= 0:
-                    raise ValueError
-                out.append(RejectionOption(name, None, hi))
-        except ValueError:
-            form = "a positive upper ratio bound or 'lower_upper'" if name.endswith("k1") else "one positive number"
-            raise ValueError(f"rl.rollout_correction.rollout_rs_threshold {spec!r} for option {name}: need {form}"
-                             ) from None
-    return tuple(out)
-
-
 def _float(x):
     """At least float32 (bf16 log-probs are upcast; float64 stays, for the tests' references)."""
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
