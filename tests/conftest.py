@@ -22,11 +22,9 @@ import pytest
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 # The persistent cache only pays when the same checkout runs the suite again (a clean CI clone starts cold and the
-# in-process jit caches already share programs between tests), and on 5 Dec 2026 jaxlib 0.10.2 segfaulted twice in
-# a full run inside executable.serialize() while writing an engine decode program to it (the same test passes alone,
-# cold or warm): opt in with STARE_JAX_TEST_CACHE=1 for local reruns. Off means off: stare_jax.experiments.compare
-# sets a cache
-# dir when it runs in-process, so the cache itself is disabled.
+# in-process jit caches already share programs between tests), and writing engine programs to it has crashed jaxlib
+# in a full run (docs/perf_history.md): opt in with STARE_JAX_TEST_CACHE=1 for local reruns. Off means off:
+# stare_jax.experiments.compare sets a cache dir when it runs in-process, so the cache itself is disabled.
 if os.environ.get("STARE_JAX_TEST_CACHE") == "1":
     jax.config.update("jax_compilation_cache_dir", str(_REPO / ".cache" / "jax"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -88,12 +86,11 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line("time per tier: " + ", ".join(f"{t} {s:.0f} s" for t, s in ran.items()))
 
 
-# XLA's CPU client maps each compiled executable's code into its own memory regions (~70 per program), and jit
-# caches of module-level functions keep every program a test compiled alive for the whole session: the full suite
-# compiles thousands, passed 63,000 mappings on 7 Dec 2026 and hit the kernel's vm.max_map_count (65,530), where
-# pthread_create fails ("can't start new thread" in orbax's save) or native code segfaults (CI exit 139; the 5 Dec
-# segfaults in executable.serialize() were likely the same). Dropping the caches between modules once the count
-# passes a third of the limit frees them (measured: 4,748 -> 630 mappings after 60 programs).
+# XLA's CPU client maps each compiled executable's code into memory regions of its own, and jit caches of
+# module-level functions keep every program a test compiled alive for the whole session: the full suite compiles
+# thousands, enough to reach the kernel's vm.max_map_count (65,530 by default), where pthread_create fails ("can't
+# start new thread" in orbax's save) or native code segfaults. Dropping the caches after a module once the count
+# passes a third of the limit frees them (the measurements: docs/perf_history.md).
 _MAPS_BEFORE_CLEARING = 20_000
 
 

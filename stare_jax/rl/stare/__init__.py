@@ -1,9 +1,13 @@
-"""STARE's public API (exact semantics: ../shared/reference/STARE-semantics.md), one module per role:
+"""STARE's public API (the method and its exact semantics: docs/stare.md), one module per role:
 
-- stare_config:     StareConfig (every option, validated on construction; also the run config's `rl.stare`)
-- stare_select:     selection_sets: top / bottom P of surprisal within T+ and T- (cfg.rule, scope, select_impl)
-- stare_weights:    stare_omega: W / M on the variant's sets where the gate (batch | sample | token | none) is on
-- stare_controller: StareState, init_stare_state, update_controller: the batch gate and the adaptive W/M
+- stare_jax/config/stare.py:        StareConfig (every option, validated on construction; also the run config's
+                                    `rl.stare`)
+- stare_jax/rl/stare/select.py:     selection_sets: top / bottom P of surprisal within T+ and T- (cfg.rule, scope,
+                                    select_impl)
+- stare_jax/rl/stare/weights.py:    stare_omega: W / M on the variant's sets where the gate (batch | sample |
+                                    token | none) is on
+- stare_jax/rl/stare/controller.py: StareState, init_stare_state, update_controller: the batch gate and the
+                                    adaptive W/M
 
 Every function takes the StareConfig. token_weights / micro_batch_token_weights / validate_stare_options take the
 options as keywords instead, for tests and notebooks; they build a StareConfig and call the functions above.
