@@ -21,6 +21,7 @@ from stare_jax.models.config import ModelConfig
 from stare_jax.config.options import ConfigError, check_range, coerce, option
 from stare_jax.config.advantage import AdvantageConfig
 from stare_jax.config.kl import KLConfig
+from stare_jax.config.lora import LoRAConfig
 from stare_jax.config.offload import OffloadConfig
 from stare_jax.config.optimizer import OptimizerConfig
 from stare_jax.config.packing import PackingConfig
@@ -48,12 +49,15 @@ class ModelRunConfig:
     scan_layers: bool = option(False, doc="stacked layers run as one lax.scan (one compiled layer, sequential "
                                       "remat); checkpoints are then stored stacked")
     tokenizer_path: str | None = option(None, doc="tokenizer folder or SentencePiece .model; defaults to path")
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters on a frozen base (stare_jax/config/lora.py)
 
     def architecture_overrides(self) -> dict:
         """The stare_jax.models.ModelConfig fields this section sets on top of the checkpoint's config.json: every
-        field of this section that the architecture config also has, by name (numerics, kernels, remat, scan)."""
+        field of this section that the architecture config also has, by name (numerics, kernels, remat, scan),
+        and the LoRA adapters' (lora_rank, lora_alpha, lora_targets) from `lora`."""
         arch = {f.name for f in dataclasses.fields(ModelConfig)}
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in arch}
+        same_named = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in arch}
+        return {**same_named, **self.lora.architecture_fields()}
 
 
 @dataclass

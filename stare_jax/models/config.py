@@ -20,6 +20,8 @@ ATTENTION_IMPLS: tuple[str, ...] = typing.get_args(AttentionImpl)
 REMAT_POLICIES: tuple[str, ...] = typing.get_args(RematPolicy)
 _DTYPES = ("float32", "bfloat16", "float16")
 _ROPE_TYPES = ("default", "llama3", "linear")
+# HF module names LoRA adapters can target (stare_jax.models.lora); ModelConfig.lora_targets picks among them.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,9 @@ class ModelConfig:
     remat_policy: "none", "full" (save nothing), "dots_saveable", "dots_with_no_batch_dims_saveable".
     scan_layers: store the layers stacked (leading "layers" axis) and run the full-sequence forward as one
       lax.scan (compile time independent of depth); decode_step still loops over layers (list KV cache).
+    lora_rank: 0 (off) or the rank r of LoRA adapters on the projections named in lora_targets (HF names among
+      LORA_TARGETS); each targeted projection computes x W + (lora_alpha / lora_rank) * (x A) B with float32
+      adapters A, B (nnx.LoRAParam). Not config.json fields: HF export/import ignores them.
     """
 
     vocab_size: int
@@ -64,6 +69,9 @@ class ModelConfig:
     architecture: str = ""
     initializer_range: float = 0.02
     scan_layers: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -80,6 +88,8 @@ class ModelConfig:
             arch = ("Qwen3ForCausalLM" if self.qk_norm else
                     "Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM")
             object.__setattr__(self, "architecture", arch)
+        if isinstance(self.lora_targets, (list, tuple)):
+            object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
         self.validate()
 
     # ------------------------------------------------------------------ validation
@@ -122,6 +132,43 @@ class ModelConfig:
                         raise ValueError(f"ModelConfig.rope_scaling (llama3) is missing {k!r}")
             if rt == "linear" and "factor" not in self.rope_scaling:
                 raise ValueError("ModelConfig.rope_scaling (linear) is missing 'factor'")
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        r, targets = self.lora_rank, self.lora_targets
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ValueError(f"ModelConfig.lora_rank must be an int >= 0 (0 = LoRA off), got {r!r}")
+        if not isinstance(targets, tuple) or not all(isinstance(t, str) for t in targets):
+            raise ValueError(f"ModelConfig.lora_targets must be a list of module names among "
+                             f"{list(LORA_TARGETS)}, got {targets!r}")
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"ModelConfig.lora_targets has unknown module name(s) {unknown}; "
+                             f"allowed: {list(LORA_TARGETS)}")
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"ModelConfig.lora_targets={list(targets)} names a module twice")
+        if r == 0 and targets:
+            raise ValueError(f"ModelConfig.lora_rank must be a positive int when lora_targets is set "
+                             f"(lora_targets={list(targets)}), got {r!r}")
+        if r > 0 and not targets:
+            raise ValueError(f"ModelConfig.lora_targets must name at least one of {list(LORA_TARGETS)} when "
+                             f"lora_rank={r} > 0")
+        a = self.lora_alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not (a > 0 and math.isfinite(a)):
+            raise ValueError(f"ModelConfig.lora_alpha must be a positive finite number, got {a!r}")
+
+    @property
+    def lora_scale(self) -> float:
+        """lora_alpha / lora_rank (PEFT's `scaling`), 0.0 with LoRA off."""
+        return float(self.lora_alpha) / self.lora_rank if self.lora_rank else 0.0
+
+    def num_lora_params(self) -> int:
+        """Adapter parameter count (r * (in + out) per targeted projection per layer)."""
+        assert self.head_dim is not None
+        d, h, kv, dh, i = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
+        io = {"q_proj": (d, h * dh), "k_proj": (d, kv * dh), "v_proj": (d, kv * dh), "o_proj": (h * dh, d),
+              "gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
+        return self.num_layers * self.lora_rank * sum(sum(io[t]) for t in self.lora_targets)
 
     # ------------------------------------------------------------------ helpers
     @property

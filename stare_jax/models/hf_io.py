@@ -4,6 +4,10 @@ Import reads tensors through a zero-copy memory map of each .safetensors file. W
 built with jax.make_array_from_callback so each device (and host) reads only the slice it owns: the full model
 is never materialised on one host. HF linear weights are [out, in]; ours put heads on their own axis
 (q: [D, H, Dh], o: [H, Dh, D]), so each tensor has a (reshape, transpose) view recipe below.
+
+LoRA (ModelConfig.lora_rank > 0): from_pretrained loads the base weights and initialises the adapters from
+`lora_seed`; save_pretrained writes the base weights only (merged=True: W + scale * A B instead), never adapter
+tensors: those go to a PEFT folder (stare_jax.models.lora.write_peft_adapter).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from flax import nnx
 
 from stare_jax.models.config import ModelConfig
 from stare_jax.models.sharding import state_shardings
-from stare_jax.models.transformer import Transformer
+from stare_jax.models.transformer import BASE_PARAMS, LoRAParam, Transformer, init_lora_state
 from jax.experimental import multihost_utils
 
 _ST_DTYPES = {
@@ -140,6 +144,9 @@ def _recipe(kind: str, shape: tuple):
 def hf_name_and_kind(path: tuple) -> tuple[str, str]:
     """Our nnx state path -> (HF tensor name, layout kind)."""
     p = tuple(str(x) for x in path)
+    if p[-1] in ("lora_a", "lora_b"):
+        raise ValueError(f"LoRA adapter {'.'.join(p)} has no HF tensor name (adapters are exported as a PEFT "
+                         "folder: stare_jax.models.lora.write_peft_adapter)")
     if p == ("embed_tokens",):
         return "model.embed_tokens.weight", "same"
     if p == ("lm_head",):
@@ -200,14 +207,16 @@ def _dtype_name(dt) -> str:
     return jnp.dtype(dt).name
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rules=None,
+def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rules=None, lora_seed: int = 0,
                     **config_overrides) -> Transformer:
     """Load a HF Llama/Qwen2/Qwen3 folder (config.json + safetensors) into a Transformer.
 
     dtype: compute dtype; param_dtype: storage dtype (None -> float32 master weights). With `mesh`, each tensor
     is placed straight into its sharded layout per `rules` (default sharding.DEFAULT_RULES), reading only the
     slices local devices need. Extra keyword arguments override ModelConfig fields (attention_impl=...,
-    remat_policy=...)."""
+    remat_policy=..., lora_rank=..., lora_alpha=..., lora_targets=...). With lora_rank > 0 the LoRA adapters get
+    PEFT's default init (A kaiming-uniform, B = 0, so the model starts equal to the checkpoint) from
+    jax.random.key(lora_seed), sharded like their base layers."""
     folder = pathlib.Path(path)
     cfg_file = folder / "config.json"
     if not cfg_file.exists():
@@ -224,7 +233,7 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rul
     np_dt = _np_dtype(cfg.param_dtype)
 
     # Validate names and shapes before reading any data.
-    flat = list(nnx.to_flat_state(abs_state))
+    flat = list(nnx.to_flat_state(nnx.state(abstract, BASE_PARAMS)))
     plan, used = [], set()
     for p, var in flat:
         shape = tuple(var.get_value().shape)
@@ -265,7 +274,21 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rul
 
         arr = jax.make_array_from_callback(shape, sharding, cb)
         new_flat.append((p, var.replace(arr)))
+    if cfg.lora_rank > 0:
+        new_flat.extend(nnx.to_flat_state(_init_lora(abstract, cfg, lora_seed, mesh, rules)))
     return nnx.merge(graphdef, nnx.from_flat_state(new_flat))
+
+
+def _init_lora(abstract: Transformer, cfg: ModelConfig, seed: int, mesh, rules):
+    """The adapters' state (PEFT default init from jax.random.key(seed)), on `mesh` per `rules` if given."""
+    abs_lora = nnx.state(abstract, LoRAParam)
+
+    def make():
+        return init_lora_state(abs_lora, jax.random.key(seed), cfg)
+
+    if mesh is None:
+        return jax.jit(make)()
+    return jax.jit(make, out_shardings=state_shardings(abs_lora, mesh, rules))()
 
 
 def _is_stacked(path, cfg: ModelConfig) -> bool:
@@ -293,39 +316,69 @@ _ExportItem = tuple[str, tuple, nnx.Variable, int | None]
 
 
 def _export_plan(model: Transformer) -> list[_ExportItem]:
-    """[(HF name, our param path, variable, layer index or None)] in a stable order."""
+    """[(HF name, our param path, variable, layer index or None)] in a stable order (base weights only)."""
     out: list[_ExportItem] = []
-    for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for p, var in nnx.to_flat_state(nnx.state(model, BASE_PARAMS)):
         names, _, _ = _hf_entries(p, var.get_value().shape, model.config)
         stacked = _is_stacked(p, model.config)
         out.extend((name, p, var, i if stacked else None) for i, name in enumerate(names))
     return out
 
 
-def _export_tensor(path, var, np_dt, layer=None) -> np.ndarray:
+# our kernel path -> (lora_a variable, lora_b variable, scale), for merged export
+_LoraMap = dict[tuple, tuple[nnx.Variable, nnx.Variable, float]]
+
+
+def _lora_map(model: Transformer) -> _LoraMap:
+    flat = dict(nnx.to_flat_state(nnx.state(model, LoRAParam)))
+    return {p[:-1] + ("kernel",): (var, flat[p[:-1] + ("lora_b",)], model.config.lora_scale)
+            for p, var in flat.items() if p[-1] == "lora_a"}
+
+
+def merged_kernel(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """W + scale * A B for one layer's kernel (our layout: A [in..., r], B [r, out...]), computed in float32 and
+    returned in W's dtype."""
+    delta = np.tensordot(np.asarray(a, np.float32), np.asarray(b, np.float32), axes=1)
+    return (np.asarray(w, np.float32) + np.float32(scale) * delta).astype(w.dtype)
+
+
+def _export_tensor(path, var, np_dt, layer=None, lora: _LoraMap | None = None) -> np.ndarray:
     if layer is None:
         name, kind = hf_name_and_kind(path)
         a = _to_host(var.get_value())
     else:
         name, kind = hf_name_and_kind(("layers", layer) + tuple(path[1:]))
         a = _to_host(var.get_value()[layer])
+    if lora is not None and tuple(path) in lora:
+        va, vb, scale = lora[tuple(path)]
+        la, lb = va.get_value(), vb.get_value()
+        if layer is not None:
+            la, lb = la[layer], lb[layer]
+        a = merged_kernel(a, _to_host(la), _to_host(lb), scale)
     hf_shape, _, perm, _ = _recipe(kind, a.shape)
     a = np.ascontiguousarray(a.transpose(np.argsort(perm)).reshape(hf_shape))
     return a.astype(np_dt) if np_dt is not None else a
 
 
-def hf_state_dict(model: Transformer, dtype=None) -> dict[str, np.ndarray]:
-    """{HF tensor name: numpy array in HF layout} (gathered to host)."""
+def hf_state_dict(model: Transformer, dtype=None, *, merged: bool = False) -> dict[str, np.ndarray]:
+    """{HF tensor name: numpy array in HF layout} (gathered to host): the base weights, or with merged=True the
+    LoRA-merged ones (W + scale * A B on the targeted projections)."""
     np_dt = None if dtype is None else _np_dtype(dtype)
-    return {name: _export_tensor(p, var, np_dt, layer) for name, p, var, layer in _export_plan(model)}
+    lora = _lora_map(model) if merged else None
+    return {name: _export_tensor(p, var, np_dt, layer, lora) for name, p, var, layer in _export_plan(model)}
 
 
-def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30) -> pathlib.Path:
+def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30,
+                    merged: bool = False) -> pathlib.Path:
     """Write config.json, generation_config.json and model.safetensors (HF layout) that
     transformers.AutoModelForCausalLM.from_pretrained loads. dtype: saved dtype (default: param dtype).
     Above max_shard_bytes the weights go to model-0000k-of-0000n.safetensors + model.safetensors.index.json;
-    tensors are gathered to host one at a time, so host memory holds at most one shard."""
+    tensors are gathered to host one at a time, so host memory holds at most one shard.
+    LoRA adapters are never written here: merged=False saves the base weights, merged=True the merged ones
+    (W + lora_alpha / lora_rank * A B, in float32 then cast to the saved dtype); the adapters alone go to a PEFT
+    folder with stare_jax.models.lora.write_peft_adapter."""
     folder = pathlib.Path(path)
+    lora = _lora_map(model) if merged else None
     cfg = model.config
     saved_dt = _dtype_name(dtype) if dtype is not None else cfg.param_dtype
     np_dt = _np_dtype(saved_dt)
@@ -350,7 +403,7 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: in
     weight_map = {}
     for k, shard in enumerate(shards):
         fn = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: _export_tensor(p, var, np_dt, layer) for name, p, var, layer in shard}  # collective
+        tensors = {name: _export_tensor(p, var, np_dt, layer, lora) for name, p, var, layer in shard}  # collective
         if writer:
             _write_safetensors(folder / fn, tensors)
         weight_map.update({name: fn for name in tensors})

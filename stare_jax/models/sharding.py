@@ -32,6 +32,9 @@ DEFAULT_RULES: dict = {
     "mlp": "tensor",
     "norm": None,
     "layers": None,  # the stacked-layer axis when ModelConfig.scan_layers
+    # LoRA adapters (ModelConfig.lora_rank > 0): A [in axes..., lora_rank] is sharded like its base kernel's input
+    # axes, B [lora_rank, out axes...] like its output axes; the small rank axis is replicated.
+    "lora_rank": None,
     # activations
     "batch": BATCH_AXES,
     "seq": None,
@@ -116,8 +119,12 @@ def batch_sharding(mesh: jax.sharding.Mesh, candidates: Sequence[str] = BATCH_AX
     return NamedSharding(mesh, P(axes if axes else None))
 
 
+# logical names a custom rules table may leave out (replicated then)
+_REPLICATED_BY_DEFAULT = ("lora_rank",)
+
+
 def _mesh_axes_for(name, rules: Rules):
-    if name is None:
+    if name is None or (name in _REPLICATED_BY_DEFAULT and name not in rules):
         return None
     if name not in rules:
         raise ValueError(f"logical axis {name!r} has no entry in the sharding rules (known: {sorted(rules)})")

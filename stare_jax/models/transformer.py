@@ -5,9 +5,14 @@ optional q/k/v bias (Qwen2), optional per-head q/k RMSNorm (Qwen3), SwiGLU MLP, 
 embeddings. Parameters are stored in `param_dtype` (fp32 master weights) and cast to `dtype` for compute;
 softmax and norms run in fp32. Weight layouts put heads on their own axis (q: [D,H,Dh]) so the sharding rules
 can split heads; HF import/export (hf_io.py) handles the reshapes. Layers run as a python loop over Blocks, or
-(ModelConfig.scan_layers) as one lax.scan over stacked parameters.
+(ModelConfig.scan_layers) as one lax.scan over stacked parameters. With ModelConfig.lora_rank > 0 the projections
+named in lora_targets also hold float32 LoRA adapters (nnx.LoRAParam lora_a / lora_b, see stare_jax/models/lora.py),
+applied by Linear.__call__, the one projection helper every call site (full forward, decode, paged decode) uses.
 """
 from __future__ import annotations
+
+import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +24,10 @@ from stare_jax.models.config import ModelConfig
 from stare_jax.models.sharding import constrain, state_shardings
 
 _DT = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+LoRAParam = nnx.LoRAParam  # flax's `class LoRAParam(nnx.Param)`: the adapters' variable type
+BASE_PARAMS = nnx.All(nnx.Param, nnx.Not(LoRAParam))  # nnx filter: the base (HF) weights, every Param but adapters
+_LETTERS = "abcdefgh"
+_LORA_KEY_SALT = 0x4C6F5241  # "LoRA"
 
 
 def _dtype(name):
@@ -89,11 +98,73 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """A weight of arbitrary shape (+ optional bias); the caller supplies the einsum."""
+    """A weight of arbitrary shape whose first `n_in` axes are the input axes (+ optional bias on the output axes,
+    + optional LoRA adapters when `lora_name` is one of cfg.lora_targets).
 
-    def __init__(self, shape, names, cfg, rngs, bias_shape=None, bias_names=None):
+    Adapters (float32 nnx.LoRAParam, whatever param_dtype is): lora_a [in axes..., r] with the kernel's input axis
+    names + ("lora_rank",), lora_b [r, out axes...] with ("lora_rank",) + the output names, so both shard like the
+    kernel. They are created as zeros here; Transformer.__init__ (or hf_io.from_pretrained) then gives A PEFT's
+    default init (init_lora_state)."""
+
+    def __init__(self, shape, names, cfg, rngs, bias_shape=None, bias_names=None, *, n_in: int = 1,
+                 lora_name: str | None = None):
         self.kernel = _param(rngs, "normal", shape, names, cfg)
         self.bias = _param(rngs, "zeros", bias_shape, bias_names, cfg) if bias_shape is not None else None
+        self.n_in = n_in
+        self.lora_a: nnx.Variable | None
+        self.lora_b: nnx.Variable | None
+        if lora_name is not None and cfg.lora_rank > 0 and lora_name in cfg.lora_targets:
+            r, shape, names = cfg.lora_rank, tuple(shape), tuple(names)
+            self.lora_a = LoRAParam(jnp.zeros(shape[:n_in] + (r,), jnp.float32),
+                                    out_sharding=names[:n_in] + ("lora_rank",), eager_sharding=False)
+            self.lora_b = LoRAParam(jnp.zeros((r,) + shape[n_in:], jnp.float32),
+                                    out_sharding=("lora_rank",) + names[n_in:], eager_sharding=False)
+            self.lora_scale = cfg.lora_scale
+        else:
+            self.lora_a = self.lora_b = None
+            self.lora_scale = 0.0
+
+    def __call__(self, x, dtype):
+        """x [..., in axes] -> [..., out axes] in `dtype`: x W (+ b) (+ lora_scale * (x A) B)."""
+        y = _contract(x, self.kernel[...].astype(dtype), self.n_in)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(dtype)
+        if self.lora_a is not None and self.lora_b is not None:
+            xa = _contract(x, self.lora_a[...].astype(dtype), self.n_in)
+            y = y + self.lora_scale * _contract(xa, self.lora_b[...].astype(dtype), 1)
+        return y
+
+
+def _contract(x, w, n_in: int):
+    """Contract x's last n_in axes with w's first n_in axes (the einsum of every projection)."""
+    i, o = _LETTERS[:n_in], _LETTERS[n_in:w.ndim]
+    return jnp.einsum(f"...{i},{i}{o}->...{o}", x, w)
+
+
+def init_lora_state(lora_state, key, cfg: ModelConfig):
+    """PEFT's default adapter init (init_lora_weights=True) for an nnx.State of LoRAParams (values may be abstract:
+    only shapes are read): A ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (kaiming_uniform with a=sqrt(5), fan_in = the
+    kernel's input size), B = 0, float32. Each layer's A draws from fold_in(key, crc32 of its per-layer path), so
+    the python-loop and scan_layers models get the same adapters from the same key."""
+    out = []
+    for path, var in nnx.to_flat_state(lora_state):
+        shape = tuple(var.get_value().shape)
+        p = tuple(str(x) for x in path)
+        stacked = cfg.scan_layers and p[0] == "layers"
+        if p[-1] == "lora_b":
+            value = jnp.zeros(shape, jnp.float32)
+        else:
+            layer_shape = shape[1:] if stacked else shape
+            bound = 1.0 / math.sqrt(math.prod(layer_shape[:-1]))
+
+            def draw(p):
+                k = jax.random.fold_in(key, zlib.crc32(".".join(p).encode()) & 0x7FFFFFFF)
+                return jax.random.uniform(k, layer_shape, jnp.float32, -bound, bound)
+
+            value = (jnp.stack([draw(("layers", str(i)) + p[1:]) for i in range(shape[0])]) if stacked
+                     else draw(p))
+        out.append((path, var.replace(value)))
+    return nnx.from_flat_state(out)
 
 
 class Attention(nnx.Module):
@@ -102,12 +173,12 @@ class Attention(nnx.Module):
         assert dh is not None  # ModelConfig.__post_init__ derives it
         b = cfg.qkv_bias
         self.q_proj = Linear((d, h, dh), ("embed", "q_heads", "head_dim"), cfg, rngs,
-                             (h, dh) if b else None, ("q_heads", "head_dim"))
+                             (h, dh) if b else None, ("q_heads", "head_dim"), lora_name="q_proj")
         self.k_proj = Linear((d, k, dh), ("embed", "kv_heads", "head_dim"), cfg, rngs,
-                             (k, dh) if b else None, ("kv_heads", "head_dim"))
+                             (k, dh) if b else None, ("kv_heads", "head_dim"), lora_name="k_proj")
         self.v_proj = Linear((d, k, dh), ("embed", "kv_heads", "head_dim"), cfg, rngs,
-                             (k, dh) if b else None, ("kv_heads", "head_dim"))
-        self.o_proj = Linear((h, dh, d), ("q_heads", "head_dim", "embed"), cfg, rngs)
+                             (k, dh) if b else None, ("kv_heads", "head_dim"), lora_name="v_proj")
+        self.o_proj = Linear((h, dh, d), ("q_heads", "head_dim", "embed"), cfg, rngs, n_in=2, lora_name="o_proj")
         if cfg.qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(dh, cfg, rngs)
             self.k_norm: RMSNorm | None = RMSNorm(dh, cfg, rngs)
@@ -117,10 +188,7 @@ class Attention(nnx.Module):
         self.impl = cfg.attention_impl
 
     def _proj(self, lin: Linear, x_BxTxD):
-        y = jnp.einsum("btd,dhk->bthk", x_BxTxD, lin.kernel[...].astype(self.dtype))
-        if lin.bias is not None:
-            y = y + lin.bias[...].astype(self.dtype)
-        return y
+        return lin(x_BxTxD, self.dtype)  # [B,T,D] -> [B,T,H,Dh]
 
     def qkv(self, x_BxTxD, cos, sin):
         q = self._proj(self.q_proj, x_BxTxD)
@@ -133,7 +201,7 @@ class Attention(nnx.Module):
         return q, k, v
 
     def out(self, o_BxTxHxD):
-        return jnp.einsum("bthk,hkd->btd", o_BxTxHxD, self.o_proj.kernel[...].astype(self.dtype))
+        return self.o_proj(o_BxTxHxD, self.dtype)  # [B,T,H,Dh] -> [B,T,D]
 
     def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, attention_mask_BxT):
         q, k, v = self.qkv(x_BxTxD, cos, sin)
@@ -160,17 +228,17 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear((d, i), ("embed", "mlp"), cfg, rngs)
-        self.up_proj = Linear((d, i), ("embed", "mlp"), cfg, rngs)
-        self.down_proj = Linear((i, d), ("mlp", "embed"), cfg, rngs)
+        self.gate_proj = Linear((d, i), ("embed", "mlp"), cfg, rngs, lora_name="gate_proj")
+        self.up_proj = Linear((d, i), ("embed", "mlp"), cfg, rngs, lora_name="up_proj")
+        self.down_proj = Linear((i, d), ("mlp", "embed"), cfg, rngs, lora_name="down_proj")
         self.dtype = _dtype(cfg.dtype)
 
     def __call__(self, x_BxTxD):
         dt = self.dtype
-        g = x_BxTxD @ self.gate_proj.kernel[...].astype(dt)
-        u = x_BxTxD @ self.up_proj.kernel[...].astype(dt)
+        g = self.gate_proj(x_BxTxD, dt)
+        u = self.up_proj(x_BxTxD, dt)
         hdn = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
-        return hdn @ self.down_proj.kernel[...].astype(dt)
+        return self.down_proj(hdn, dt)
 
 
 class Block(nnx.Module):
@@ -256,6 +324,12 @@ class Transformer(nnx.Module):
             self.lm_head = None
         else:
             self.lm_head = _param(rngs, "normal", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg)
+        if cfg.lora_rank > 0:
+            # The adapters' key comes from the "lora" stream's (else the params stream's) seed, not from its draw
+            # counter: the base init does not depend on LoRA, and loop and scan_layers models get the same A.
+            stream = rngs["lora"] if "lora" in rngs else rngs.params
+            key = jax.random.fold_in(stream.key[...], _LORA_KEY_SALT)
+            nnx.update(self, init_lora_state(nnx.state(self, LoRAParam), key, cfg))
 
     # ------------------------------------------------------------------ helpers
     def blocks(self) -> list:
