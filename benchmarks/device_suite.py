@@ -477,7 +477,7 @@ def section_sampler(suite, ctx, sec, *, prompts, samples, prompt_len, new_tokens
     import jax
     import numpy as np
 
-    from stare_jax.sampling import Sampler
+    from stare_jax.sampling import Sampler, SamplingParams
 
     sec["sizes"] = {"prompts": prompts, "samples_per_prompt": samples, "rows": prompts * samples,
                     "prompt_len": prompt_len, "new_tokens": new_tokens, "timed_runs": timed, "warmup_runs": 1,
@@ -498,7 +498,7 @@ def section_sampler(suite, ctx, sec, *, prompts, samples, prompt_len, new_tokens
 
             def call():
                 out = sampler.generate_arrays(ids, mask, max_new_tokens=new_tokens, num_samples=samples,
-                                              temperature=1.0, eos_ids=[], seed=0)
+                                              sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=0))
                 out_box["out"] = jax.block_until_ready(out)
 
             t = time.perf_counter()

@@ -181,6 +181,7 @@ def main(argv=None):
     from sampler_bench import _make_checkpoint
 
     from stare_jax.models import from_pretrained
+    from stare_jax.sampling import SamplingParams
     from stare_jax.sampling.engine import Engine, EngineConfig
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -189,7 +190,7 @@ def main(argv=None):
     cfg = model.config
     engine = Engine(model, config=EngineConfig(max_slots=args.batch))
     prompts = _prompts(np.random.default_rng(args.seed), args.batch, args.min_prompt, args.max_prompt, args.vocab)
-    kw = dict(max_new_tokens=args.new, temperature=0.0, eos_ids=[], seed=0)
+    kw = dict(max_new_tokens=args.new, sampling=SamplingParams(temperature=0.0, eos_ids=[], seed=0))
     engine.generate(prompts, **kw)  # compiles
     calls_s = []
     for _ in range(args.repeats):

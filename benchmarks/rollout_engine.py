@@ -183,7 +183,7 @@ def main(argv=None):
     import torch
 
     from stare_jax.models import from_pretrained
-    from stare_jax.sampling import Sampler
+    from stare_jax.sampling import Sampler, SamplingParams
     from stare_jax.sampling.engine import Engine, EngineConfig, kv_bytes
 
     out_stream = sys.stderr if args.json else sys.stdout
@@ -207,7 +207,8 @@ def main(argv=None):
         n_eos = eos_count(args.vocab, args.max_new / args.median_div)
         eos = list(range(args.vocab - n_eos, args.vocab))
         prompts = _prompts(rng, args.prompts, args.min_prompt, args.max_prompt, args.vocab - n_eos)
-        kw = dict(max_new_tokens=args.max_new, num_samples=G, temperature=1.0, eos_ids=eos, seed=args.seed)
+        kw = dict(max_new_tokens=args.max_new, num_samples=G,
+                  sampling=SamplingParams(temperature=1.0, eos_ids=eos, seed=args.seed))
         ref, got = static.generate(prompts, **kw), engine.generate(prompts, **kw)  # compiles
         same = rows_identical(ref.tokens, got.tokens)
         lengths, finished = got.lengths, [r == "eos" for r in got.finish_reasons]
@@ -246,7 +247,8 @@ def main(argv=None):
 
     if "uniform" in cases:
         prompts = _prompts(rng, args.uniform_prompts, args.min_prompt, args.max_prompt, args.vocab)
-        kw = dict(max_new_tokens=args.uniform_new, num_samples=G, temperature=1.0, eos_ids=[], seed=args.seed)
+        kw = dict(max_new_tokens=args.uniform_new, num_samples=G,
+                  sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=args.seed))
         result["uniform_rows_identical"] = rows_identical(static.generate(prompts, **kw).tokens,
                                                           engine.generate(prompts, **kw).tokens)
         res = compare({"engine": lambda: engine.generate(prompts, **kw),
@@ -258,7 +260,7 @@ def main(argv=None):
 
     if "greedy" in cases:
         prompts = _prompts(rng, args.greedy_batch, args.min_prompt, min(args.max_prompt, 64), args.vocab)
-        kw = dict(max_new_tokens=args.greedy_new, temperature=0.0, eos_ids=[], seed=0)
+        kw = dict(max_new_tokens=args.greedy_new, sampling=SamplingParams(temperature=0.0, eos_ids=[], seed=0))
         ids, mask = _left_pad(prompts)
         hf_kw = dict(max_new_tokens=args.greedy_new, min_new_tokens=args.greedy_new, do_sample=False, pad_token_id=0,
                      eos_token_id=None)

@@ -82,7 +82,7 @@ def main(argv=None):
     import torch
 
     from stare_jax.models import from_pretrained
-    from stare_jax.sampling import Sampler
+    from stare_jax.sampling import Sampler, SamplingParams
 
     prompts = _prompts(args)
     n_tokens = args.batch * args.new_tokens
@@ -108,7 +108,8 @@ def main(argv=None):
     modes = ("greedy", "sample") if args.mode == "both" else (args.mode,)
     for mode in modes:
         greedy = mode == "greedy"
-        jax_kw = dict(max_new_tokens=args.new_tokens, temperature=0.0 if greedy else 1.0, eos_ids=[], seed=0)
+        jax_kw = dict(max_new_tokens=args.new_tokens,
+                      sampling=SamplingParams(temperature=0.0 if greedy else 1.0, eos_ids=[], seed=0))
         hf_kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=not greedy,
                      pad_token_id=0, eos_token_id=None)
         if not greedy:

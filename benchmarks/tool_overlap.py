@@ -32,6 +32,7 @@ from stare_jax.training.setup import make_sampler  # noqa: E402
 from stare_jax.data.tokenizer import load_tokenizer  # noqa: E402
 from stare_jax.tools.config import make_backend  # noqa: E402
 from stare_jax.tools.pool import Backend, SandboxPool  # noqa: E402
+from stare_jax.sampling import SamplingParams  # noqa: E402
 from stare_jax.tools.rollout import tool_rollouts  # noqa: E402
 
 
@@ -86,7 +87,8 @@ def main(argv=None) -> dict:
             backend = LatencyBackend(make_backend(cfg.tool), args.latency_min, args.latency_max)
             with SandboxPool(args.workers, backend=backend) as pool:
                 rows[name] = tool_rollouts(engine, prompts, group_size=G, tool_cfg=cfg.tool, tokenizer=tok, pool=pool,
-                                           max_new_tokens=N, temperature=cfg.sampling.temperature, seed=cfg.seed,
+                                           max_new_tokens=N,
+                                           sampling=SamplingParams(temperature=cfg.sampling.temperature, seed=cfg.seed),
                                            overlap=overlap)
             calls[name] = backend.calls
         return run

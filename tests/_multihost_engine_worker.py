@@ -58,6 +58,7 @@ def _generate(out: dict) -> None:
 
     from stare_jax import distributed
     from stare_jax.models.sharding import make_mesh
+    from stare_jax.sampling import SamplingParams
     from stare_jax.sampling.engine import Engine, EngineConfig
     from test_engine import EOS, PROMPTS, _tiny
 
@@ -66,10 +67,10 @@ def _generate(out: dict) -> None:
     engine = Engine(_on_mesh(_tiny("qwen2"), mesh), mesh=mesh, config=config)
     assert engine.data_shards == 2
     kw = dict(max_new_tokens=16, num_samples=3)
-    free = engine.generate(PROMPTS, temperature=0.0, eos_ids=[], **kw)
+    free = engine.generate(PROMPTS, sampling=SamplingParams(temperature=0.0, eos_ids=[]), **kw)
     greedy_eos = sorted({free.tokens[3 * p][k] for p, k in ((0, 3), (2, 9), (4, 13))})
     for name, temperature, eos in (("greedy", 0.0, greedy_eos), ("t1", 1.0, EOS)):
-        o = engine.generate(PROMPTS, temperature=temperature, eos_ids=eos, seed=5, **kw)
+        o = engine.generate(PROMPTS, sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw)
         out[name] = {"tokens": o.tokens, "lengths": o.lengths, "finish": o.finish_reasons,
                      "logprobs": [[float(x) for x in lp] for lp in o.logprobs],
                      "prefix_prefills": engine.stats["prefix_prefills"]}
@@ -79,7 +80,7 @@ def _generate(out: dict) -> None:
     mask = np.zeros_like(ids)
     for r, p in enumerate(PROMPTS):  # left-padded, as rollouts.left_pad
         ids[r, T - len(p):], mask[r, T - len(p):] = p, 1
-    arr = engine.generate_arrays(ids, mask, temperature=1.0, eos_ids=EOS, seed=5, **kw)
+    arr = engine.generate_arrays(ids, mask, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=5), **kw)
     assert not arr.tokens_BxN.is_fully_addressable or jax.process_count() == 1
     toks, lengths, finished = distributed.fetch_global((arr.tokens_BxN, arr.lengths_B, arr.finished_B))
     out["arrays"] = {"tokens": toks.tolist(), "lengths": lengths.tolist(), "finished": finished.tolist()}
@@ -87,6 +88,7 @@ def _generate(out: dict) -> None:
 
 def _tools(out: dict) -> None:
     from stare_jax.models.sharding import make_mesh
+    from stare_jax.sampling import SamplingParams
     from stare_jax.sampling.engine import Engine, EngineConfig
     from stare_jax.tools import SandboxPool, ToolConfig
     from stare_jax.tools.rollout import tool_rollouts
@@ -105,7 +107,8 @@ def _tools(out: dict) -> None:
     cfg = ToolConfig(enabled=True, timeout_s=5.0)
     with SandboxPool(4, timeout_s=5.0, memory_mb=512) as pool:
         rows = tool_rollouts(engine, [tokenizer.encode(p, add_bos=False) for p in prompts], group_size=2,
-                             tool_cfg=cfg, tokenizer=tokenizer, pool=pool, max_new_tokens=96, seed=1)
+                             tool_cfg=cfg, tokenizer=tokenizer, pool=pool, max_new_tokens=96,
+                             sampling=SamplingParams(seed=1))
         calls = pool.stats()["n_calls"]
     out["tools"] = {"rows": [{"tokens": r.tokens, "mask": r.model_mask, "statuses": [s.value for s in r.statuses],
                               "end": r.end, "turns": r.turns, "final_start": r.final_start} for r in rows],

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from stare_jax import cli
+from stare_jax.cli.smoke import byte_tokenizer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -41,7 +42,7 @@ def small_context_model(tmp_path_factory):
                              intermediate_size=64, max_position_embeddings=64, architecture="Qwen2ForCausalLM",
                              qkv_bias=True)
     models.save_pretrained(models.init_model(cfg, seed=0), model_dir)
-    cli._byte_tokenizer(model_dir)
+    byte_tokenizer(model_dir)
     data = d / "data"
     data.mkdir()
     (data / "math500.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": f"{i}+1?", "answer": str(i + 1)})
@@ -167,7 +168,9 @@ def test_ctrl_c_outside_a_training_loop_is_one_line(capsys, monkeypatch):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_cmd_config", interrupted)
+    from stare_jax.cli import config as config_command
+
+    monkeypatch.setattr(config_command, "run", interrupted)
     code, _, err = _main(capsys, "config")
     assert code == 130 and "Traceback" not in err and err.strip() == "stare-jax config: interrupted (Ctrl-C)"
 
@@ -190,3 +193,39 @@ def test_no_traceback_from_a_real_process(tmp_path):
     p = subprocess.run([sys.executable, "-m", "stare_jax.cli", "plot", str(tmp_path / "nope")], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_help_loads_no_command_module_and_no_jax():
+    """`stare-jax --help` lists every subcommand without importing their modules (nor jax): instant."""
+    code = ("import sys; from stare_jax.cli import COMMANDS, main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('stare_jax.cli.')))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    *_, loaded = p.stdout.strip().splitlines()
+    assert loaded == "['stare_jax.cli.common']", loaded
+    for name in cli.COMMANDS:
+        assert name in p.stdout
+
+
+def test_eval_flags_are_overrides_of_config_keys():
+    """eval's flags that are run-config keys are read through the config loader: absent, the config's defaults;
+    given, overrides of their keys (the help names the key and its default)."""
+    from stare_jax.cli import eval as eval_command
+    from stare_jax.config.loader import Config
+
+    def resolve(*argv):
+        return eval_command.eval_config(cli.build_parser(["eval"]).parse_args(["eval", "--checkpoint", "x", *argv]))
+
+    assert resolve() == Config()
+    cfg = resolve("--samples", "2", "--max-new-tokens", "96", "--max-prompt-len", "128", "--prompt-template", "raw",
+                  "--engine", "off", "--slots", "4", "--seed", "3")
+    assert (cfg.sampling.eval_num_samples, cfg.sampling.max_new_tokens, cfg.data.max_prompt_len) == (2, 96, 128)
+    assert (cfg.data.prompt_template, cfg.sampling.engine.enabled, cfg.sampling.engine.max_slots, cfg.seed) == (
+        "raw", False, 4, 3)
+    assert resolve("--engine", "on").sampling.engine.enabled is True
+    assert resolve("--engine", "auto").sampling.engine.enabled == "auto"
+    with pytest.raises(cli.UsageError, match="--max-new-tokens 0 must be >= 1"):
+        resolve("--max-new-tokens", "0")
+    assert set(eval_command.FLAG_KEYS) <= set(vars(cli.build_parser(["eval"]).parse_args(
+        ["eval", "--checkpoint", "x"])))

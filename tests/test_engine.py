@@ -16,8 +16,8 @@ from flax import nnx
 
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
-from stare_jax.sampling import Sampler
-from stare_jax.sampling.engine import Engine, EngineConfig, compiled_programs
+from stare_jax.sampling import Sampler, SamplingParams
+from stare_jax.sampling.engine import Engine, EngineConfig, Scheduler, compiled_programs
 
 V = 256
 PROMPTS = [[3, 14, 15, 92, 65, 35], [1, 2, 3], [4] * 9, [7], list(range(10, 30))]
@@ -63,11 +63,12 @@ def test_matches_static_sampler_greedy_and_sampled(family, config, model):
     model = model if family == "qwen2" else _tiny(family)
     kw = dict(max_new_tokens=24, num_samples=3)
     engine = Engine(model, config=config)
-    free = Sampler(model).generate(PROMPTS, temperature=0.0, eos_ids=[], **kw)
+    free = Sampler(model).generate(PROMPTS, sampling=SamplingParams(temperature=0.0, eos_ids=[]), **kw)
     greedy_eos = sorted({free.tokens[3 * p][k] for p, k in ((0, 3), (2, 11), (4, 17))})
     for temperature, eos in ((0.0, greedy_eos), (1.0, EOS)):
-        ref = Sampler(model).generate(PROMPTS, temperature=temperature, eos_ids=eos, seed=5, **kw)
-        out = engine.generate(PROMPTS, temperature=temperature, eos_ids=eos, seed=5, **kw)
+        ref = Sampler(model).generate(PROMPTS,
+                                      sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw)
+        out = engine.generate(PROMPTS, sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw)
         _assert_same(out, ref)
         assert len(set(out.lengths)) >= 3  # rows finish at different times (slots are refilled)
         assert engine.pool.all_free()
@@ -78,8 +79,8 @@ def test_matches_static_sampler_greedy_and_sampled(family, config, model):
 
 
 def test_logprobs_equal_full_forward(model):
-    out = Engine(model, config=SMALL).generate(PROMPTS[:3], max_new_tokens=16, num_samples=2, temperature=1.0,
-                                               eos_ids=EOS, seed=2)
+    out = Engine(model, config=SMALL).generate(PROMPTS[:3], max_new_tokens=16, num_samples=2,
+                                               sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=2))
     full = _full_logprobs(model, [PROMPTS[r // 2] + toks for r, toks in enumerate(out.tokens)])
     for r, (toks, lps) in enumerate(zip(out.tokens, out.logprobs)):
         prompt = PROMPTS[r // 2]
@@ -87,11 +88,11 @@ def test_logprobs_equal_full_forward(model):
         np.testing.assert_allclose(lps, ref, atol=1e-5)
 
 
-class _CheckedEngine(Engine):
+class _CheckedScheduler(Scheduler):
     """Checks the page invariants before every decode chunk: a page owned by two rows is a full page of their
     common prompt's prefix, and the pool's reference counts equal the owners."""
 
-    def _decode_round(self, shards, scalars, keep):
+    def _decode_round(self, shards, draw_inputs, keep):
         n_shared = 0
         for sh in shards:
             rows = [c for c in sh.slots if c is not None and c.prefix is None]
@@ -106,19 +107,25 @@ class _CheckedEngine(Engine):
                     assert all(m < (c.prompt_len - 1) // self.engine_config.page_size for c, m in own)
                 assert sh.pool.refs_N[p] >= len(own)
         self.shared_seen = getattr(self, "shared_seen", 0) + n_shared
-        return super()._decode_round(shards, scalars, keep)
+        return super()._decode_round(shards, draw_inputs, keep)
+
+
+def _with_scheduler(engine: Engine, scheduler_class) -> Engine:
+    """The engine with its (still idle) host scheduler replaced by an instrumented subclass."""
+    engine.scheduler = scheduler_class(engine.device, engine.engine_config)
+    return engine
 
 
 def test_prefix_pages_shared_never_written_twice_and_preemption(model):
-    kw = dict(max_new_tokens=24, num_samples=3, temperature=1.0, eos_ids=EOS, seed=5)
+    kw = dict(max_new_tokens=24, num_samples=3, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=5))
     ref = Sampler(model).generate(PROMPTS, **kw)
-    engine = _CheckedEngine(model, config=SMALL)
+    engine = _with_scheduler(Engine(model, config=SMALL), _CheckedScheduler)
     _assert_same(engine.generate(PROMPTS, **kw), ref)
-    assert engine.shared_seen > 0 and engine.stats["recomputes"] == 0
+    assert engine.scheduler.shared_seen > 0 and engine.stats["recomputes"] == 0
     # A pool of 16 pages (15 usable) for 4 slots of up to 44 tokens (11 pages each): rows are preempted and
     # recomputed, with the same tokens.
-    tight = _CheckedEngine(model, config=EngineConfig(max_slots=4, page_size=4, decode_chunk=4, prefill_chunk=8,
-                                                      num_pages=16))
+    tight_config = EngineConfig(max_slots=4, page_size=4, decode_chunk=4, prefill_chunk=8, num_pages=16)
+    tight = _with_scheduler(Engine(model, config=tight_config), _CheckedScheduler)
     _assert_same(tight.generate(PROMPTS, **kw), ref)
     assert tight.stats["recomputes"] > 0 and tight.stats["peak_pages"] <= 15 and tight.pool.all_free()
 
@@ -129,7 +136,7 @@ def test_array_api_matches_sampler(model):
     mask = np.zeros((3, 16), np.int32)
     for r, p in enumerate([PROMPTS[0], PROMPTS[1], PROMPTS[2]]):
         ids[r, 16 - len(p):], mask[r, 16 - len(p):] = p, 1
-    kw = dict(max_new_tokens=12, num_samples=2, temperature=1.0, eos_ids=EOS, seed=9,
+    kw = dict(max_new_tokens=12, num_samples=2, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=9),
               prompt_index_P=np.asarray([40, 41, 42]), active_P=np.asarray([True, False, True]))
     ref = Sampler(model).generate_arrays(ids, mask, **kw)
     out = Engine(model, config=SMALL).generate_arrays(jnp.asarray(ids), jnp.asarray(mask), **kw)
@@ -146,12 +153,13 @@ def test_no_recompilation_across_steps(model):
     """Programs are keyed by power-of-two buckets (rows, page-table width, prefill width): after a warm-up step
     that walks the buckets, later steps with new weights and other length mixes compile nothing."""
     engine = Engine(model, config=SMALL)
-    kw = dict(max_new_tokens=24, num_samples=3, temperature=1.0, eos_ids=EOS)
+    kw = dict(max_new_tokens=24, num_samples=3)
+    draws = SamplingParams(temperature=1.0, eos_ids=EOS)
     start = compiled_programs()
     mixes = [PROMPTS[k:] + PROMPTS[:k] for k in range(len(PROMPTS))] + [PROMPTS[::-1]]
-    first = engine.generate(PROMPTS, seed=0, **kw)
+    first = engine.generate(PROMPTS, sampling=draws.replace(seed=0), **kw)
     for seed, prompts in enumerate(mixes[1:], 1):  # warm-up: other length mixes reach the remaining buckets
-        engine.generate(prompts, seed=seed, **kw)
+        engine.generate(prompts, sampling=draws.replace(seed=seed), **kw)
     warm = compiled_programs()
     # the bound whatever the mix: page-table widths 1..16 (context 64 / page 4) for decode and for prefill, one
     # prefill width (prefill_chunk 8) and row bucket (max_slots 4), one copy shape
@@ -159,9 +167,9 @@ def test_no_recompilation_across_steps(model):
     engine.release()  # as the loop does before its train step: weights and KV pages freed
     assert engine.state is None and engine.pages is None and engine.pool is None
     engine.update_params(init_model(model.config, seed=7))  # the next RL step's weights, same programs
-    second = engine.generate(PROMPTS, seed=0, **kw)
+    second = engine.generate(PROMPTS, sampling=draws.replace(seed=0), **kw)
     for seed, prompts in enumerate(mixes, 10):  # the same mixes with other draws
-        engine.generate(prompts, seed=seed, **kw)
+        engine.generate(prompts, sampling=draws.replace(seed=seed), **kw)
     assert compiled_programs() == warm and second.tokens != first.tokens
 
 
@@ -171,7 +179,7 @@ def test_second_call_compiles_nothing(model):
     graphdef, state = nnx.split(model)  # committed weights, as from_pretrained loads them
     committed = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
     engine = Engine(committed, config=dataclasses.replace(SMALL, max_slots=8, prefill_chunk=32))  # one prefill
-    kw = dict(max_new_tokens=12, num_samples=1, temperature=1.0, eos_ids=EOS, seed=3)
+    kw = dict(max_new_tokens=12, num_samples=1, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=3))
     first = engine.generate(PROMPTS, **kw)
     warm = compiled_programs()
     assert engine.generate(PROMPTS, **kw).tokens == first.tokens
@@ -182,14 +190,14 @@ def test_second_call_compiles_nothing(model):
 def test_mesh_matches_single_device(model):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     sharded = init_model(model.config, seed=0, mesh=mesh)
-    kw = dict(max_new_tokens=16, num_samples=3, temperature=1.0, eos_ids=EOS, seed=4)
+    kw = dict(max_new_tokens=16, num_samples=3, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=4))
     on_mesh = Engine(sharded, mesh=mesh, config=SMALL).generate(PROMPTS, **kw)
     _assert_same(on_mesh, Engine(model, config=SMALL).generate(PROMPTS, **kw))
 
 
 def test_multi_turn_continuation_equals_full_forward(model):
     engine = Engine(model, config=SMALL)
-    kw = dict(temperature=1.0, eos_ids=[], seed=3)
+    kw = dict(sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=3))
     convs = engine.start(PROMPTS[:2], max_new_tokens=5, num_samples=2, **kw)
     used = engine.pool.num_used
     assert used > 0  # the conversations keep their pages
@@ -252,7 +260,7 @@ def test_attention_config_resolves_per_platform(model):
 def test_pallas_decode_gives_the_gather_tokens(model, temperature):
     """attention=pallas (the TPU kernel, Pallas interpret mode on CPU: ~20 s) decodes the gather path's tokens with
     a bfloat16 pool (the kernel reads pages as bfloat16); log-probs to float tolerance."""
-    kw = dict(max_new_tokens=8, num_samples=2, temperature=temperature, eos_ids=EOS, seed=4)
+    kw = dict(max_new_tokens=8, num_samples=2, sampling=SamplingParams(temperature=temperature, eos_ids=EOS, seed=4))
     out = {a: Engine(model, cache_dtype=jnp.bfloat16, config=dataclasses.replace(SMALL, attention=a)).generate(
         PROMPTS[:3], **kw) for a in ("gather", "pallas")}
     assert out["pallas"].tokens == out["gather"].tokens and out["pallas"].lengths == out["gather"].lengths
@@ -270,7 +278,7 @@ def test_bad_input(model):
     with pytest.raises(ValueError, match="prompt 0: 60 tokens \\+ max_new_tokens 5 exceeds"):
         engine.generate([[1] * 60], max_new_tokens=5)
     with pytest.raises(ValueError, match="top_p must be in"):
-        engine.generate([[1]], max_new_tokens=4, top_p=0.0)
+        engine.generate([[1]], max_new_tokens=4, sampling=SamplingParams(top_p=0.0))
     engine.release()
     with pytest.raises(RuntimeError, match="released: call update_params"):
         engine.generate([[1]], max_new_tokens=4)
@@ -287,7 +295,7 @@ def test_drop_in_for_generate_rollouts(model):
             return " ".join(map(str, ids))
 
     kw = dict(tokenizer=Tok(), reward_fn=reward_fn_for("digit_sum"), prompt_len=32, max_new_tokens=12, num_samples=2,
-              temperature=1.0, top_p=1.0, top_k=0, seed=3, index_offset=5)
+              sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=3), index_offset=5)
     a, texts_a, _ = generate_rollouts(Sampler(model), PROMPTS, ["1:1"] * len(PROMPTS), **kw)
     b, texts_b, _ = generate_rollouts(Engine(model, config=SMALL), PROMPTS, ["1:1"] * len(PROMPTS), **kw)
     assert texts_a == texts_b
@@ -298,7 +306,7 @@ def test_drop_in_for_generate_rollouts(model):
 def test_extend_with_a_limit_per_conversation(model):
     """max_new_tokens per conversation (a multi-turn rollout's remaining budgets): each turn stops at its own
     limit, with the same draws as a common limit (keys depend on prompt, sample and position only)."""
-    kw = dict(temperature=1.0, eos_ids=[], seed=5)
+    kw = dict(sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=5))
     tool = [[200], [201, 202], [203], [204, 205, 206]]
     limits = [2, 5, 1, 3]
     engine = Engine(model, config=SMALL)
@@ -344,7 +352,7 @@ def test_make_generator_picks_the_engine_where_it_runs(model, monkeypatch):
     sharded = init_model(model.config, seed=0, mesh=tensor_mesh)
     engine = make_generator(sharded, config=SMALL, mesh=tensor_mesh, **long)
     assert isinstance(engine, Engine)
-    kw = dict(max_new_tokens=12, num_samples=2, temperature=1.0, eos_ids=EOS, seed=3)
+    kw = dict(max_new_tokens=12, num_samples=2, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=3))
     _assert_same(engine.generate(PROMPTS, **kw), Engine(model, config=SMALL).generate(PROMPTS, **kw))
     assert engine.pages[0]["k"].sharding.spec[0] == "tensor"  # kv heads (first: [K, N, P, Dh]) split, not replicated
     n = compiled_programs()
@@ -355,14 +363,14 @@ def test_make_generator_picks_the_engine_where_it_runs(model, monkeypatch):
 def test_any_number_of_eos_ids(model):
     """More stop ids than the smallest EOS bucket (8): padded to a power of two, same stops in both samplers."""
     many = list(range(100, 140))
-    kw = dict(max_new_tokens=16, num_samples=2, temperature=1.0, eos_ids=many, seed=1)
+    kw = dict(max_new_tokens=16, num_samples=2, sampling=SamplingParams(temperature=1.0, eos_ids=many, seed=1))
     out = Engine(model, config=SMALL).generate(PROMPTS, **kw)
     _assert_same(out, Sampler(model).generate(PROMPTS, **kw))
     assert "eos" in out.finish_reasons and all(t[-1] in many for t, r in zip(out.tokens, out.finish_reasons)
                                                if r == "eos")
 
 
-class _AdmissionLog(Engine):
+class _AdmissionLog(Scheduler):
     """Records each admitted conversation's index and the slots busy right after each admission round."""
 
     def _admit(self, sh):
@@ -377,18 +385,20 @@ class _AdmissionLog(Engine):
 def test_slots_refilled_in_queue_order(model):
     """Requests enter slots in queue order (prompt-major: p * G + g), a freed slot is refilled in the next round,
     and never more than max_slots rows run at once."""
-    engine = _AdmissionLog(model, config=SMALL)
-    out = engine.generate(PROMPTS, max_new_tokens=24, num_samples=3, temperature=1.0, eos_ids=EOS, seed=5)
-    assert engine.order == list(range(len(PROMPTS) * 3))
-    assert max(engine.busy) == SMALL.max_slots and len(set(out.lengths)) > 1
-    assert sum(b == SMALL.max_slots for b in engine.busy) >= len(engine.busy) // 2  # slots kept full while queued
+    engine = _with_scheduler(Engine(model, config=SMALL), _AdmissionLog)
+    out = engine.generate(PROMPTS, max_new_tokens=24, num_samples=3,
+                          sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=5))
+    log = engine.scheduler
+    assert log.order == list(range(len(PROMPTS) * 3))
+    assert max(log.busy) == SMALL.max_slots and len(set(out.lengths)) > 1
+    assert sum(b == SMALL.max_slots for b in log.busy) >= len(log.busy) // 2  # slots kept full while queued
 
 
 def test_extend_a_subset_while_other_rows_decode(model):
     """The resumable batch (start / extend with wait=False, advance): each row's second turn is queued the round
     its first turn ends, while the other rows still decode their first; the tokens, masks and log-probs equal two
     blocking calls (start, then extend of every row), whatever joins when."""
-    kw = dict(temperature=1.0, eos_ids=EOS, seed=6)
+    kw = dict(sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=6))
     tool = lambda c: [200 + c.index, 201]  # noqa: E731
     ref_engine = Engine(model, config=SMALL)
     ref = ref_engine.start(PROMPTS[:3], max_new_tokens=16, num_samples=2, **kw)
@@ -415,14 +425,15 @@ def test_extend_a_subset_while_other_rows_decode(model):
 
 
 def test_running_batch_refuses_blocking_calls_and_close_cancels_it(model):
-    kw = dict(temperature=1.0, eos_ids=EOS, seed=6)
+    kw = dict(sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=6))
     engine = Engine(model, config=SMALL)
     convs = engine.start(PROMPTS[:3], max_new_tokens=16, num_samples=2, wait=False, **kw)
     engine.advance()  # prefix entries prefilled, rows in slots
     with pytest.raises(ValueError, match="running conversations queued with wait=False"):
         engine.generate(PROMPTS[:1], max_new_tokens=4)
     with pytest.raises(ValueError, match="running conversations queued with wait=False"):
-        engine.start(PROMPTS[:1], max_new_tokens=4, wait=False, temperature=0.0)  # other sampling arguments
+        engine.start(PROMPTS[:1], max_new_tokens=4, wait=False,
+                     sampling=SamplingParams(temperature=0.0))  # other sampling arguments
     running = next(c for c in convs if c.running)
     with pytest.raises(ValueError, match=f"conversation {running.index} is still running"):
         engine.extend([running], [[1]], max_new_tokens=2, wait=False, **kw)
@@ -435,7 +446,7 @@ def test_rows_parked_between_turns_give_their_pages_to_decoding_rows(model):
     """More kept conversations than the pool holds: rows parked between turns (start with keep=True) are evicted
     for the rows still decoding and recomputed on their next turn (the whole conversation prefilled again); the
     tokens and log-probs equal a roomy pool's, and every page comes back."""
-    kw = dict(temperature=1.0, eos_ids=[], seed=7)
+    kw = dict(sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=7))
     tool = [[200 + i, 201] for i in range(10)]
 
     def two_turns(config):

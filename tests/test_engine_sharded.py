@@ -16,8 +16,8 @@ import jax
 from stare_jax.models import init_model
 from stare_jax.models import paged_attention as pa
 from stare_jax.models.sharding import make_mesh
-from stare_jax.sampling import Sampler
-from stare_jax.sampling import engine as engine_lib
+from stare_jax.sampling import Sampler, SamplingParams
+from stare_jax.sampling.engine import programs as engine_programs
 from stare_jax.sampling.engine import Engine, EngineConfig, assign_shards, compiled_programs, kv_bytes
 from test_engine import EOS, PROMPTS, _assert_same, _tiny
 
@@ -42,14 +42,16 @@ def test_data_split_mesh_matches_single_device_and_sampler(model, shape):
     engine = _on_mesh(model, shape)
     D = engine.data_shards
     kw = dict(max_new_tokens=16, num_samples=3)
-    free = Sampler(model).generate(PROMPTS, temperature=0.0, eos_ids=[], **kw)
+    free = Sampler(model).generate(PROMPTS, sampling=SamplingParams(temperature=0.0, eos_ids=[]), **kw)
     greedy_eos = sorted({free.tokens[3 * p][k] for p, k in ((0, 3), (2, 9), (4, 13))})
     single = Engine(model, config=CONFIG)
     for temperature, eos in ((0.0, greedy_eos), (1.0, EOS)):
-        ref = Sampler(model).generate(PROMPTS, temperature=temperature, eos_ids=eos, seed=5, **kw)
-        out = engine.generate(PROMPTS, temperature=temperature, eos_ids=eos, seed=5, **kw)
+        ref = Sampler(model).generate(PROMPTS,
+                                      sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw)
+        out = engine.generate(PROMPTS, sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw)
         _assert_same(out, ref)
-        _assert_same(out, single.generate(PROMPTS, temperature=temperature, eos_ids=eos, seed=5, **kw))
+        _assert_same(out, single.generate(PROMPTS,
+                                          sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw))
         assert len(set(out.lengths)) >= 3  # long-tailed: rows finish at different times
         assert len(engine.pools) == D and all(p.all_free() for p in engine.pools)
         assert engine.stats["prefix_prefills"] == sum(len(p) > 1 for p in PROMPTS)  # one per prompt, on its shard
@@ -70,7 +72,7 @@ def test_data_split_mesh_matches_single_device_and_sampler(model, shape):
 def test_multi_turn_extend_on_a_data_split_mesh(model):
     """start / extend / close (tools/rollout.py's calls) on data=2 x tensor=4: the same turns as one device, each
     conversation's pages in its shard's pool."""
-    kw = dict(temperature=1.0, eos_ids=EOS, seed=3)
+    kw = dict(sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=3))
     tool = [[200, 201, 202], [210], [220, 221], [230, 231, 232, 233], [240], [241, 242]]
     runs = []
     for engine in (_on_mesh(model, MESHES["data2-tensor4"]), Engine(model, config=CONFIG)):
@@ -90,7 +92,7 @@ def test_no_recompilation_across_steps_on_a_data_split_mesh(model):
     """A second RL step (new weights through update_params, after release) runs the compiled programs: the pool
     and row arrays keep their layouts through the donated programs."""
     engine = _on_mesh(model, MESHES["data2-tensor4"])
-    kw = dict(max_new_tokens=12, num_samples=2, temperature=1.0, eos_ids=[], seed=1)
+    kw = dict(max_new_tokens=12, num_samples=2, sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=1))
     first = engine.generate(PROMPTS, **kw)
     warm = compiled_programs()
     engine.release()
@@ -105,7 +107,7 @@ def test_compiled_programs_gather_pages_locally(model, monkeypatch):
     device reads and writes only its shard's pages): the programs the engine ran, compiled again from their
     arguments' shapes and layouts."""
     engine = _on_mesh(model, MESHES["data2-tensor4"])
-    jitted = {name: getattr(engine_lib, name) for name in ("_decode_jit", "_prefill_jit", "_copy_jit")}
+    jitted = {name: getattr(engine_programs, name) for name in ("_decode_jit", "_prefill_jit", "_copy_jit")}
     seen: dict = {}
     for name, program in jitted.items():
         def record(*args, _program=program, _name=name, **kwargs):
@@ -114,8 +116,9 @@ def test_compiled_programs_gather_pages_locally(model, monkeypatch):
             seen.setdefault(_name, (abstract, kwargs))
             return _program(*args, **kwargs)
 
-        monkeypatch.setattr(engine_lib, name, record)
-    engine.generate(PROMPTS, max_new_tokens=8, num_samples=3, temperature=1.0, eos_ids=EOS, seed=2)
+        monkeypatch.setattr(engine_programs, name, record)
+    engine.generate(PROMPTS, max_new_tokens=8, num_samples=3,
+                    sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=2))
     assert set(seen) == set(jitted)
     N = engine.pages[0]["v"].shape[2]  # [D, K, N, P, Dh] (keys [D, K, N, Dh, P])
     Dh = model.config.head_dim
@@ -134,7 +137,7 @@ def test_pallas_decode_on_a_data_tensor_mesh_gives_the_gather_tokens(model):
     its kv head; Pallas interpret mode on CPU): the gather path's greedy tokens, with a bfloat16 pool."""
     mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
     sharded = init_model(model.config, seed=0, mesh=mesh)
-    kw = dict(max_new_tokens=8, num_samples=2, temperature=0.0, eos_ids=EOS, seed=4)
+    kw = dict(max_new_tokens=8, num_samples=2, sampling=SamplingParams(temperature=0.0, eos_ids=EOS, seed=4))
     out = {a: Engine(sharded, mesh=mesh, cache_dtype="bfloat16", config=dataclasses.replace(CONFIG, attention=a))
            .generate(PROMPTS, **kw) for a in ("gather", "pallas")}
     assert out["pallas"].tokens == out["gather"].tokens and out["pallas"].lengths == out["gather"].lengths

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from stare_jax.sampling.params import SamplingParams
 from stare_jax.training.collect import RewardFn, generate_rollouts, left_pad, reward_fn_for
 
 
@@ -58,9 +59,9 @@ def toy_setup(tmp_path_factory):
 def _roll(toy_setup, **kw):
     sampler, tok, prompts, answers = toy_setup
     return generate_rollouts(sampler, prompts, answers, tokenizer=tok, reward_fn=reward_fn_for("digit_set"),
-                             prompt_len=16,
-                             max_new_tokens=8, num_samples=3, temperature=1.0, top_p=1.0, top_k=0, seed=7,
-                             index_offset=100, **kw)
+                             prompt_len=16, max_new_tokens=8, num_samples=3,
+                             sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=7), index_offset=100,
+                             **kw)
 
 
 def test_rollouts_shapes_and_scores(toy_setup):

@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding
 
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
-from stare_jax.sampling import (Sampler, compiled_programs, generate, greedy_tokens, inverse_cdf_sample,
-                                next_bucket, quarter_octave_bucket, reshard_for_sampling, select_tokens, top_k_mask,
-                                top_p_mask)
+from stare_jax.sampling import (Sampler, SamplingParams, compiled_programs, generate, greedy_tokens,
+                                inverse_cdf_sample, next_bucket, quarter_octave_bucket, reshard_for_sampling,
+                                select_tokens, top_k_mask, top_p_mask)
 
 V = 256
 CONTEXT = [3, 14, 15, 92, 65, 35]
@@ -136,12 +136,13 @@ def _chi_square_pvalue(counts, probs, min_expected=5.0):
     return float(jax.scipy.special.gammaincc(dof / 2.0, stat / 2.0)), dof
 
 
-def _one_token_samples(model, n, **kw):
+def _one_token_samples(model, n, **draws):
     sampler = Sampler(model)
     ids = np.zeros((1, 8), np.int32)
     mask = np.zeros((1, 8), np.int32)
     ids[0, -len(CONTEXT):], mask[0, -len(CONTEXT):] = CONTEXT, 1
-    out = sampler.generate_arrays(ids, mask, max_new_tokens=1, num_samples=n, eos_ids=[], **kw)
+    out = sampler.generate_arrays(ids, mask, max_new_tokens=1, num_samples=n,
+                                  sampling=SamplingParams(eos_ids=(), **draws))
     return np.asarray(out.tokens_BxN[:, 0]), np.asarray(out.logprobs_BxN[:, 0])
 
 
@@ -178,9 +179,9 @@ def test_top_k_top_p_temperature_support_and_distribution(next_logits, model):
 # ------------------------------------------------------------------------------------- bookkeeping
 def test_eos_stops_and_pads(model):
     prompts = [CONTEXT, [9, 8, 7]]
-    free = generate(model, prompts, max_new_tokens=12, temperature=0.0, eos_ids=[])
+    free = generate(model, prompts, max_new_tokens=12, sampling=SamplingParams(temperature=0.0, eos_ids=[]))
     eos = free.tokens[0][3]
-    out = generate(model, prompts, max_new_tokens=12, temperature=0.0, eos_ids=[eos, V - 1])
+    out = generate(model, prompts, max_new_tokens=12, sampling=SamplingParams(temperature=0.0, eos_ids=[eos, V - 1]))
     first = free.tokens[0].index(eos)
     assert out.tokens[0] == free.tokens[0][: first + 1]
     assert out.finish_reasons[0] == "eos" and out.lengths[0] == first + 1
@@ -197,7 +198,7 @@ def test_array_api_layout(model):
     ids[0, -6:], mask[0, -6:] = CONTEXT, 1
     ids[1, -3:], mask[1, -3:] = [5, 6, 7], 1
     greedy = sampler.generate_arrays(jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=10, num_samples=3,
-                                     temperature=0.0, eos_ids=[])
+                                     sampling=SamplingParams(temperature=0.0, eos_ids=[]))
     assert greedy.tokens_BxN.shape == (6, 10) and greedy.tokens_BxN.dtype == jnp.int32
     assert greedy.logprobs_BxN.shape == (6, 10) and greedy.logprobs_BxN.dtype == jnp.float32
     t = np.asarray(greedy.tokens_BxN)
@@ -206,8 +207,8 @@ def test_array_api_layout(model):
     np.testing.assert_array_equal(greedy.lengths_B, 10)
     assert not np.any(greedy.finished_B)
     eos = int(t[4, 2])
-    out = sampler.generate_arrays(ids, mask, max_new_tokens=10, num_samples=3, temperature=1.0, eos_ids=[eos],
-                                  seed=5)
+    out = sampler.generate_arrays(ids, mask, max_new_tokens=10, num_samples=3,
+                                  sampling=SamplingParams(temperature=1.0, eos_ids=[eos], seed=5))
     tok, lp, n, fin = map(np.asarray, out)
     for b in range(6):
         assert np.all(tok[b, n[b]:] == 0) and np.all(lp[b, n[b]:] == 0)
@@ -216,13 +217,14 @@ def test_array_api_layout(model):
 
 
 def test_reproducible_and_independent_of_batch_composition(model):
-    kw = dict(max_new_tokens=16, num_samples=3, temperature=1.0, eos_ids=[])
-    a = generate(model, [CONTEXT, [1, 2, 3], [4] * 9], seed=42, **kw)
-    b = generate(model, [CONTEXT, [1, 2, 3], [4] * 9], seed=42, **kw)
+    kw = dict(max_new_tokens=16, num_samples=3)
+    draws = SamplingParams(temperature=1.0, eos_ids=(), seed=42)
+    a = generate(model, [CONTEXT, [1, 2, 3], [4] * 9], sampling=draws, **kw)
+    b = generate(model, [CONTEXT, [1, 2, 3], [4] * 9], sampling=draws, **kw)
     # Same prompt alone: the other rows are now padding (min_batch_bucket=4 keeps the program; the samples do
     # not depend on which prompts share the batch).
-    alone = Sampler(model, min_batch_bucket=4).generate([CONTEXT], seed=42, **kw)
-    other = generate(model, [CONTEXT, [1, 2, 3], [4] * 9], seed=43, **kw)
+    alone = Sampler(model, min_batch_bucket=4).generate([CONTEXT], sampling=draws, **kw)
+    other = generate(model, [CONTEXT, [1, 2, 3], [4] * 9], sampling=draws.replace(seed=43), **kw)
     assert a.tokens == b.tokens and a.logprobs == b.logprobs
     assert alone.tokens == a.tokens[:3]
     assert len({tuple(t) for t in a.tokens[:3]}) == 3  # G samples differ
@@ -232,20 +234,22 @@ def test_reproducible_and_independent_of_batch_composition(model):
     ids, mask = np.zeros((3, 9), np.int32), np.zeros((3, 9), np.int32)
     for r, p in enumerate(prompts):
         ids[r, 9 - len(p):], mask[r, 9 - len(p):] = p, 1
-    arr = Sampler(model).generate_arrays(jnp.asarray(ids), jnp.asarray(mask), seed=42, **kw)
+    arr = Sampler(model).generate_arrays(jnp.asarray(ids), jnp.asarray(mask), sampling=draws, **kw)
     assert arr.tokens_BxN.shape == (9, 16) and arr.lengths_B.shape == (9,)
     assert np.asarray(arr.tokens_BxN).tolist() == a.tokens
 
 
 def test_no_recompilation_within_buckets(model):
     sampler = Sampler(model, min_prompt_bucket=16, min_new_bucket=16, min_batch_bucket=2)
-    sampler.generate([CONTEXT, [1, 2]], max_new_tokens=9, temperature=0.7, top_p=0.9, seed=0)
+    sampler.generate([CONTEXT, [1, 2]], max_new_tokens=9, sampling=SamplingParams(temperature=0.7, top_p=0.9, seed=0))
     before = compiled_programs()
     # Other prompt lengths (<= 16), max_new_tokens (<= 16), 1-2 prompts, sampling settings (greedy included),
     # seeds and EOS ids all reuse the program; so does a new Sampler on the same model.
-    sampler.generate([[5] * 13, [7, 7, 7]], max_new_tokens=16, temperature=1.3, top_p=0.5, top_k=7, seed=1)
-    sampler.generate([[9]], max_new_tokens=3, temperature=0.0, seed=2, eos_ids=[1, 2, 3])
-    Sampler(model, min_batch_bucket=2).generate([CONTEXT], max_new_tokens=5, temperature=0.9, top_k=3, seed=3)
+    sampler.generate([[5] * 13, [7, 7, 7]], max_new_tokens=16,
+                     sampling=SamplingParams(temperature=1.3, top_p=0.5, top_k=7, seed=1))
+    sampler.generate([[9]], max_new_tokens=3, sampling=SamplingParams(temperature=0.0, seed=2, eos_ids=[1, 2, 3]))
+    Sampler(model, min_batch_bucket=2).generate([CONTEXT], max_new_tokens=5,
+                                                sampling=SamplingParams(temperature=0.9, top_k=3, seed=3))
     assert compiled_programs() == before
     assert next_bucket(1, 16) == 16 and next_bucket(17, 16) == 32 and next_bucket(64, 8) == 64
     assert [quarter_octave_bucket(n) for n in (1, 3, 8, 9, 11, 17, 100, 192, 193, 256)] == \
@@ -256,7 +260,7 @@ def test_no_recompilation_within_buckets(model):
 def test_decode_phases_same_results_and_teacher_forced(model):
     """A 2-phase decode (cache grown after 32 tokens) == the 1-phase decode; log-probs == full forward."""
     prompts = [CONTEXT, [7] * 20]
-    kw = dict(max_new_tokens=40, num_samples=2, temperature=1.0, seed=9, eos_ids=[])
+    kw = dict(max_new_tokens=40, num_samples=2, sampling=SamplingParams(temperature=1.0, seed=9, eos_ids=[]))
     two = Sampler(model, decode_phases=2)
     assert two.phases(64) == (32, 64)
     a, b = two.generate(prompts, **kw), Sampler(model).generate(prompts, **kw)
@@ -270,9 +274,9 @@ def test_decode_phases_same_results_and_teacher_forced(model):
 
 
 def test_bf16_cache_close_to_fp32(model):
-    f32 = generate(model, [CONTEXT, [1, 2]], max_new_tokens=8, temperature=0.0, eos_ids=[])
+    f32 = generate(model, [CONTEXT, [1, 2]], max_new_tokens=8, sampling=SamplingParams(temperature=0.0, eos_ids=[]))
     b16 = Sampler(model, cache_dtype=jnp.bfloat16).generate([CONTEXT, [1, 2]], max_new_tokens=8,
-                                                              temperature=0.0, eos_ids=[])
+                                                              sampling=SamplingParams(temperature=0.0, eos_ids=[]))
     assert b16.tokens[0][:2] == f32.tokens[0][:2]
     np.testing.assert_allclose(b16.logprobs[0][:2], f32.logprobs[0][:2], atol=0.05)
 
@@ -293,7 +297,7 @@ def test_reshard_and_tensor_parallel_sampling(model):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert any("tensor" in s for s in specs)  # tensor parallelism kept
     prompts = [CONTEXT, [1, 2, 3], [4] * 9]
-    kw = dict(max_new_tokens=16, num_samples=3, temperature=1.0, eos_ids=[], seed=4)
+    kw = dict(max_new_tokens=16, num_samples=3, sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=4))
     mesh_sampler = Sampler(sharded, mesh=mesh)
     on_mesh = mesh_sampler.generate(prompts, **kw)
     single = generate(model, prompts, **kw)
@@ -326,9 +330,10 @@ def test_reshard_and_tensor_parallel_sampling(model):
     ([[1]], {"eos_ids": [V + 3]}, "eos id 259 is outside the vocabulary"),
 ])
 def test_bad_input(model, prompts, kwargs, match):
-    kwargs = {"max_new_tokens": 4, **kwargs}
-    with pytest.raises(ValueError, match=match):
-        generate(model, prompts, **kwargs)
+    draws = {k: v for k, v in kwargs.items() if k in ("temperature", "top_p", "top_k", "eos_ids")}
+    sizes = {"max_new_tokens": 4, **{k: v for k, v in kwargs.items() if k not in draws}}
+    with pytest.raises(ValueError, match=match):  # bad draw options are refused when SamplingParams is built
+        generate(model, prompts, sampling=SamplingParams(**draws), **sizes)
 
 
 # ------------------------------------------------------------------------------------- memory layout
@@ -339,7 +344,7 @@ def test_sampler_weights_in_compute_dtype_same_tokens(model):
     sampler = Sampler(bf16)
     assert {x.dtype for x in jax.tree.leaves(sampler.state)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(jax.tree.leaves(bf16))} <= {jnp.dtype(jnp.float32)}
-    kw = dict(max_new_tokens=12, num_samples=2, temperature=1.0, eos_ids=[], seed=5)
+    kw = dict(max_new_tokens=12, num_samples=2, sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=5))
     from flax import nnx
     graphdef, state = nnx.split(bf16)
     fp32_copy = Sampler.__new__(Sampler)
@@ -357,7 +362,7 @@ def test_release_drops_the_weight_copy(model):
     with pytest.raises(RuntimeError, match="released: call update_params"):
         sampler.generate([CONTEXT], max_new_tokens=4)
     sampler.update_params(model)
-    assert len(sampler.generate([CONTEXT], max_new_tokens=4, eos_ids=[]).tokens[0]) == 4
+    assert len(sampler.generate([CONTEXT], max_new_tokens=4, sampling=SamplingParams(eos_ids=[])).tokens[0]) == 4
 
 
 def test_cache_holds_the_context_it_needs():

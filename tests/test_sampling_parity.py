@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from stare_jax.models import from_pretrained  # noqa: E402
 from stare_jax.models.sharding import make_mesh  # noqa: E402
-from stare_jax.sampling import Sampler  # noqa: E402
+from stare_jax.sampling import Sampler, SamplingParams  # noqa: E402
 
 NEW_TOKENS = 32
 TIE_MARGIN = 1e-4
@@ -114,7 +114,8 @@ def test_greedy_matches_transformers(checkpoint, mesh_name, request):
     mesh = None if MESHES[mesh_name] is None else make_mesh(MESHES[mesh_name])
     model = from_pretrained(path, mesh=mesh)
     ref, ref_logits = _hf_greedy(hf, PROMPTS)
-    out = Sampler(model, mesh=mesh).generate(PROMPTS, max_new_tokens=NEW_TOKENS, temperature=0.0, eos_ids=[])
+    out = Sampler(model, mesh=mesh).generate(PROMPTS, max_new_tokens=NEW_TOKENS,
+                                             sampling=SamplingParams(temperature=0.0, eos_ids=[]))
     assert out.lengths == [NEW_TOKENS] * len(PROMPTS)
     assert out.finish_reasons == ["length"] * len(PROMPTS)
     agree = _compare(f"{arch}/{mesh_name}", out.tokens, ref, ref_logits)
@@ -131,7 +132,8 @@ def test_greedy_eos_matches_transformers(checkpoint):
     free, _ = _hf_greedy(hf, PROMPTS)
     eos = free[0][9]  # the 10th greedy token of prompt 0 becomes the EOS
     ref, ref_logits = _hf_greedy(hf, PROMPTS, eos_id=eos)
-    out = Sampler(model).generate(PROMPTS, max_new_tokens=NEW_TOKENS, temperature=0.0, eos_ids=[eos])
+    out = Sampler(model).generate(PROMPTS, max_new_tokens=NEW_TOKENS,
+                                  sampling=SamplingParams(temperature=0.0, eos_ids=[eos]))
     _compare(f"{arch}/eos", out.tokens, ref, ref_logits)
     first = free[0].index(eos)
     assert out.tokens[0] == free[0][: first + 1] and out.finish_reasons[0] == "eos"
@@ -147,8 +149,8 @@ def test_sampled_logprobs_equal_teacher_forced(checkpoint, mesh_name):
     arch, path, _ = checkpoint
     mesh = None if MESHES[mesh_name] is None else make_mesh(MESHES[mesh_name])
     model = from_pretrained(path, mesh=mesh)
-    out = Sampler(model, mesh=mesh).generate(PROMPTS, max_new_tokens=24, num_samples=2, temperature=1.0,
-                                             seed=3, eos_ids=[])
+    out = Sampler(model, mesh=mesh).generate(PROMPTS, max_new_tokens=24, num_samples=2,
+                                             sampling=SamplingParams(temperature=1.0, seed=3, eos_ids=[]))
     single = from_pretrained(path)
     rows = [PROMPTS[r // 2] + toks for r, toks in enumerate(out.tokens)]
     L = max(map(len, rows))

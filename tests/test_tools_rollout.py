@@ -40,6 +40,7 @@ from stare_jax.rl.stare import StareConfig, init_stare_state
 from stare_jax.rl.step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step
 from stare_jax.training.collect import Rollouts, collect_batch, train_batch_from_rollouts
 from stare_jax.training.setup import TrainingError, encode_rows, make_tool_pool
+from stare_jax.sampling import SamplingParams
 from stare_jax.sampling.engine import Engine, EngineConfig
 from stare_jax.data.tokenizer import HFTokenizer
 from stare_jax.tools import CallStatus, SandboxPool, ToolConfig
@@ -171,7 +172,7 @@ def _enc(tokenizer, text):
 def _run(engine, tokenizer, pool, prompts, *, G=2, budget=96, **tool):
     cfg = ToolConfig(enabled=True, timeout_s=1.0, **tool)
     return tool_rollouts(engine, [_enc(tokenizer, p) for p in prompts], group_size=G, tool_cfg=cfg,
-                         tokenizer=tokenizer, pool=pool, max_new_tokens=budget, seed=1)
+                         tokenizer=tokenizer, pool=pool, max_new_tokens=budget, sampling=SamplingParams(seed=1))
 
 
 def _check_row_invariants(row: ToolRow):
@@ -382,7 +383,8 @@ def test_overlapped_rows_equal_lock_step_whatever_order_calls_finish(tokenizer):
         with SandboxPool(8, backend=backend) as pool:
             cfg = ToolConfig(enabled=True, format="retool", max_turns=3)
             runs[name] = tool_rollouts(engine, [_enc(tokenizer, p) for p in prompts], group_size=4, tool_cfg=cfg,
-                                       tokenizer=tokenizer, pool=pool, max_new_tokens=80, seed=3, overlap=overlap)
+                                       tokenizer=tokenizer, pool=pool, max_new_tokens=80,
+                                       sampling=SamplingParams(seed=3), overlap=overlap)
         runs[name + "/finished"] = backend.finished
         assert engine.pool.all_free() and not engine.running
     ref = runs["lock-step"]
@@ -421,7 +423,7 @@ def _logged_rollout(tokenizer, prompts, *, overlap: bool, gate: bool):
     backend = _GatedBackend(log, lock)
     if not gate:
         backend.release.set()
-    decode, advance = engine._decode_round, engine.advance
+    decode, advance = engine.scheduler._decode_round, engine.advance
 
     def logged_decode(*args):
         ran = decode(*args)
@@ -439,11 +441,11 @@ def _logged_rollout(tokenizer, prompts, *, overlap: bool, gate: bool):
             log.extend(("ended", c.index) for c in ended)
         return ended
 
-    engine._decode_round, engine.advance = logged_decode, logged_advance
+    engine.scheduler._decode_round, engine.advance = logged_decode, logged_advance
     with SandboxPool(2, backend=backend) as pool:
         rows = tool_rollouts(engine, [_enc(tokenizer, p) for p in prompts], group_size=1,
                              tool_cfg=ToolConfig(enabled=True), tokenizer=tokenizer, pool=pool, max_new_tokens=160,
-                             seed=1, overlap=overlap)
+                             sampling=SamplingParams(seed=1), overlap=overlap)
     return rows, log
 
 
@@ -714,10 +716,11 @@ def test_eval_tool_section_and_bad_input(tmp_path, capsys):
     """--tool auto takes the tool section of --config (else of a run folder's config.yaml, else the defaults),
     tool.KEY=VALUE overrides on top; other overrides and --tool on without the engine are one-line errors."""
     from stare_jax import cli
+    from stare_jax.cli.eval import tool_config
 
     def resolve(*argv, checkpoint=tmp_path):
         args = cli.build_parser().parse_args(["eval", "--checkpoint", str(checkpoint), *argv])
-        return cli._eval_tool_config(args, checkpoint)
+        return tool_config(args, checkpoint)
 
     assert resolve() == ToolConfig()
     paper = REPO / "configs/paper/qwen2.5-7b-tool_stare_o1.yaml"

@@ -19,6 +19,7 @@ import numpy as np
 
 from stare_jax.eval.benchmarks import benchmark_metrics
 from stare_jax.rewards.reward_fn import RewardFn
+from stare_jax.sampling import SamplingParams
 from stare_jax.training.collect import generate_any_rollouts
 from stare_jax.tools.config import ToolConfig
 from stare_jax.tools.pool import SandboxPool
@@ -48,13 +49,14 @@ def evaluate_sets(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn
     key = lambda es: (es.num_samples, es.temperature, es.top_p)  # noqa: E731
     for (n, temp, top_p), group in itertools.groupby(sorted(eval_sets, key=key), key=key):
         items = [(es.name, p, a) for es in group for p, a in zip(es.prompts, es.answers)]
+        draws = SamplingParams(temperature=temp, top_p=top_p, top_k=0, seed=seed)  # the benchmarks' protocol
         for start in range(0, len(items), batch_prompts):
             chunk = items[start:start + batch_prompts]
-            kw = dict(tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                      num_samples=n, temperature=temp, top_p=top_p, top_k=0, seed=seed, index_offset=start)
             prompts, answers = [p for _, p, _ in chunk], [a for _, _, a in chunk]
-            r, _, model_lengths = generate_any_rollouts(sampler, prompts, answers, tool=tool, tool_pool=tool_pool,
-                                                        tool_totals=tool_totals, **kw)
+            r, _, model_lengths = generate_any_rollouts(
+                sampler, prompts, answers, tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
+                max_new_tokens=max_new_tokens, num_samples=n, sampling=draws, index_offset=start, tool=tool,
+                tool_pool=tool_pool, tool_totals=tool_totals)
             lengths_PxG = model_lengths.reshape(len(chunk), n)
             for i, (name, _, _) in enumerate(chunk):
                 correct[name].append(r.correct_PxG[i])

@@ -8,7 +8,8 @@ Layout and choices (why):
   are cumsum(mask)-1, so a padded prompt gets the same positions (and RoPE) as the unpadded one.
 - The cache holds T + N slots, N = the max_new_tokens bucket (`new_token_bucket`: a quarter of its power-of-two
   octave, minimum `min_new_bucket`, so 3072 new tokens get exactly 3072 slots, not 4096).
-  max_new_tokens, greedy on/off, temperature, top_k, top_p, the seed and the EOS ids are traced values, so
+  max_new_tokens and the draw options (SamplingParams: greedy on/off, temperature, top_k, top_p, the seed and the
+  EOS ids) are traced values, so
   there is one program per (prompt bucket, new-token bucket, prompt-count bucket, num_samples, cache dtype,
   mesh). The number of prompts is bucketed too (power of two, multiple of the data shards).
 - Prefill: slots [0, T-1) in one decode_step call whose logits are never used (XLA then drops the
@@ -40,9 +41,7 @@ from stare_jax import distributed
 from stare_jax.models import sharding as model_sharding
 from stare_jax.sampling import selection
 from stare_jax.sampling import sharding as sampling_sharding
-
-MIN_EOS_BUCKET = 8  # EOS ids are passed as a fixed-size array padded with -1 to a power of two >= this, so their
-# number recompiles only when it crosses a bucket
+from stare_jax.sampling.params import SamplingParams, check_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,40 +235,6 @@ def compiled_programs() -> int:
     return _generate_jit._cache_size()  # type: ignore[attr-defined]  # jax has no public cache-size API
 
 
-# ----------------------------------------------------------------------------------------------- validation
-
-def _check_sampling_args(max_new_tokens, num_samples, temperature, top_p, top_k) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples <= 0:
-        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
-    if not isinstance(temperature, (int, float, np.floating, np.integer)) or not np.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {temperature!r}")
-    if not isinstance(top_p, (int, float, np.floating, np.integer)) or not (0.0 < float(top_p) <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-
-
-def _eos_array(eos_ids, cfg) -> np.ndarray:
-    """EOS ids as an int32 array padded with -1 to a power-of-two bucket >= MIN_EOS_BUCKET (None -> the model
-    config's eos_token_id); any number of stop ids (e.g. a chat template's end-of-turn tokens) is accepted."""
-    if eos_ids is None:
-        eos_ids = getattr(cfg, "eos_token_id", None)
-    if eos_ids is None:
-        eos_ids = []
-    elif isinstance(eos_ids, (int, np.integer)):
-        eos_ids = [int(eos_ids)]
-    eos_ids = sorted({int(e) for e in eos_ids})
-    vocab = int(cfg.vocab_size)
-    for e in eos_ids:
-        if not 0 <= e < vocab:
-            raise ValueError(f"eos id {e} is outside the vocabulary [0, {vocab})")
-    bucket = max(MIN_EOS_BUCKET, 1 << (len(eos_ids) - 1).bit_length()) if eos_ids else MIN_EOS_BUCKET
-    return np.array(eos_ids + [-1] * (bucket - len(eos_ids)), np.int32)
-
-
 # ----------------------------------------------------------------------------------------------- the sampler
 
 class Sampler:
@@ -369,8 +334,8 @@ class Sampler:
         return jax.device_put(x, self._batch_sharding)
 
     def generate_arrays(self, prompt_ids_PxT, prompt_mask_PxT, *, max_new_tokens: int, num_samples: int = 1,
-                        temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None,
-                        seed: int = 0, prompt_index_P=None, active_P=None) -> SampleArrays:
+                        sampling: SamplingParams = SamplingParams(), prompt_index_P=None,
+                        active_P=None) -> SampleArrays:
         """Array API for the training loop: LEFT-padded prompt ids/mask [P, T] (device or host arrays) ->
         SampleArrays with B = P * num_samples rows (prompt-major) and N = max_new_tokens columns.
 
@@ -378,10 +343,10 @@ class Sampler:
         so any P and T work without recompiling for every size; pass bucketed shapes to skip the copies.
         prompt_index_P (default arange(P)) seeds each prompt's randomness, e.g. a global example index, so a
         prompt's samples do not depend on its position in the batch; active_P (default all True) marks rows
-        that should produce nothing (length 0). Token ids are not range-checked here (no host sync): the list
-        API validates them.
+        that should produce nothing (length 0). sampling: the draw options. Token ids are not range-checked here
+        (no host sync): the list API validates them.
         """
-        _check_sampling_args(max_new_tokens, num_samples, temperature, top_p, top_k)
+        check_counts(max_new_tokens, num_samples)
         P, T = prompt_ids_PxT.shape
         if prompt_mask_PxT.shape != (P, T):
             raise ValueError(f"prompt_mask_PxT shape {prompt_mask_PxT.shape} != prompt_ids_PxT shape {(P, T)}")
@@ -406,10 +371,8 @@ class Sampler:
             index = jnp.pad(index, (0, P_pad - P))
             active = jnp.pad(active, (0, P_pad - P))
         args = (self.graphdef, self.state, self._put_batch(ids), self._put_batch(mask), self._put_batch(index),
-                self._put_batch(active), jax.random.key(seed), jnp.int32(max_new_tokens),
-                jnp.bool_(temperature == 0), jnp.float32(temperature if temperature > 0 else 1.0),
-                jnp.int32(min(int(top_k), int(self.config.vocab_size))), jnp.float32(top_p),
-                jnp.asarray(_eos_array(eos_ids, self.config)))
+                self._put_batch(active), jax.random.key(sampling.seed), jnp.int32(max_new_tokens),
+                *(jnp.asarray(x) for x in sampling.program_inputs(self.config)))
         if self.abstract:
             rep = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
             args = args[:6] + tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in args[6:])
@@ -424,10 +387,9 @@ class Sampler:
         return out
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None,
-                 seed: int = 0) -> SampleOutput:
+                 sampling: SamplingParams = SamplingParams()) -> SampleOutput:
         """List API: see `generate`."""
-        _check_sampling_args(max_new_tokens, num_samples, temperature, top_p, top_k)
+        check_counts(max_new_tokens, num_samples)
         prompts = _check_prompts(prompt_ids, self.config, max_new_tokens)
         P = len(prompts)
         P_pad = self.batch_bucket(P)  # padded here on the host, so generate_arrays has nothing to pad
@@ -439,8 +401,8 @@ class Sampler:
             mask[r, T - len(p):] = 1
         mask[P:, -1] = 1  # padding rows: one real token, so no row attends to nothing
         out = self.generate_arrays(ids, mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids, seed=seed,
-                                   prompt_index_P=np.arange(P_pad, dtype=np.int32), active_P=np.arange(P_pad) < P)
+                                   sampling=sampling, prompt_index_P=np.arange(P_pad, dtype=np.int32),
+                                   active_P=np.arange(P_pad) < P)
         B = P * num_samples
         tokens, logprobs, lengths, finished = (x[:B] for x in jax.device_get(
             (out.tokens_BxN, out.logprobs_BxN, out.lengths_B, out.finished_B)))
@@ -477,13 +439,11 @@ def _check_prompts(prompt_ids, cfg, max_new_tokens: int) -> list[list[int]]:
 
 
 def generate(model: nnx.Module, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, eos_ids=None, seed: int = 0,
-             mesh: Mesh | None = None, cache_dtype=jnp.float32) -> SampleOutput:
-    """Sample `num_samples` continuations of every prompt (token-id lists) from `model`.
-
-    temperature 0 = greedy; top_k 0 / top_p 1 = off. eos_ids: int or ids that end a sequence (None = the model
-    config's eos_token_id, [] = never stop early). Results are prompt-major: index p * num_samples + g.
+             sampling: SamplingParams = SamplingParams(), mesh: Mesh | None = None,
+             cache_dtype=jnp.float32) -> SampleOutput:
+    """Sample `num_samples` continuations of every prompt (token-id lists) from `model` with the draw options
+    `sampling` (SamplingParams: temperature 0 = greedy; top_k 0 / top_p 1 = off; eos_ids None = the model config's
+    eos_token_id, () = never stop early). Results are prompt-major: index p * num_samples + g.
     """
     return Sampler(model, mesh=mesh, cache_dtype=cache_dtype).generate(
-        prompt_ids, max_new_tokens=max_new_tokens, num_samples=num_samples, temperature=temperature,
-        top_p=top_p, top_k=top_k, eos_ids=eos_ids, seed=seed)
+        prompt_ids, max_new_tokens=max_new_tokens, num_samples=num_samples, sampling=sampling)

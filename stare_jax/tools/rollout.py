@@ -47,6 +47,7 @@ import jax
 import numpy as np
 
 from stare_jax import distributed
+from stare_jax.sampling.params import SamplingParams
 from stare_jax.tools.calls import (CallFormat, CallStatus, ObservationFormat, ToolCall, ends_inside_call, observation,
                                    observation_format_from_template, parse_call, result_status, status_counts,
                                    stop_strings)
@@ -199,13 +200,14 @@ class _Protocol:
 
 
 def tool_rollouts(engine, prompts: Sequence[Sequence[int]], *, group_size: int, tool_cfg: ToolConfig, tokenizer,
-                  pool: SandboxPool, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                  top_k: int = 0, seed: int = 0, prompt_index: Sequence[int] | None = None,
-                  wrapper: ObservationFormat | None = None, overlap: bool = True) -> list[ToolRow]:
+                  pool: SandboxPool, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                  prompt_index: Sequence[int] | None = None, wrapper: ObservationFormat | None = None,
+                  overlap: bool = True) -> list[ToolRow]:
     """G multi-turn responses per prompt (prompt-major, row p * G + g) with the code interpreter (module doc).
 
     engine: a rollout Engine (start / advance / extend / close); max_new_tokens: the token budget of a whole
-    response (sampled + observation tokens); prompt_index: the prompts' global indices (their random draws),
+    response (sampled + observation tokens); sampling: the draw options, whose stop ids are replaced by the
+    tokenizer's EOS ids and the call format's closing tags; prompt_index: the prompts' global indices (their draws),
     default 0..P-1; wrapper: the observation's wrapper (calls.observation_format_from_template of the model's
     template), default the format's own. overlap=False is the lock-step reference: every row's turn ends before
     the turn's calls are submitted, all are awaited, then all observations are appended (the same rows)."""
@@ -213,10 +215,9 @@ def tool_rollouts(engine, prompts: Sequence[Sequence[int]], *, group_size: int, 
     end_ids = tuple(int(t) for t in tokenizer.eos_ids)
     call_ids = tuple(t for t in call_stop_ids(tokenizer, tool_cfg.format) if t not in end_ids)
     proto = _Protocol(tokenizer, tool_cfg, max_new_tokens, end_ids, call_ids, wrapper)
-    kw: dict[str, Any] = dict(temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=list(end_ids + call_ids),
-                              seed=seed, keep=True, wait=False)
-    convs = engine.start(prompts, max_new_tokens=max_new_tokens, num_samples=group_size, prompt_index=prompt_index,
-                         **kw)
+    sampling = sampling.replace(eos_ids=end_ids + call_ids)
+    convs = engine.start(prompts, max_new_tokens=max_new_tokens, num_samples=group_size, sampling=sampling,
+                         keep=True, prompt_index=prompt_index, wait=False)
     leads = [_prompt_lead(tokenizer, p, tool_cfg.format) for p in prompts]
     states = [_RowState(lead=leads[c.index // group_size]) for c in convs]
     inflight: dict[Future[ExecResult], tuple[int, ToolCall]] = {}
@@ -245,7 +246,7 @@ def tool_rollouts(engine, prompts: Sequence[Sequence[int]], *, group_size: int, 
                 i, call = inflight.pop(fut)
                 answered.append((i, call, fut.result()))
             if answered and (overlap or not inflight):
-                _continue_rows(engine, convs, states, sorted(answered, key=lambda a: a[0]), proto, kw)
+                _continue_rows(engine, convs, states, sorted(answered, key=lambda a: a[0]), proto, sampling)
                 answered = []
     finally:
         for fut in inflight:
@@ -254,7 +255,7 @@ def tool_rollouts(engine, prompts: Sequence[Sequence[int]], *, group_size: int, 
     return [_finish_row(c, st, group_size) for c, st in zip(convs, states)]
 
 
-def _continue_rows(engine, convs, states, answered, proto: _Protocol, sampling) -> None:
+def _continue_rows(engine, convs, states, answered, proto: _Protocol, sampling: SamplingParams) -> None:
     """Append each answered row's observation and queue its next turn (Engine.extend, wait=False: it joins the
     rows still decoding), each with what is left of its budget; a row cut inside its observation ends."""
     rows, appended, limits = [], [], []
@@ -265,7 +266,7 @@ def _continue_rows(engine, convs, states, answered, proto: _Protocol, sampling) 
             appended.append(obs)
             limits.append(proto.max_new_tokens - convs[i].step - len(obs))
     if rows:
-        engine.extend(rows, appended, max_new_tokens=limits, **sampling)
+        engine.extend(rows, appended, max_new_tokens=limits, sampling=sampling, keep=True, wait=False)
 
 
 def _finish_row(c: Conversation, st: _RowState, group_size: int) -> ToolRow:

@@ -359,7 +359,7 @@ def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log, *, prefil
     decode = Program.compile("sampler", traced["decode"], engine.program_context, mesh.size,
                              while_trips=engine_cfg.decode_chunk)
     rows = cfg.rl.gen_batch_size * cfg.rl.group_size
-    slots = engine._slots_per_shard() * engine.data_shards  # rows of one decode or prefill call
+    slots = engine.slots_per_shard() * engine.data_shards  # rows of one decode or prefill call
     decode.flops_per_step *= math.ceil(rows / slots) * math.ceil(cfg.sampling.max_new_tokens / engine_cfg.decode_chunk)
     programs["sampler"] = decode
     if prefill:

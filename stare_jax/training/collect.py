@@ -19,6 +19,7 @@ from stare_jax.rewards import rollout_rewards
 from stare_jax.rewards.reward_fn import RewardFn
 from stare_jax.tasks import get_task
 from stare_jax.rl.advantages import DynamicSamplingAccumulator, dynamic_sampling_keep_mask, outcome_advantages
+from stare_jax.sampling import SamplingParams
 from stare_jax.tools.config import ToolConfig
 from stare_jax.tools.pool import SandboxPool
 from stare_jax.tools.rollout import (final_text, observation_wrapper, rows_to_arrays, tool_counts, tool_metrics,
@@ -81,9 +82,10 @@ def add_counts(total: dict, stats: dict) -> dict:
 
 def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
                       reward_fn: RewardFn, prompt_len: int, max_new_tokens: int, num_samples: int,
-                      temperature: float, top_p: float, top_k: int, seed: int, index_offset: int = 0,
-                      max_prompts_per_call: int = 0):
+                      sampling: SamplingParams, index_offset: int = 0, max_prompts_per_call: int = 0):
     """Sample num_samples responses per prompt and score them; returns (Rollouts, texts, reward stats).
+
+    sampling: the draw options; a response stops on the tokenizer's EOS ids (they replace sampling.eos_ids).
 
     max_prompts_per_call > 0 splits the prompts into sampler calls of at most that many prompts (bounding the KV
     cache); every prompt's randomness is keyed by its index (index_offset + position), so each prompt's samples
@@ -96,8 +98,7 @@ def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequen
     step = max_prompts_per_call if max_prompts_per_call > 0 else max(len(prompts), 1)
     parts = [_generate_call(sampler, prompts[i:i + step], answers[i:i + step], tokenizer=tokenizer,
                             reward_fn=reward_fn, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                            num_samples=num_samples, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                            index_offset=index_offset + i)
+                            num_samples=num_samples, sampling=sampling, index_offset=index_offset + i)
              for i in range(0, len(prompts), step)]
     if len(parts) == 1:
         return parts[0]
@@ -110,8 +111,7 @@ def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequen
 
 
 def _generate_call(sampler, prompts, answers, *, tokenizer, reward_fn: RewardFn, prompt_len: int,
-                   max_new_tokens: int, num_samples: int, temperature: float, top_p: float, top_k: int, seed: int,
-                   index_offset: int):
+                   max_new_tokens: int, num_samples: int, sampling: SamplingParams, index_offset: int):
     """One sampler call of generate_rollouts."""
     P = len(prompts)
     P_pad = sampler.batch_bucket(P)
@@ -119,9 +119,8 @@ def _generate_call(sampler, prompts, answers, *, tokenizer, reward_fn: RewardFn,
                          prompt_len, sampler.pad_id)
     active = np.arange(P_pad) < P
     out = sampler.generate_arrays(ids, mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                                  temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=tokenizer.eos_ids,
-                                  seed=seed, prompt_index_P=np.arange(P_pad, dtype=np.int32) + index_offset,
-                                  active_P=active)
+                                  sampling=sampling.replace(eos_ids=tokenizer.eos_ids),
+                                  prompt_index_P=np.arange(P_pad, dtype=np.int32) + index_offset, active_P=active)
     # the sampler's log-probs are not fetched: the train step recomputes them (old log-probs) in its own layout
     tokens, lengths = distributed.fetch_global((out.tokens_BxN, out.lengths_B))
     G, N = num_samples, tokens.shape[1]
@@ -138,16 +137,15 @@ def _generate_call(sampler, prompts, answers, *, tokenizer, reward_fn: RewardFn,
 
 def generate_tool_rollouts(engine, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
                            reward_fn: RewardFn, tool: ToolConfig, pool: SandboxPool, prompt_len: int,
-                           max_new_tokens: int, num_samples: int, temperature: float, top_p: float, top_k: int,
-                           seed: int, index_offset: int = 0):
+                           max_new_tokens: int, num_samples: int, sampling: SamplingParams, index_offset: int = 0):
     """generate_rollouts with the code interpreter (stare_jax.tools.rollout): G multi-turn responses per prompt,
     observations wrapped as the model's own chat template wraps a tool message (hermes), the text after each
     response's last observation scored by reward_fn. Returns (Rollouts with model_mask_PxGxN
     and reward_bonus_PxG, final texts, reward stats, tool counts (tool_counts), model-token lengths [P*G])."""
     P = len(prompts)
     rows = tool_rollouts(engine, prompts, group_size=num_samples, tool_cfg=tool, tokenizer=tokenizer, pool=pool,
-                         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                         seed=seed, prompt_index=[index_offset + i for i in range(P)],
+                         max_new_tokens=max_new_tokens, sampling=sampling,
+                         prompt_index=[index_offset + i for i in range(P)],
                          wrapper=observation_wrapper(tokenizer, tool.format))
     texts = [final_text(tokenizer, r) for r in rows]
     lo, hi = distributed.process_share(len(rows))  # as _generate_call: each process scores its share
@@ -164,20 +162,23 @@ def generate_tool_rollouts(engine, prompts: Sequence[Sequence[int]], answers: Se
     return r, texts, stats, tool_counts(rows, correct), arr["model_lengths_PxG"].reshape(-1)
 
 
-def generate_any_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *,
-                          tool: ToolConfig | None, tool_pool: SandboxPool | None, tool_totals: dict,
-                          max_prompts_per_call: int = 0, **kw):
+def generate_any_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
+                          reward_fn: RewardFn, prompt_len: int, max_new_tokens: int, num_samples: int,
+                          sampling: SamplingParams, index_offset: int = 0, tool: ToolConfig | None,
+                          tool_pool: SandboxPool | None, tool_totals: dict, max_prompts_per_call: int = 0):
     """The rollouts of the training collect and of the evaluation: generate_tool_rollouts when tool.enabled (its
     counts summed into tool_totals; sampler: a rollout Engine, tool_pool: the sandbox), else generate_rollouts.
     Returns (Rollouts, reward stats, lengths [P*G] that count the model's tokens only)."""
+    common = dict(tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                  num_samples=num_samples, sampling=sampling, index_offset=index_offset)
     if tool is not None and tool.enabled:
         if tool_pool is None:
             raise ValueError("tool.enabled needs a tool_pool (stare_jax.tools.make_pool)")
         r, _, stats, counts, model_lengths = generate_tool_rollouts(sampler, prompts, answers, tool=tool,
-                                                                    pool=tool_pool, **kw)
+                                                                    pool=tool_pool, **common)
         add_counts_all(tool_totals, counts)
         return r, stats, model_lengths
-    r, _, stats = generate_rollouts(sampler, prompts, answers, max_prompts_per_call=max_prompts_per_call, **kw)
+    r, _, stats = generate_rollouts(sampler, prompts, answers, max_prompts_per_call=max_prompts_per_call, **common)
     return r, stats, r.lengths_PxG.reshape(-1)
 
 
@@ -254,14 +255,14 @@ def collect_batch(sampler, prompt_batches: Iterator[list], prompt_ids: Callable[
     j = 0
     while not acc.ready:
         rows = next(prompt_batches)
-        kw = dict(tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
-                  max_new_tokens=sampling.max_new_tokens, num_samples=rl.group_size,
-                  temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                  seed=batch_seed(seed, step, j), index_offset=j * rl.gen_batch_size)
+        draws = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                               seed=batch_seed(seed, step, j))
         prompts, answers = [prompt_ids(x) for x in rows], [x.answer for x in rows]
-        r, stats, model_lengths = generate_any_rollouts(sampler, prompts, answers, tool=tool, tool_pool=tool_pool,
-                                                        tool_totals=tool_totals,
-                                                        max_prompts_per_call=sampling.max_prompts_per_call, **kw)
+        r, stats, model_lengths = generate_any_rollouts(
+            sampler, prompts, answers, tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
+            max_new_tokens=sampling.max_new_tokens, num_samples=rl.group_size, sampling=draws,
+            index_offset=j * rl.gen_batch_size, tool=tool, tool_pool=tool_pool, tool_totals=tool_totals,
+            max_prompts_per_call=sampling.max_prompts_per_call)
         lengths.append(model_lengths)
         correct.append(r.correct_PxG.reshape(-1))
         add_counts(reward_stats, stats)
