@@ -46,13 +46,17 @@ Data flow (STARE-semantics.md, "Closed-loop gate"):
     |A| / kappa) with H from pass 1 (not combined with STARE).
  6. A non-finite loss or gradient norm skips that update (params and optimizer state unchanged) and is counted in
     metrics["skipped_updates"].
+
+Code map: build_step_fn fixes a StepStatics (the config, its step_loss.LossPlan, the model graph, the optimizer) and
+returns a step that runs _train_step: steps 1-3 (_no_grad_pass, _kl_terms, _select_tokens), then a lax.scan of
+_one_update (step 4: accumulate_gradients over step_loss.micro_batch_loss (step 5), then guarded_update (step 6)).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,15 +69,16 @@ from stare_jax.config.advantage import AdvantageConfig
 from stare_jax.rl.advantages import entropy_advantage, grpo_advantages
 from stare_jax.config.kl import KLConfig
 from stare_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
-from stare_jax.rl.loss_terms import entropy_bonus, high_entropy_mask, kl_loss, kl_penalty, kl_reward_penalty
-from stare_jax.rl.losses import (AGG_MODES, LOSS_OPTIONS, clip_cov_key, compute_policy_loss, loss_normalizer,
-                                 policy_loss, policy_loss_normalizer)
+from stare_jax.rl.loss_terms import high_entropy_mask, kl_penalty, kl_reward_penalty
+from stare_jax.rl.losses import AGG_MODES, clip_cov_key
 from stare_jax.config.offload import OffloadConfig
 from stare_jax.config.optimizer import OptimizerConfig
 from stare_jax.rl.packing import PACKED_KEYS, PackedLayout, padded_micro_batches, split_micro
 from stare_jax.config.packing import PackingConfig
 from stare_jax.config.policy_loss import PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare import StareConfig, StareState, stare_omega, update_controller
+from stare_jax.rl.step_loss import (LossNormalizers, LossPlan, SequenceArrays, loss_normalizers, loss_plan,
+                                    micro_batch_loss, update_metric_names)
 from stare_jax.rl.theory import batch_entropy_terms
 
 BATCH_KEYS = ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT", "advantages_B")
@@ -294,7 +299,8 @@ class PaddedLayout:
         micro_fn(forward, x) -> (log-probs, entropy, the micro-batch's per-sequence arrays)."""
         mini = self.num_sequences // self.n_mini
         rows = tuple(jax.lax.dynamic_slice_in_dim(a, j * mini, mini, axis=0) for a in (self.ids, self.attn, self.tgt))
-        xs = tuple(_split_micro(a, self.micro, self.mesh, self.batch_axes) for a in rows + tuple(mb_seq))
+        xs = tuple(None if a is None else _split_micro(a, self.micro, self.mesh, self.batch_axes)
+                   for a in rows + tuple(mb_seq))
 
         def micro_fn(forward, x):
             lp, ent = forward(x[0], x[1], x[2], x[3])
@@ -354,220 +360,280 @@ def guarded_update(tx: optax.GradientTransformation, grads, loss, params, opt_st
     return new_p, new_opt, gnorm, finite
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The step: stages over its StepStatics (the static config, its LossPlan, the model graph, the optimizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStatics:
+    """What build_step_fn fixes for every call of the step: nothing in it is traced."""
+
+    graphdef: Any
+    cfg: TrainStepConfig
+    plan: LossPlan
+    tx: optax.GradientTransformation
+    mesh: Any
+    batch_axes: tuple
+
+
+class NoGradPass(NamedTuple):
+    """Step 1's outputs over the whole batch, per sequence [B, T] (no gradient)."""
+
+    old_logprobs_BxT: jax.Array
+    entropy_BxT: jax.Array
+    theory: dict | None  # {phi, s_star} [B, T] with stare.theory_diagnostics, else None
+    ref_logprobs_BxT: jax.Array | None  # the frozen reference's log-probs with rl.kl, else None
+
+
+class TokenSelection(NamedTuple):
+    """Step 3's per-token weights of the batch."""
+
+    omega_BxT: jax.Array  # STARE's omega (scope batch; ones with scope micro_batch) times keep_BxT
+    keep_BxT: jax.Array | None  # the 80/20 filter's float mask (rl.token_filter), else None
+    stare_info: dict  # stare_omega's info: its "sets" ([B, T] bool) and "metrics"
+
+
 def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH_AXES) -> Callable:
     """The pure (un-jitted) step function (train_state, batch, stare_state) -> (train_state, stare_state, metrics)."""
-    tx = make_optimizer(cfg.optimizer)
-    scfg = cfg.stare
-    chunk = cfg.logprob_chunk_size
-    n_micro, n_mini, epochs = cfg.num_micro_batches, cfg.num_mini_batches, cfg.ppo_epochs
-    per_micro_scope = scfg.enabled and scfg.scope == "micro_batch"
-    pl, tf, kl = cfg.policy_loss, cfg.token_filter, cfg.kl
-    ent_adv = cfg.advantage.entropy_adv
-    # GRPO-ds / STARE as before (bit-identical) unless another loss, an entropy bonus, the 80/20 filter, a KL loss or
-    # EntroAdv is asked for
-    plain = (pl.name in ("vanilla", "stare") and cfg.entropy_coeff == 0.0 and not tf.enabled and not kl.as_loss
-             and not ent_adv)
-    weighted = scfg.enabled or tf.enabled
-    on_policy = n_mini == 1 and epochs == 1
-    loss_name = ("stare" if weighted else "vanilla") if pl.name in ("vanilla", "stare") else pl.name
-    with_key = not plain and loss_name == "clip_cov"  # the micro-batch index feeds clip_cov's key
-    if weighted and "omega_BxT" not in LOSS_OPTIONS[loss_name]:
-        raise ValueError(f"policy loss {loss_name!r} has no per-token loss for STARE's omega / the token filter")
-    loss_opts = dict(pl.options())
-    clip_opts = {"clip_ratio_low": cfg.clip_low, "clip_ratio_high": cfg.clip_high, "clip_ratio_c": cfg.clip_c}
-    loss_opts.update({k: v for k, v in clip_opts.items() if k in LOSS_OPTIONS[loss_name]})
-
-    def forward(params, rest, ids, attn, tgt, lm, *, theory=False):
-        return policy_forward(graphdef, params, rest, ids, attn, tgt, lm, chunk_size=chunk, theory=theory)
-
-    def layout(batch):
-        if cfg.packing.enabled:
-            return PackedLayout.from_batch(batch, n_mini=n_mini, micro_batch_tokens=cfg.micro_batch_tokens,
-                                           mesh=mesh, batch_axes=batch_axes)
-        ids, attn, tgt, lm, adv = shift_batch(batch)
-        B, L = ids.shape
-        if B % n_mini:
-            raise ValueError(f"batch size {B} must be divisible by num_mini_batches={n_mini}")
-        micro_n = n_micro
-        if cfg.micro_batch_tokens:  # sequences per micro-batch from the (bucketed) length
-            shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in batch_axes)
-            micro_n = padded_micro_batches(B // n_mini, L, cfg.micro_batch_tokens, shards)
-        if B % (n_mini * micro_n):
-            raise ValueError(f"batch size {B} must be divisible by num_mini_batches*num_micro_batches="
-                             f"{n_mini}*{micro_n}")
-        mini = B // n_mini
-        if per_micro_scope and (mini // micro_n) % scfg.micro_batch_size:
-            raise ValueError(f"stare scope='micro_batch': micro-batch size {mini // micro_n} must be a multiple of "
-                             f"micro_batch_size={scfg.micro_batch_size}")
-        return PaddedLayout(ids, attn, tgt, lm, adv, n_mini, micro_n, mesh, tuple(batch_axes))
+    statics = StepStatics(graphdef=graphdef, cfg=cfg, plan=loss_plan(cfg), tx=make_optimizer(cfg.optimizer),
+                          mesh=mesh, batch_axes=batch_axes)
 
     def step_fn(train_state: TrainState, batch, stare_state: StareState, ref_params=None):
-        lay = layout(batch)
-        B, micro_n = lay.num_sequences, lay.micro
-        if kl.enabled and ref_params is None:
-            raise ValueError("rl.kl.reference is set: the step needs the reference parameters (ref_params)")
-        if kl.as_reward and (REWARDS_KEY not in batch or B % cfg.group_size):
-            raise ValueError(f"rl.kl.use_as='reward' needs batch[{REWARDS_KEY!r}] and a batch of whole groups of "
-                             f"group_size={cfg.group_size} responses (got {B} responses)")
-        mini = B // n_mini
-        lm, adv = lay.loss_mask(), lay.adv
-        params, rest = train_state.params, train_state.rest
-        theory = cfg.stare.theory_diagnostics
-
-        # 1. no-grad pass over the whole batch, micro-batched (old log-probs, entropy; [B, T] per sequence); with
-        # rl.kl the frozen reference's log-probs in the same pass (one more forward, no grad)
-        def no_grad(*x):
-            out = forward(jax.lax.stop_gradient(params), rest, *x, theory=theory)
-            if kl.enabled:
-                out = (out, forward(jax.lax.stop_gradient(ref_params), rest, *x)[0])
-            return out
-
-        flat = lay.no_grad_pass(no_grad)
-        if kl.enabled:
-            flat, ref_lp = flat[0], jax.lax.stop_gradient(flat[1])
-        old_lp, ent = jax.lax.stop_gradient(flat[0]), jax.lax.stop_gradient(flat[1])
-        kl_metrics = {}
-        if kl.enabled:
-            kl_metrics["kl"] = _masked_mean(kl_penalty(old_lp, ref_lp, kl.kind), lm)
-        if kl.as_reward:  # verl apply_kl_penalty, then compute_grpo_outcome_advantage on the summed token rewards
-            tok_r, kl_metrics["kl/reward_penalty"] = kl_reward_penalty(jnp.zeros_like(old_lp), old_lp, ref_lp, lm,
-                                                                       kl.coef, kind=kl.kind)
-            seq_r = jnp.asarray(batch[REWARDS_KEY], jnp.float32) + jnp.sum(tok_r, axis=1)
-            adv = grpo_advantages(seq_r.reshape(-1, cfg.group_size), norm_by_std=cfg.norm_adv_by_std).reshape(B)
-
-        # 2. controller from the batch entropy, 3. omega from the same pass (scope batch).
-        batch_entropy = _masked_mean(ent, lm)
-        stare_state = update_controller(stare_state, batch_entropy, scfg)
-        extra = ("pos_high", "neg_high") if theory else ()
-        omega, info = stare_omega(old_lp, adv, lm, stare_state, scfg, entropy_BxT=ent, extra_sets=extra,
-                                  scope="batch")
-        if per_micro_scope:
-            omega = jnp.ones_like(omega)  # recomputed per micro-batch below
-        keep = jnp.ones_like(omega)
-        if tf.enabled:  # the 80/20 rule: global top-rho entropy tokens of the no-grad pass
-            keep = high_entropy_mask(ent, lm, tf.rho, rule=tf.rule).astype(jnp.float32)
-            omega = omega * keep
-        metrics = {"entropy": batch_entropy, "gate_on": stare_state.gate_on.astype(jnp.float32),
-                   "stare_w": stare_state.w, "stare_m": stare_state.m,
-                   "response_tokens": jnp.sum(lm)}
-        metrics.update({"stare/" + k: v for k, v in info["metrics"].items()})
-        metrics.update(kl_metrics)
-        loss_adv = adv
-        if ent_adv:  # EntroAdv: token-level A + min(alpha sg(H), |A| / kappa), H from pass 1
-            loss_adv = entropy_advantage(adv, ent, lm, alpha=cfg.advantage.entropy_adv_alpha,
-                                         kappa=cfg.advantage.entropy_adv_kappa)
-            metrics["entropy_adv/bonus_mean"] = _masked_mean(loss_adv - adv[:, None], lm)
-        if tf.enabled:
-            metrics["token_filter/frac_kept"] = jnp.sum(keep * lm) / jnp.maximum(jnp.sum(lm), 1.0)
-        if theory:
-            th = flat[2]
-            terms = batch_entropy_terms(th["phi"], adv, lm, omega_BxT=omega, pos_set_BxT=info["sets"]["pos_high"],
-                                        neg_set_BxT=info["sets"]["neg_high"])
-            metrics.update({"theory/" + k: v for k, v in terms.items()})
-            s = -old_lp
-            sel = info["sets"]["pos_high"]
-            metrics["theory/frac_pos_high_above_sstar"] = (
-                jnp.sum(sel & (s > th["s_star"])) / jnp.maximum(jnp.sum(sel), 1))
-            metrics["theory/s_star_mean"] = _masked_mean(th["s_star"], lm)
-
-        # 4. updates: epochs x mini-batches, each a scan over micro-batches.
-        agg_const = cfg.loss_agg_constant if cfg.loss_agg_constant is not None else float(lm.shape[1])
-
-        def micro_loss(p, x, normalizer, ent_normalizer, key, micro_fn):
-            lp, m_ent, seq = micro_fn(lambda *a: forward(p, rest, *a), x)
-            m_lm, m_adv, m_old, m_omega = seq[:4]
-            m_ref = seq[-1] if kl.as_loss else None
-            kl_agg = None
-            if per_micro_scope:
-                m_omega, _ = stare_omega(jax.lax.stop_gradient(lp), m_adv, m_lm, stare_state, scfg,
-                                         entropy_BxT=jax.lax.stop_gradient(m_ent), scope="micro_batch")
-                m_omega = m_omega * seq[4] if tf.enabled else m_omega
-            if plain:
-                loss, met = policy_loss(lp, m_old, m_adv, m_lm, omega_BxT=m_omega, clip_low=cfg.clip_low,
-                                        clip_high=cfg.clip_high, clip_c=cfg.clip_c, agg=cfg.loss_agg,
-                                        normalizer=normalizer)
-            else:
-                if on_policy:  # verl dp_actor: old = log_prob.detach() (|log ratio| is then exactly 0 for kl_cov)
-                    m_old = jax.lax.stop_gradient(lp)
-                opts = dict(loss_opts, normalizer=normalizer)
-                if weighted:
-                    opts["omega_BxT"] = m_omega
-                if loss_name == "clip_cov":
-                    opts["key"] = key
-                loss, met = compute_policy_loss(loss_name, m_old, lp, m_adv, m_lm, loss_agg_mode=cfg.loss_agg,
-                                                **opts)
-                if cfg.entropy_coeff:
-                    loss = loss + entropy_bonus(m_ent, m_lm, cfg.entropy_coeff, loss_agg_mode=cfg.loss_agg,
-                                                normalizer=ent_normalizer)[0]
-                if kl.as_loss:  # verl use_kl_loss: + kl_loss_coef * agg_loss(kl_penalty(lp, ref_lp), loss_agg_mode)
-                    kl_term, kl_agg = kl_loss(lp, m_ref, m_lm, kl.coef, kind=kl.kind, loss_agg_mode=cfg.loss_agg,
-                                              normalizer=ent_normalizer)
-                    loss = loss + kl_term
-            met = {k: met[k] for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum", "token_count")}
-            if kl.as_loss:
-                met["kl_agg"] = kl_agg
-            met["omega_sum"] = jnp.sum(jnp.where(m_lm > 0, m_omega, 0.0))
-            return loss, met
-
-        # per-sequence arrays [B, ...] (the loss mask first); each micro-batch sees its rows of them
-        per_seq = ((lm, loss_adv, old_lp, omega) + ((keep,) if tf.enabled else ())
-                   + ((ref_lp,) if kl.as_loss else ()))
-        step_key = clip_cov_key(cfg.seed, train_state.step)
-
-        def one_update(carry, u):
-            p, opt_state = carry
-            j = u % n_mini
-            mb_seq = tuple(jax.lax.dynamic_slice_in_dim(a, j * mini, mini, axis=0) for a in per_seq)
-            if cfg.loss_agg == "seq-mean-token-sum-norm":
-                ent_normalizer = jnp.float32(agg_const)
-            else:
-                ent_normalizer = loss_normalizer(mb_seq[0], cfg.loss_agg)
-            if plain or loss_name not in ("gspo", "sapo", "geo_mean"):
-                normalizer = ent_normalizer
-            else:  # aggregations verl fixes for these losses
-                normalizer = policy_loss_normalizer(loss_name, mb_seq[0], cfg.loss_agg)
-            micro_xs, nonempty, micro_fn = lay.micro_batches(j, mb_seq)
-            grad_fn = jax.value_and_grad(functools.partial(micro_loss, micro_fn=micro_fn), has_aux=True)
-            zeros_m = {k: jnp.float32(0.0) for k in ("clipfrac_sum", "clipfrac_lower_sum", "approx_kl_sum",
-                                                      "token_count", "omega_sum") + (("kl_agg",) if kl.as_loss else ())}
-
-            def loss_and_grad(xs):
-                key = jax.random.fold_in(step_key, u * micro_n + xs["i"]) if with_key else None
-                return grad_fn(p, xs["x"], normalizer, ent_normalizer, key)
-
-            scan_xs = {"x": micro_xs}
-            if with_key:
-                scan_xs["i"] = jnp.arange(micro_n)
-            if nonempty is not None:  # a packed micro-batch left empty costs nothing
-                scan_xs["run"] = nonempty
-            grads, loss, msum = accumulate_gradients(loss_and_grad, p, scan_xs, zeros_m)
-            new_p, new_opt, gnorm, finite = guarded_update(tx, grads, loss, p, opt_state,
-                                                           offload=cfg.offload.optimizer)
-            out = dict(msum, loss=loss, grad_norm=gnorm, skipped=(~finite).astype(jnp.float32))
-            if cfg.debug_outputs:
-                out["grads"] = grads
-            return (new_p, new_opt), out
-
-        (params, opt_state), ups = jax.lax.scan(one_update, (params, train_state.opt_state),
-                                                jnp.arange(epochs * n_mini))
-        cnt = jnp.maximum(jnp.sum(ups["token_count"]), 1.0)
-        metrics.update({
-            "loss": jnp.mean(ups["loss"]), "grad_norm": jnp.mean(ups["grad_norm"]),
-            "clipfrac": jnp.sum(ups["clipfrac_sum"]) / cnt,
-            "clipfrac_lower": jnp.sum(ups["clipfrac_lower_sum"]) / cnt,
-            "approx_kl": jnp.sum(ups["approx_kl_sum"]) / cnt,
-            "omega_mean_used": jnp.sum(ups["omega_sum"]) / cnt,
-            "skipped_updates": jnp.sum(ups["skipped"]), "num_updates": jnp.float32(epochs * n_mini),
-        })
-        if kl.as_loss:
-            metrics["kl_loss"] = jnp.mean(ups["kl_agg"])  # agg(kl(lp, ref_lp)) before kl.coef (verl actor/kl_loss)
-        if cfg.debug_outputs:
-            metrics.update({"debug/omega": omega, "debug/old_logprobs": old_lp, "debug/entropy": ent,
-                            "debug/loss_mask": lm, "debug/grads": jax.tree.map(lambda g: g[-1], ups["grads"])})
-        new_state = TrainState(params=params, rest=rest, opt_state=opt_state, step=train_state.step + 1)
-        return new_state, stare_state, metrics
+        return _train_step(statics, train_state, batch, stare_state, ref_params)
 
     return step_fn
+
+
+def _forward(statics: StepStatics, params, rest, ids, attn, tgt, lm, *, theory=False):
+    """policy_forward with the step's model graph and log-prob chunk size."""
+    return policy_forward(statics.graphdef, params, rest, ids, attn, tgt, lm,
+                          chunk_size=statics.cfg.logprob_chunk_size, theory=theory)
+
+
+def _train_step(statics: StepStatics, train_state: TrainState, batch, stare_state: StareState, ref_params):
+    """build_step_fn's step: steps 1-6 of the module docstring."""
+    cfg = statics.cfg
+    layout = _batch_layout(statics, batch)
+    _check_step_inputs(cfg, layout.num_sequences, batch, ref_params)
+    loss_mask_BxT, advantages_B = layout.loss_mask(), layout.adv
+    params, rest = train_state.params, train_state.rest
+
+    # 1. no-grad pass (old log-probs, entropy, the reference's log-probs); rl.kl's metric and reward penalty
+    no_grad = _no_grad_pass(statics, layout, params, rest, ref_params)
+    advantages_B, kl_metrics = _kl_terms(cfg, no_grad, loss_mask_BxT, advantages_B, batch)
+    # 2. controller from the batch entropy, 3. omega from the same pass (scope batch)
+    batch_entropy = _masked_mean(no_grad.entropy_BxT, loss_mask_BxT)
+    stare_state = update_controller(stare_state, batch_entropy, cfg.stare)
+    selection = _select_tokens(statics, stare_state, no_grad, advantages_B, loss_mask_BxT)
+    metrics = _selection_metrics(stare_state, batch_entropy, selection, loss_mask_BxT)
+    metrics.update(kl_metrics)
+    loss_advantages, advantage_metrics = _loss_advantages(cfg, advantages_B, no_grad.entropy_BxT, loss_mask_BxT)
+    metrics.update(advantage_metrics)
+    if selection.keep_BxT is not None:
+        metrics["token_filter/frac_kept"] = (jnp.sum(selection.keep_BxT * loss_mask_BxT)
+                                             / jnp.maximum(jnp.sum(loss_mask_BxT), 1.0))
+    if no_grad.theory is not None:
+        metrics.update(_theory_metrics(no_grad, advantages_B, loss_mask_BxT, selection))
+
+    # 4. updates: epochs x mini-batches, each a scan over micro-batches
+    per_sequence = SequenceArrays(loss_mask_BxT=loss_mask_BxT, advantages=loss_advantages,
+                                  old_logprobs_BxT=no_grad.old_logprobs_BxT, omega_BxT=selection.omega_BxT,
+                                  keep_BxT=selection.keep_BxT,
+                                  ref_logprobs_BxT=no_grad.ref_logprobs_BxT if cfg.kl.as_loss else None)
+    step_key = clip_cov_key(cfg.seed, train_state.step)
+    num_updates = cfg.ppo_epochs * cfg.num_mini_batches
+    update = functools.partial(_one_update, statics=statics, layout=layout, per_sequence=per_sequence, rest=rest,
+                               stare_state=stare_state, step_key=step_key)
+    (params, opt_state), updates = jax.lax.scan(update, (params, train_state.opt_state), jnp.arange(num_updates))
+    metrics.update(_update_metrics(cfg, updates, num_updates))
+    if cfg.debug_outputs:
+        metrics.update({"debug/omega": selection.omega_BxT, "debug/old_logprobs": no_grad.old_logprobs_BxT,
+                        "debug/entropy": no_grad.entropy_BxT, "debug/loss_mask": loss_mask_BxT,
+                        "debug/grads": jax.tree.map(lambda g: g[-1], updates["grads"])})
+    new_state = TrainState(params=params, rest=rest, opt_state=opt_state, step=train_state.step + 1)
+    return new_state, stare_state, metrics
+
+
+def _batch_layout(statics: StepStatics, batch):
+    """The batch's layout inside the step: packed rows (rl.packing) or PaddedLayout, with its micro-batch count."""
+    cfg, mesh, batch_axes = statics.cfg, statics.mesh, statics.batch_axes
+    n_mini = cfg.num_mini_batches
+    if cfg.packing.enabled:
+        return PackedLayout.from_batch(batch, n_mini=n_mini, micro_batch_tokens=cfg.micro_batch_tokens,
+                                       mesh=mesh, batch_axes=batch_axes)
+    ids, attn, tgt, lm, adv = shift_batch(batch)
+    B, L = ids.shape
+    if B % n_mini:
+        raise ValueError(f"batch size {B} must be divisible by num_mini_batches={n_mini}")
+    n_micro = cfg.num_micro_batches
+    if cfg.micro_batch_tokens:  # sequences per micro-batch from the (bucketed) length
+        shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in batch_axes)
+        n_micro = padded_micro_batches(B // n_mini, L, cfg.micro_batch_tokens, shards)
+    if B % (n_mini * n_micro):
+        raise ValueError(f"batch size {B} must be divisible by num_mini_batches*num_micro_batches="
+                         f"{n_mini}*{n_micro}")
+    micro_size = B // n_mini // n_micro
+    if statics.plan.omega_per_micro_batch and micro_size % cfg.stare.micro_batch_size:
+        raise ValueError(f"stare scope='micro_batch': micro-batch size {micro_size} must be a multiple of "
+                         f"micro_batch_size={cfg.stare.micro_batch_size}")
+    return PaddedLayout(ids, attn, tgt, lm, adv, n_mini, n_micro, mesh, tuple(batch_axes))
+
+
+def _check_step_inputs(cfg: TrainStepConfig, num_sequences: int, batch, ref_params) -> None:
+    """ValueError for a step without what rl.kl needs: the reference parameters, the rewards of whole groups."""
+    kl = cfg.kl
+    if kl.enabled and ref_params is None:
+        raise ValueError("rl.kl.reference is set: the step needs the reference parameters (ref_params)")
+    if kl.as_reward and (REWARDS_KEY not in batch or num_sequences % cfg.group_size):
+        raise ValueError(f"rl.kl.use_as='reward' needs batch[{REWARDS_KEY!r}] and a batch of whole groups of "
+                         f"group_size={cfg.group_size} responses (got {num_sequences} responses)")
+
+
+def _no_grad_pass(statics: StepStatics, layout, params, rest, ref_params) -> NoGradPass:
+    """Step 1 over the whole batch, micro-batched by the layout: the policy's log-probs and entropy (and theory
+    terms), and with rl.kl the frozen reference's log-probs in the same pass (one more forward)."""
+    theory = statics.cfg.stare.theory_diagnostics
+    with_ref = statics.cfg.kl.enabled
+
+    def forward(*inputs):
+        policy = _forward(statics, jax.lax.stop_gradient(params), rest, *inputs, theory=theory)
+        reference = _forward(statics, jax.lax.stop_gradient(ref_params), rest, *inputs)[0] if with_ref else None
+        return policy, reference
+
+    policy, reference = layout.no_grad_pass(forward)
+    ref_logprobs_BxT = jax.lax.stop_gradient(reference) if with_ref else None
+    return NoGradPass(old_logprobs_BxT=jax.lax.stop_gradient(policy[0]), entropy_BxT=jax.lax.stop_gradient(policy[1]),
+                      theory=policy[2] if theory else None, ref_logprobs_BxT=ref_logprobs_BxT)
+
+
+def _kl_terms(cfg: TrainStepConfig, no_grad: NoGradPass, loss_mask_BxT, advantages_B, batch):
+    """(advantages_B, metrics) with rl.kl: metrics["kl"], the token-mean KL of pass 1; with use_as "reward" the
+    advantage is the GRPO advantage of the shaped rewards minus the summed KL penalty (verl apply_kl_penalty, then
+    compute_grpo_outcome_advantage)."""
+    kl = cfg.kl
+    metrics: dict = {}
+    if not kl.enabled:
+        return advantages_B, metrics
+    old_logprobs_BxT, ref_logprobs_BxT = no_grad.old_logprobs_BxT, no_grad.ref_logprobs_BxT
+    metrics["kl"] = _masked_mean(kl_penalty(old_logprobs_BxT, ref_logprobs_BxT, kl.kind), loss_mask_BxT)
+    if kl.as_reward:
+        token_rewards_BxT, metrics["kl/reward_penalty"] = kl_reward_penalty(
+            jnp.zeros_like(old_logprobs_BxT), old_logprobs_BxT, ref_logprobs_BxT, loss_mask_BxT, kl.coef,
+            kind=kl.kind)
+        rewards_B = jnp.asarray(batch[REWARDS_KEY], jnp.float32) + jnp.sum(token_rewards_BxT, axis=1)
+        num_sequences = rewards_B.shape[0]
+        advantages_B = grpo_advantages(rewards_B.reshape(-1, cfg.group_size),
+                                       norm_by_std=cfg.norm_adv_by_std).reshape(num_sequences)
+    return advantages_B, metrics
+
+
+def _select_tokens(statics: StepStatics, stare_state: StareState, no_grad: NoGradPass, advantages_B,
+                   loss_mask_BxT) -> TokenSelection:
+    """Step 3: STARE's omega over the whole batch (scope batch) from pass 1, times the 80/20 filter's mask (the
+    global top-rho entropy tokens of pass 1)."""
+    token_filter = statics.cfg.token_filter
+    extra_sets = ("pos_high", "neg_high") if no_grad.theory is not None else ()
+    omega_BxT, info = stare_omega(no_grad.old_logprobs_BxT, advantages_B, loss_mask_BxT, stare_state,
+                                  statics.cfg.stare, entropy_BxT=no_grad.entropy_BxT, extra_sets=extra_sets,
+                                  scope="batch")
+    if statics.plan.omega_per_micro_batch:
+        omega_BxT = jnp.ones_like(omega_BxT)  # recomputed per micro-batch (step_loss.micro_batch_loss)
+    keep_BxT = None
+    if token_filter.enabled:
+        keep_BxT = high_entropy_mask(no_grad.entropy_BxT, loss_mask_BxT, token_filter.rho,
+                                     rule=token_filter.rule).astype(jnp.float32)
+        omega_BxT = omega_BxT * keep_BxT
+    return TokenSelection(omega_BxT=omega_BxT, keep_BxT=keep_BxT, stare_info=info)
+
+
+def _selection_metrics(stare_state: StareState, batch_entropy, selection: TokenSelection, loss_mask_BxT) -> dict:
+    """The controller's state after step 2 and STARE's selection metrics."""
+    metrics = {"entropy": batch_entropy, "gate_on": stare_state.gate_on.astype(jnp.float32),
+               "stare_w": stare_state.w, "stare_m": stare_state.m, "response_tokens": jnp.sum(loss_mask_BxT)}
+    metrics.update({"stare/" + k: v for k, v in selection.stare_info["metrics"].items()})
+    return metrics
+
+
+def _loss_advantages(cfg: TrainStepConfig, advantages_B, entropy_BxT, loss_mask_BxT):
+    """(the advantages the loss sees, metrics): advantages_B, or with EntroAdv the token-level
+    A + min(alpha sg(H), |A| / kappa) [B, T] with H from pass 1."""
+    if not cfg.advantage.entropy_adv:
+        return advantages_B, {}
+    advantages_BxT = entropy_advantage(advantages_B, entropy_BxT, loss_mask_BxT,
+                                       alpha=cfg.advantage.entropy_adv_alpha, kappa=cfg.advantage.entropy_adv_kappa)
+    bonus = _masked_mean(advantages_BxT - advantages_B[:, None], loss_mask_BxT)
+    return advantages_BxT, {"entropy_adv/bonus_mean": bonus}
+
+
+def _theory_metrics(no_grad: NoGradPass, advantages_B, loss_mask_BxT, selection: TokenSelection) -> dict:
+    """stare.theory_diagnostics: the batch entropy terms (Phi, Lambda, Gamma, W*) and where s* falls."""
+    theory, sets = no_grad.theory, selection.stare_info["sets"]
+    assert theory is not None
+    terms = batch_entropy_terms(theory["phi"], advantages_B, loss_mask_BxT, omega_BxT=selection.omega_BxT,
+                                pos_set_BxT=sets["pos_high"], neg_set_BxT=sets["neg_high"])
+    metrics = {"theory/" + k: v for k, v in terms.items()}
+    surprisal_BxT = -no_grad.old_logprobs_BxT
+    pos_high_BxT = sets["pos_high"]
+    metrics["theory/frac_pos_high_above_sstar"] = (jnp.sum(pos_high_BxT & (surprisal_BxT > theory["s_star"]))
+                                                   / jnp.maximum(jnp.sum(pos_high_BxT), 1))
+    metrics["theory/s_star_mean"] = _masked_mean(theory["s_star"], loss_mask_BxT)
+    return metrics
+
+
+def _one_update(carry, update_index, *, statics: StepStatics, layout, per_sequence: SequenceArrays, rest,
+                stare_state: StareState, step_key):
+    """One optimizer update (lax.scan body over epochs x mini-batches): mini-batch update_index % num_mini_batches,
+    its gradient accumulated over micro-batches, then guarded_update. carry: (params, optimizer state)."""
+    params, opt_state = carry
+    cfg, plan = statics.cfg, statics.plan
+    mini_index = update_index % cfg.num_mini_batches
+    mini_size = layout.num_sequences // cfg.num_mini_batches
+    mini_batch = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, mini_index * mini_size, mini_size, axis=0),
+                              per_sequence)
+    normalizers = loss_normalizers(plan, mini_batch.loss_mask_BxT)
+    micro_xs, nonempty, micro_fn = layout.micro_batches(mini_index, mini_batch)
+    loss_fn = functools.partial(micro_batch_loss, plan=plan, forward=functools.partial(_forward, statics), rest=rest,
+                                micro_fn=micro_fn, stare_state=stare_state)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    zero_metrics = {k: jnp.float32(0.0) for k in update_metric_names(plan)}
+    scan_xs = {"x": micro_xs}
+    if plan.micro_batch_key:  # the micro-batch index feeds clip_cov's key
+        scan_xs["i"] = jnp.arange(layout.micro)
+    if nonempty is not None:  # a packed micro-batch left empty costs nothing
+        scan_xs["run"] = nonempty
+    loss_and_grad = functools.partial(_micro_loss_and_grad, grad_fn=grad_fn, params=params, normalizers=normalizers,
+                                      step_key=step_key if plan.micro_batch_key else None,
+                                      update_index=update_index, num_micro=layout.micro)
+    grads, loss, metric_sums = accumulate_gradients(loss_and_grad, params, scan_xs, zero_metrics)
+    new_params, new_opt_state, grad_norm, finite = guarded_update(statics.tx, grads, loss, params, opt_state,
+                                                                  offload=cfg.offload.optimizer)
+    out = dict(metric_sums, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.float32))
+    if cfg.debug_outputs:
+        out["grads"] = grads
+    return (new_params, new_opt_state), out
+
+
+def _micro_loss_and_grad(xs, *, grad_fn, params, normalizers: LossNormalizers, step_key, update_index, num_micro):
+    """grad_fn on one micro-batch of accumulate_gradients' scan; with a step_key (clip_cov) the micro-batch's key
+    fold_in(step_key, update * micro-batches + micro-batch)."""
+    key = jax.random.fold_in(step_key, update_index * num_micro + xs["i"]) if step_key is not None else None
+    return grad_fn(params, xs["x"], normalizers, key)
+
+
+def _update_metrics(cfg: TrainStepConfig, updates: dict, num_updates: int) -> dict:
+    """The metrics of the updates' scan: means over updates, token-weighted fractions, skipped updates."""
+    count = jnp.maximum(jnp.sum(updates["token_count"]), 1.0)
+    metrics = {
+        "loss": jnp.mean(updates["loss"]), "grad_norm": jnp.mean(updates["grad_norm"]),
+        "clipfrac": jnp.sum(updates["clipfrac_sum"]) / count,
+        "clipfrac_lower": jnp.sum(updates["clipfrac_lower_sum"]) / count,
+        "approx_kl": jnp.sum(updates["approx_kl_sum"]) / count,
+        "omega_mean_used": jnp.sum(updates["omega_sum"]) / count,
+        "skipped_updates": jnp.sum(updates["skipped"]), "num_updates": jnp.float32(num_updates),
+    }
+    if cfg.kl.as_loss:
+        metrics["kl_loss"] = jnp.mean(updates["kl_agg"])  # agg(kl(lp, ref_lp)) before kl.coef (verl actor/kl_loss)
+    return metrics
 
 
 def train_state_shardings(train_state: TrainState, mesh):
