@@ -1,12 +1,15 @@
 """Test session set-up: 8 fake CPU devices (for mesh tests), an opt-in persistent JAX compilation cache, the tiers.
 
-Tiers (markers, one per test, from its module): `unit` - one module's functions against an independent reference,
+Tiers (markers, one per test, from its folder: tests/unit/<package>/ mirrors stare_jax/, tests/integration/,
+tests/system/): `unit` - one module's functions against an independent reference,
 in-process; `integration` - whole programs as users run them (subprocesses, the real SmolLM2, parity with
 transformers' generate); `system` - the pod and cluster machinery (TPU ahead-of-time compiles, the launch scripts,
 multi-process runs): opt-in with --system or STARE_JAX_RUN_SYSTEM=1, and always run by .ci/run after the default
 suite; `slow` - opt-in (--runslow or STARE_JAX_RUN_SLOW=1). The default run is unit + integration; `-m unit` /
-`-m integration` select one tier, and every run ends with each tier's time."""
+`-m integration` select one tier, and every run ends with each tier's time. Shared fixtures are defined here;
+helpers without fixtures live in tests/support/ (imported as `support.x`: pyproject.toml puts tests/ on sys.path)."""
 import gc
+import json
 import os
 
 # Must happen before jax is imported anywhere: 8 host devices so mesh tests can build a (2, 4) mesh.
@@ -19,6 +22,8 @@ import pathlib
 
 import jax
 import pytest
+from support.models import FAMILIES, make_hf_model
+from support.tokenizers import QWEN25_TEMPLATE, QWEN_PATTERN, _added_tokens_decoder, _train_bpe
 
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 # The persistent cache only pays when the same checkout runs the suite again (a clean CI clone starts cold and the
@@ -41,20 +46,19 @@ def pytest_addoption(parser):
                      help="run the system tier (TPU compiles, launch scripts, multi-process runs)")
 
 
-# test modules of the system and integration tiers (the rest are unit tests)
-SYSTEM = {"test_aot", "test_demo_claims", "test_launch", "test_multihost", "test_multihost_engine",
-          "test_sft_multihost"}
-INTEGRATION = {"test_cli", "test_compare", "test_demo_tool", "test_device_suite", "test_sampling_parity",
-               "test_smollm2", "test_train", "test_train_stages", "test_gguf_convert", "test_paper_configs"}
 TIERS = ("unit", "integration", "system", "slow")
+_TESTS_DIR = pathlib.Path(__file__).resolve().parent
 _TIER_SECONDS = dict.fromkeys(TIERS, 0.0)
 
 
 def tier_of(item) -> str:
     if "slow" in item.keywords:
         return "slow"
-    module = item.module.__name__.rpartition(".")[2]
-    return "system" if module in SYSTEM else "integration" if module in INTEGRATION else "unit"
+    folder = pathlib.Path(str(item.path)).resolve().relative_to(_TESTS_DIR).parts[0]
+    if folder not in TIERS[:3]:
+        raise pytest.UsageError(f"{item.path}: a test module must live in tests/unit, tests/integration or "
+                                f"tests/system")
+    return folder
 
 
 def pytest_collection_modifyitems(config, items):
@@ -118,3 +122,30 @@ def shared_data_dir():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoints(tmp_path_factory):
+    """{family: (folder, torch model)} for the three tiny checkpoints (support.models.make_hf_model)."""
+    out = {}
+    for fam in FAMILIES:
+        folder = tmp_path_factory.mktemp(f"hf_{fam}")
+        model = make_hf_model(fam)
+        model.save_pretrained(folder)
+        out[fam] = (folder, model)
+    return out
+
+
+@pytest.fixture(scope="session")
+def qwen_sft_dir(tmp_path_factory):
+    """A Qwen2.5-Instruct-style tokenizer folder (small trained BPE; the real chat template, eos <|im_end|>)."""
+    folder = tmp_path_factory.mktemp("qwen_sft")
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = _train_bpe(QWEN_PATTERN, specials)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"added_tokens_decoder": _added_tokens_decoder(tok, specials), "bos_token": None,
+              "chat_template": QWEN25_TEMPLATE, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", "model_max_length": 131072, "tokenizer_class": "Qwen2Tokenizer",
+              "unk_token": None, "split_special_tokens": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder

@@ -1,6 +1,6 @@
 """Static size bounds on answers before SymPy evaluates them: what keeps `rewards.math.score` fast on any input.
 
-Where the time goes on hostile answers (measured, see tests/test_rewards_math.py):
+Where the time goes on hostile answers (measured, see tests/unit/rewards/test_math.py):
 - latex2sympy (via math-verify's `parse`) builds SymPy trees *unevaluated*: parsing `9^{9^{9^{9}}}` takes
   milliseconds.  The explosion comes later, when math-verify's `verify` (doit / simplify / evalf) or our exact
   checks evaluate the tree: SymPy (no gmpy2 here) computes 9^(9^9) as an exact ~370-million-digit integer in

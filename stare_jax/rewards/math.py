@@ -9,7 +9,7 @@ Safety notes (read before changing anything here):
   (the default second extractor) calls sympy's `parse_expr`, which uses Python `eval` internally; it is
   deliberately NOT used here.  The one place SymPy still evaluates a string is latex2sympy's
   `sympy.Number(token)` for NUMBER tokens, which the grammar restricts to digits and a decimal point
-  (tests/test_rewards_math.py spies on SymPy's eval and checks exactly that).  Our own numeric fast path
+  (tests/unit/rewards/test_math.py spies on SymPy's eval and checks exactly that).  Our own numeric fast path
   uses fractions.Fraction on regex-validated digit strings, and the relative-error check evaluates SymPy
   objects (sympy.N), never strings.
 - Extraction and normalisation are linear-time scans (str.rfind, brace counting, anchored regexes without

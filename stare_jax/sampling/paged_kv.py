@@ -87,7 +87,8 @@ def width_bucket(num_pages: int, cap: int) -> int:
     number of compiled programs is logarithmic in the context while attention reads about the live pages.
     Not 1.5x steps (tried twice, ~6% faster CPU greedy decode in paired runs): with them the full test suite
     segfaults inside jaxlib 0.10.2's executable serialization when the persistent compilation cache is on (5 of 5
-    full runs, tests/test_tools_rollout.py's decode programs; with powers of two 1 of 1 full cached run passes), and
+    full runs, tests/unit/tools/test_rollout.py's decode programs; with powers of two 1 of 1 full cached run passes),
+    and
     `stare-jax compare` runs with that cache. The decode step narrows its own read inside the program instead
     (models.paged_attention.over_live_pages: the fewest of 1/2 ... 7/8 or all of this width)."""
     n = max(int(num_pages), 1)

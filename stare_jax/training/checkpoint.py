@@ -22,7 +22,7 @@ instead (a config error, not corruption: no fallback, nothing moved).
 Multi-host: every process constructs the Checkpointer and calls save/restore/wait (orbax coordinates the
 writes and deletes); moving corrupt steps aside is done by process 0 only.
 
-Wiring in a training loop (what tests/test_checkpoint.py::_train does):
+Wiring in a training loop (what tests/unit/training/test_checkpoint.py::_train does):
 
     ck = Checkpointer(run_dir / "ckpt", keep=cfg.keep, every_steps=cfg.every_steps,
                       async_save=cfg.async_save, must_exist=resume)

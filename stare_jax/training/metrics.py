@@ -327,7 +327,7 @@ class MetricsWriter:
         self._fh = open(self.metrics_path, "a", encoding="utf-8")
         self._timing_fh = open(self.timing_path, "a", encoding="utf-8")
         if tensorboard:
-            from tensorboardX import SummaryWriter  # see tests/test_import_direction.py: it imports torch
+            from tensorboardX import SummaryWriter  # see tests/unit/test_import_direction.py: it imports torch
 
             self._tb = SummaryWriter(logdir=str(tb_dir), purge_step=None if resume_step is None else resume_step + 1)
         if wandb_project:

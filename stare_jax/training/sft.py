@@ -163,7 +163,7 @@ def sft_train(model: nnx.Module, sample_batch: Callable[[np.random.Generator, in
 
 
 # The tokenizer files copied next to the weights: policy.TOKENIZER_FILES (not imported: policy -> run_setup -> toy
-# imports this module; tests/test_sft_conversations.py checks the two lists agree).
+# imports this module; tests/unit/training/test_sft_conversations.py checks the two lists agree).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "chat_template.jinja", "generation_config.json")
 

@@ -78,7 +78,7 @@ Design (host scheduler + three jitted programs):
   programs.Device.put / put_rows); the pool is a global array made in its sharding by a jitted program; the tokens,
   log-probs, counts and EOS flags of a decode chunk come back to every process in one distributed.fetch_global
   per chunk. Draws depend on (seed, prompt, g, step) only, so the tokens equal the single-process engine's
-  (tests/test_multihost_engine.py: 2 processes x 4 devices == 1 x 8). `generate_arrays` returns arrays
+  (tests/system/test_multihost_engine.py: 2 processes x 4 devices == 1 x 8). `generate_arrays` returns arrays
   replicated over the mesh (global arrays that fetch_global reads on every process).
 - Not yet: a Pallas prefill kernel (prefill gathers on every platform; over a context longer than two
   PREFILL_KEY_BLOCKs it attends one key block at a time, so its fp32 scores stay one block wide).
