@@ -250,6 +250,12 @@ class Config:
     toy: ToyConfig = field(default_factory=ToyConfig)
     tool: ToolConfig = field(default_factory=ToolConfig)  # multi-turn tool use (tool.enabled; needs the engine)
 
+    def __post_init__(self):
+        ref = self.rl.kl.reference
+        if self.model.lora.enabled and ref not in (None, "initial"):
+            raise ConfigError(f"rl.kl.reference = {ref!r} with model.lora.enabled: a LoRA run's reference is its "
+                              f"frozen base: set rl.kl.reference to 'initial' (or null for no KL)")
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Building a typed config from nested dicts, with errors that name the key and where it came from.
@@ -289,7 +295,7 @@ def _build(cls, data: dict, where: dict[str, str], prefix: str = ""):
     try:
         return cls(**kwargs)
     except ConfigError as e:  # a section's own cross-field check: name where the keys it mentions came from
-        named = [k for k in where if prefix and k.startswith(prefix) and k in str(e)]
+        named = [k for k in where if k and k.startswith(prefix) and k in str(e)]
         named = [k for k in named if not any(o.startswith(k + ".") for o in named)]
         sources = list(dict.fromkeys(where[k] for k in named)) or [where.get(prefix.rstrip("."), default_where)]
         raise ConfigError(f"{'; '.join(sources)}: {e}") from None

@@ -64,6 +64,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from stare_jax.models.transformer import LoRAParam
 from stare_jax.models.sharding import BATCH_AXES, DEFAULT_RULES, batch_sharding, program_context
 from stare_jax.config.advantage import AdvantageConfig
 from stare_jax.rl.advantages import entropy_advantage, grpo_advantages
@@ -143,7 +144,8 @@ class TrainStepConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """params: the nnx.Param state of nnx.split(model); rest: any other model state (usually empty);
+    """params: the trained state of split_model(model) (every nnx.Param, or the LoRA adapters); rest: the other
+    model state (empty, or the frozen base weights of a LoRA run);
     opt_state: optax state; step: int32 count of train-step calls."""
     params: Any
     rest: Any
@@ -169,9 +171,16 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     return optax.chain(*chain)
 
 
+def trainable(model: nnx.Module):
+    """The nnx filter of what the step trains: the LoRA adapters when the model has them (ModelConfig.lora_rank >
+    0: the base weights are then frozen - no gradient, no optimizer state - and ride in TrainState.rest), else
+    every nnx.Param."""
+    return LoRAParam if getattr(getattr(model, "config", None), "lora_rank", 0) else nnx.Param
+
+
 def split_model(model: nnx.Module):
-    """(graphdef, params, rest) with params = the nnx.Param variables."""
-    return nnx.split(model, nnx.Param, ...)
+    """(graphdef, params, rest): params = what the step trains (`trainable`), rest = everything else."""
+    return nnx.split(model, trainable(model), ...)
 
 
 def _mesh_of(tree):

@@ -11,6 +11,7 @@ from etils import epath
 from flax import nnx
 
 from stare_jax import models
+from stare_jax.models.lora import write_peft_adapter
 from stare_jax.training.checkpoint import Checkpointer
 from stare_jax.config.loader import Config, config_from_dict
 from stare_jax.training.run_dir import is_remote, local_copy
@@ -63,20 +64,41 @@ def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str
     return Policy(model, inputs.tokenizer_path, cfg, restored.step)
 
 
-def export_policy(src: str | pathlib.Path, out_dir: str | pathlib.Path, *, step: int | None = None,
-                  inputs_for: InputsFn = resolve_inputs, log=print):
-    """Write `src` (HF folder or training run) as an HF folder that transformers and stare_jax load: weights,
-    config, and the tokenizer files next to them."""
-    out_dir = pathlib.Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"export: {out_dir} exists and is not empty")
-    policy = load_policy(src, step=step, inputs_for=inputs_for, log=log)
-    models.save_pretrained(policy.model, out_dir)
-    tok = pathlib.Path(policy.tokenizer_path)
+def _copy_tokenizer(tokenizer_path, out_dir: pathlib.Path) -> None:
+    """The tokenizer files next to the weights (a SentencePiece .model file, or an HF tokenizer folder's files)."""
+    tok = pathlib.Path(tokenizer_path)
     tok_dir = tok.parent if tok.is_file() else tok
     for name in TOKENIZER_FILES:
         if (tok_dir / name).is_file() and not (out_dir / name).exists():
             shutil.copy2(tok_dir / name, out_dir / name)
     if tok.is_file() and tok.suffix == ".model" and not (out_dir / "tokenizer.model").exists():
         shutil.copy2(tok, out_dir / "tokenizer.model")
+
+
+def export_policy(src: str | pathlib.Path, out_dir: str | pathlib.Path, *, step: int | None = None,
+                  merged: bool = False, inputs_for: InputsFn = resolve_inputs, log=print):
+    """Write `src` (HF folder or training run) as an HF folder that transformers and stare_jax load: weights,
+    config, and the tokenizer files next to them.
+
+    A LoRA run (model.lora.enabled) is written as a PEFT adapter folder (adapter_config.json +
+    adapter_model.safetensors, peft.PeftModel.from_pretrained loads it) whose base_model_name_or_path is the run's
+    model.path; a run without one (the embedded toy) gets its base written as an HF folder in OUT_DIR/base, and
+    the adapter points there. merged=True writes the full HF folder with the adapters merged into the weights."""
+    out_dir = pathlib.Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"export: {out_dir} exists and is not empty")
+    policy = load_policy(src, step=step, inputs_for=inputs_for, log=log)
+    if policy.model.config.lora_rank and not merged:
+        base = policy.run_config.model.path if policy.run_config is not None else None
+        if not base:
+            base_dir = out_dir / "base"
+            models.save_pretrained(policy.model, base_dir)
+            _copy_tokenizer(policy.tokenizer_path, base_dir)
+            base = str(base_dir.resolve())
+        write_peft_adapter(policy.model, out_dir, base_model_name_or_path=base)
+        _copy_tokenizer(policy.tokenizer_path, out_dir)
+        log(f"export: LoRA adapters as a PEFT folder over the base {base}")
+        return out_dir
+    models.save_pretrained(policy.model, out_dir, merged=merged)
+    _copy_tokenizer(policy.tokenizer_path, out_dir)
     return out_dir
