@@ -8,6 +8,7 @@ The padded rows are benchmarks/aot_paper_configs.py's reports (--out-dir, defaul
 first); the other layouts compile only their train step (`--reuse-sampler` that report: the sampler programs do not
 depend on rl.*). Each compile runs `stare-jax plan CONFIG OVERRIDES --compile --json` in its own process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,11 +21,18 @@ from aot_paper_configs import REPO, plan_compile
 GiB = 1024**3
 
 # (config, micro_batch_tokens of the packed layouts: the padded configs' micro-batch in tokens)
-CONFIGS = [("r1-distill-qwen-1.5b_stare_o1", 16384), ("r1-distill-qwen-1.5b_grpo_ds", 16384),
-           ("qwen3-8b-base_stare_o1", 16384), ("qwen3-8b-base_grpo_ds", 16384),
-           ("qwen2.5-7b-tool_stare_o1", 36864)]
-LAYOUTS = {"padded": [], "packed": ["rl.packing.enabled=true", "rl.micro_batch_tokens={mbt}"],
-           "packed + offload": ["rl.packing.enabled=true", "rl.micro_batch_tokens={mbt}", "rl.offload.optimizer=true"]}
+CONFIGS = [
+    ("r1-distill-qwen-1.5b_stare_o1", 16384),
+    ("r1-distill-qwen-1.5b_grpo_ds", 16384),
+    ("qwen3-8b-base_stare_o1", 16384),
+    ("qwen3-8b-base_grpo_ds", 16384),
+    ("qwen2.5-7b-tool_stare_o1", 36864),
+]
+LAYOUTS = {
+    "padded": [],
+    "packed": ["rl.packing.enabled=true", "rl.micro_batch_tokens={mbt}"],
+    "packed + offload": ["rl.packing.enabled=true", "rl.micro_batch_tokens={mbt}", "rl.offload.optimizer=true"],
+}
 
 
 def compile_layout(config: str, overrides: list[str], padded_report: pathlib.Path) -> dict:
@@ -45,10 +53,12 @@ def row(config: str, layout: str, overrides: list[str], r: dict) -> str:
     s_peak, t_peak = r["phases"]["sampling"]["peak_bytes"], r["phases"]["training"]["peak_bytes"]
     hbm = r["hbm_bytes_per_device"]
     cmd = f"`stare-jax plan configs/paper/{config}.yaml {' '.join(overrides)} --compile --json`".replace("  ", " ")
-    return (f"| {config} | {layout} | {t_peak / GiB:.2f} / {est['training'] / GiB:.1f} | "
-            f"{t['argument_bytes'] / GiB:.2f} / {t['temp_bytes'] / GiB:.2f} | {t.get('host_bytes', 0) / GiB:.2f} | "
-            f"{s_peak / GiB:.1f} / {est['sampling'] / GiB:.1f} | {1 - max(s_peak, t_peak) / hbm:.0%} | "
-            f"{'yes' if r['fits'] else 'NO'} | {t['compile_s']:.0f} | {cmd} |")
+    return (
+        f"| {config} | {layout} | {t_peak / GiB:.2f} / {est['training'] / GiB:.1f} | "
+        f"{t['argument_bytes'] / GiB:.2f} / {t['temp_bytes'] / GiB:.2f} | {t.get('host_bytes', 0) / GiB:.2f} | "
+        f"{s_peak / GiB:.1f} / {est['sampling'] / GiB:.1f} | {1 - max(s_peak, t_peak) / hbm:.0%} | "
+        f"{'yes' if r['fits'] else 'NO'} | {t['compile_s']:.0f} | {cmd} |"
+    )
 
 
 def main(argv=None) -> int:
@@ -58,9 +68,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out_dir = pathlib.Path(args.out_dir)
-    lines = ["| config | layout | train step peak: compiled / estimate | train step args / temp | host | sampling "
-             "phase: compiled / estimate | headroom | fits (>= 10%) | train step compile s | command |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | :---: | ---: | --- |"]
+    lines = [
+        "| config | layout | train step peak: compiled / estimate | train step args / temp | host | sampling "
+        "phase: compiled / estimate | headroom | fits (>= 10%) | train step compile s | command |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | :---: | ---: | --- |",
+    ]
     reports = {}
     for config, mbt in CONFIGS:
         if args.only and not any(s in config for s in args.only):

@@ -12,6 +12,7 @@ weight-reshard programs (same aot.sampler_key: model, mesh, sampling section, sl
 exists, the others compile only their train step (`--reuse-sampler`), which saves the 5-20 minute sampler compile
 per arm; `--no-reuse` compiles everything.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,11 @@ def paper_configs(only: list[str]) -> list[pathlib.Path]:
     """The paper's run configs (not the cold-start SFT config: `stare-jax plan --sft CONFIG --compile`)."""
     from stare_jax.config.loader import is_sft_config_file
 
-    files = sorted(p for p in (REPO / "configs" / "paper").glob("*.yaml")
-                   if not p.name.startswith("_") and not is_sft_config_file(p))
+    files = sorted(
+        p
+        for p in (REPO / "configs" / "paper").glob("*.yaml")
+        if not p.name.startswith("_") and not is_sft_config_file(p)
+    )
     return [p for p in files if not only or any(s in p.name for s in only)]
 
 
@@ -39,8 +43,8 @@ def sampler_source(config: pathlib.Path, out_dir: pathlib.Path, newer_than: floa
     """A report of another config with the same sampler_key as `config` (another arm of its setting), written after
     `newer_than` (the code's mtime: a report compiled by older code may hold other sampler programs), if any; a
     report from before sampler keys were recorded gets the key of the config it was compiled from."""
-    from stare_jax.training.aot import sampler_key, topology_for
     from stare_jax.config.loader import load_config
+    from stare_jax.training.aot import sampler_key, topology_for
 
     def key(path: pathlib.Path) -> str:
         cfg = load_config(path)
@@ -77,8 +81,13 @@ def plan_compile(args: list[str]) -> dict:
     """`stare-jax plan ARGS --compile --json` in its own process: its report with `wall_s`, or {"error": the last
     line it printed to stderr, "wall_s"}."""
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "stare_jax.cli", "plan", *args, "--compile", "--json"],
-                          capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stare_jax.cli", "plan", *args, "--compile", "--json"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        cwd=REPO,
+    )
     if proc.returncode != 0:
         err = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or ["(no message)"]
         return {"error": err[0], "wall_s": time.time() - t0}
@@ -96,9 +105,11 @@ def estimate_phases(config: pathlib.Path) -> dict:
 
 
 def table(rows: list[tuple[pathlib.Path, dict]]) -> str:
-    lines = ["| config | slice (topology) | sampling peak GiB: compiled / estimate | training peak GiB: compiled / "
-             "estimate | HBM GiB | headroom | fits (>= 10%) | compile s |",
-             "| --- | --- | ---: | ---: | ---: | ---: | :---: | ---: |"]
+    lines = [
+        "| config | slice (topology) | sampling peak GiB: compiled / estimate | training peak GiB: compiled / "
+        "estimate | HBM GiB | headroom | fits (>= 10%) | compile s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | :---: | ---: |",
+    ]
     for config, r in rows:
         name = config.stem
         if "error" in r:
@@ -108,11 +119,14 @@ def table(rows: list[tuple[pathlib.Path, dict]]) -> str:
         hbm = r["hbm_bytes_per_device"]
         s, t = r["phases"]["sampling"]["peak_bytes"], r["phases"]["training"]["peak_bytes"]
         # compile time of what was compiled for this config (a reused sampler's time is not counted again)
-        compile_s = sum(p["compile_s"] for k, p in r["compiled"].items()
-                        if k == "train_step" or not r.get("sampler_reused"))
-        lines.append(f"| {name} | {r['accelerator']} ({r['topology']}) | {s / GiB:.1f} / {est['sampling'] / GiB:.1f} | "
-                     f"{t / GiB:.1f} / {est['training'] / GiB:.1f} | {hbm / GiB:.1f} | {1 - max(s, t) / hbm:.0%} | "
-                     f"{'yes' if r['fits'] else 'NO'} | {compile_s:.0f}{'*' if r.get('sampler_reused') else ''} |")
+        compile_s = sum(
+            p["compile_s"] for k, p in r["compiled"].items() if k == "train_step" or not r.get("sampler_reused")
+        )
+        lines.append(
+            f"| {name} | {r['accelerator']} ({r['topology']}) | {s / GiB:.1f} / {est['sampling'] / GiB:.1f} | "
+            f"{t / GiB:.1f} / {est['training'] / GiB:.1f} | {hbm / GiB:.1f} | {1 - max(s, t) / hbm:.0%} | "
+            f"{'yes' if r['fits'] else 'NO'} | {compile_s:.0f}{'*' if r.get('sampler_reused') else ''} |"
+        )
     return "\n".join(lines)
 
 
@@ -123,8 +137,10 @@ def calibration(rows: list[tuple[pathlib.Path, dict]]) -> dict:
         if "error" in r:
             continue
         est = estimate_phases(config)
-        errs[config.stem] = {ph: (est[ph] - r["phases"][ph]["peak_bytes"]) / r["phases"][ph]["peak_bytes"]
-                      for ph in ("sampling", "training")}
+        errs[config.stem] = {
+            ph: (est[ph] - r["phases"][ph]["peak_bytes"]) / r["phases"][ph]["peak_bytes"]
+            for ph in ("sampling", "training")
+        }
     return errs
 
 
@@ -133,8 +149,11 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=[], help="config-name substrings to compile (default: all)")
     ap.add_argument("--out-dir", default=str(REPO / ".cache" / "aot"))
     ap.add_argument("--fresh", action="store_true", help="recompile even when a newer report exists")
-    ap.add_argument("--no-reuse", action="store_true",
-                    help="compile every program of every config (no sampler reuse between the arms of a setting)")
+    ap.add_argument(
+        "--no-reuse",
+        action="store_true",
+        help="compile every program of every config (no sampler reuse between the arms of a setting)",
+    )
     ap.add_argument("--cached-only", action="store_true", help="tabulate the reports already in --out-dir")
     ap.add_argument("--json", action="store_true", help="print the rows and calibration as JSON")
     args = ap.parse_args(argv)

@@ -17,6 +17,7 @@ Each run is its own `python -m stare_jax.cli demo` process (XLA reads its flags 
 The verdict line says whether the issue's bar holds: every check passes on >= 90% of the seeds and on every
 perturbation.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,20 +54,41 @@ def run_one(out: pathlib.Path, scenario: str, seed: int, overrides, perturbation
         for k, v in flags.items():
             env[k] = (env.get(k, "") + " " + v).strip()
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "stare_jax.cli", "demo", "--scenario", scenario, "--run-dir", str(out),
-           f"seed={seed}", f"data.seed={seed}", *extra, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stare_jax.cli",
+        "demo",
+        "--scenario",
+        scenario,
+        "--run-dir",
+        str(out),
+        f"seed={seed}",
+        f"data.seed={seed}",
+        *extra,
+        *overrides,
+    ]
     t0 = time.time()
     with open(out / "demo.log", "w") as log:
-        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            preexec_fn=(lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if pin
-                            else None).returncode
+        rc = subprocess.run(
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if pin else None,
+        ).returncode
     wall = time.time() - t0
     if rc != 0:
         raise SystemExit(f"demo_seeds: {' '.join(cmd)} exited {rc}; see {out / 'demo.log'}")
     (grpo, _), (stare, _) = SCENARIOS[scenario]
     checks = demo_checks(out / grpo, out / stare, tool=scenario == "tool")
-    return {"grpo": run_summary(out / grpo), "stare": run_summary(out / stare), "checks": checks,
-            "passed": all(c.passed for c in checks), "wall_s": wall}
+    return {
+        "grpo": run_summary(out / grpo),
+        "stare": run_summary(out / stare),
+        "checks": checks,
+        "passed": all(c.passed for c in checks),
+        "wall_s": wall,
+    }
 
 
 def _gain(checks, prefix: str):
@@ -75,17 +97,23 @@ def _gain(checks, prefix: str):
 
 def table(rows: dict[str, dict]) -> str:
     """One line per run, then the worst margin of every check over all runs (negative = failed)."""
+
     def f(v, spec=".3f"):
         return "n/a" if v is None else format(v, spec)
 
-    lines = ["| run | STARE first H | STARE last-10 H | last quarter in band | GRPO-ds last-10 H | acc gain GRPO-ds "
-             "| acc gain STARE | pass | wall s |", "|---|---:|---:|---:|---:|---:|---:|:---:|---:|"]
+    lines = [
+        "| run | STARE first H | STARE last-10 H | last quarter in band | GRPO-ds last-10 H | acc gain GRPO-ds "
+        "| acc gain STARE | pass | wall s |",
+        "|---|---:|---:|---:|---:|---:|---:|:---:|---:|",
+    ]
     for name, r in rows.items():
         s, g, c = r["stare"], r["grpo"], r["checks"]
-        lines.append(f"| {name} | {f(s['first_entropy'], '.4f')} | {f(s['last10_entropy'], '.4f')} | "
-                     f"{f(s['last_quarter_in_band'], '.0%')} | {f(g['last10_entropy'], '.4f')} | "
-                     f"{f(_gain(c, 'GRPO-ds'))} | {f(_gain(c, 'STARE'))} | "
-                     f"{'yes' if r['passed'] else 'NO'} | {r['wall_s']:.0f} |")
+        lines.append(
+            f"| {name} | {f(s['first_entropy'], '.4f')} | {f(s['last10_entropy'], '.4f')} | "
+            f"{f(s['last_quarter_in_band'], '.0%')} | {f(g['last10_entropy'], '.4f')} | "
+            f"{f(_gain(c, 'GRPO-ds'))} | {f(_gain(c, 'STARE'))} | "
+            f"{'yes' if r['passed'] else 'NO'} | {r['wall_s']:.0f} |"
+        )
     lines += ["", "| check | required | worst margin | worst run | median value |", "|---|---:|---:|---|---:|"]
     first = next(iter(rows.values()))["checks"]
     for i, chk in enumerate(first):
@@ -116,8 +144,7 @@ def main() -> None:
         ap.error("nothing to run: give --seeds N >= 1, --seed-list or --only-perturb")
     for name, seed, perturbation in runs:
         rows[name] = run_one(out / name, args.scenario, seed, args.overrides, perturbation=perturbation)
-        print(f"{name}: {'PASS' if rows[name]['passed'] else 'FAIL'} "
-              f"({rows[name]['wall_s']:.0f} s)", flush=True)
+        print(f"{name}: {'PASS' if rows[name]['passed'] else 'FAIL'} ({rows[name]['wall_s']:.0f} s)", flush=True)
         text = report(rows, args.scenario)
         (out / "seeds.md").write_text(text)  # after every run: a stopped benchmark keeps what it measured
     print(text)
@@ -131,11 +158,15 @@ def report(rows: dict[str, dict], scenario: str) -> str:
     n_seed_pass = sum(rows[n]["passed"] for n in seed_rows)
     n_pert_pass = sum(rows[n]["passed"] for n in perturbed)
     ok = n_seed_pass >= 0.9 * len(seed_rows) and n_pert_pass == len(perturbed)
-    failed = "".join(f"\n## {n}\n\n{format_checks(r['checks'])}" for n, r in rows.items()
-                     if not r["passed"])
-    return (f"# demo robustness: scenario {scenario}\n\n" + table(rows) + failed
-            + f"\n{n_seed_pass} of {len(seed_rows)} seeds and {n_pert_pass} of {len(perturbed)} perturbations pass "
-              f"every check: {'the bar holds' if ok else 'the bar (>= 90% of seeds, every perturbation) FAILS'}\n")
+    failed = "".join(f"\n## {n}\n\n{format_checks(r['checks'])}" for n, r in rows.items() if not r["passed"])
+    return (
+        f"# demo robustness: scenario {scenario}\n\n"
+        + table(rows)
+        + failed
+        + f"\n{n_seed_pass} of {len(seed_rows)} seeds and {n_pert_pass} of {len(perturbed)} perturbations pass "
+        f"every check: {'the bar holds' if ok else 'the bar (>= 90% of seeds, every perturbation) FAILS'}\n"
+    )
+
 
 if __name__ == "__main__":
     main()

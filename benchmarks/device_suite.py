@@ -36,6 +36,7 @@ ratio reuses the train_step section's model and sizes, so with a persistent comp
 is a cache hit) for a CPU run well under a minute.
 The exit status is 1 if a section failed (its error is in the JSON), else 0.
 """
+
 from __future__ import annotations
 
 _T_START = __import__("time").perf_counter()
@@ -66,23 +67,58 @@ PEAK_FLOPS = (
 )
 
 # Qwen2.5-0.5B's config.json shape (used when stare_jax.models has no "qwen2.5-0.5b" preset).
-QWEN25_05B = dict(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
-                  intermediate_size=4864, rope_theta=1e6, rms_norm_eps=1e-6, qkv_bias=True, tie_word_embeddings=True,
-                  max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151643)
-TINY_MODEL = dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                  qkv_bias=True, tie_word_embeddings=True, max_position_embeddings=512)
+QWEN25_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    intermediate_size=4864,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
+TINY_MODEL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    qkv_bias=True,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
 # benchmarks/stare_overhead.py --preset issue (the ~50M-param setting; 67M with the untied embeddings)
-RATIO_MODEL = dict(vocab_size=32768, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8,
-                   intermediate_size=2048, tie_word_embeddings=False, max_position_embeddings=4096)
+RATIO_MODEL = dict(
+    vocab_size=32768,
+    hidden_size=512,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=8,
+    intermediate_size=2048,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+)
 
 SIZES = {
     # section: (full, tiny)
-    "train_step": (dict(batch=16, seq_len=1024, micro_batches=1, timed=5),
-                   dict(batch=4, seq_len=64, micro_batches=1, timed=2)),
-    "sampler": (dict(prompts=64, samples=1, prompt_len=128, new_tokens=512, timed=3),
-                dict(prompts=4, samples=1, prompt_len=16, new_tokens=16, timed=2)),
-    "stare_ratio": (dict(batch=64, seq_len=512, micro_batches=4, pairs=5),
-                    dict(batch=4, seq_len=64, micro_batches=1, pairs=2)),
+    "train_step": (
+        dict(batch=16, seq_len=1024, micro_batches=1, timed=5),
+        dict(batch=4, seq_len=64, micro_batches=1, timed=2),
+    ),
+    "sampler": (
+        dict(prompts=64, samples=1, prompt_len=128, new_tokens=512, timed=3),
+        dict(prompts=4, samples=1, prompt_len=16, new_tokens=16, timed=2),
+    ),
+    "stare_ratio": (
+        dict(batch=64, seq_len=512, micro_batches=4, pairs=5),
+        dict(batch=4, seq_len=64, micro_batches=1, pairs=2),
+    ),
 }
 MIN_START_S = {"train_step": 90.0, "sampler": 60.0, "stare_ratio": 60.0}  # full mode; tiny: 5 s each
 
@@ -94,8 +130,13 @@ def log(*a):
 def stats(values, unit="_s"):
     import statistics
 
-    return {f"min{unit}": min(values), f"median{unit}": statistics.median(values), f"max{unit}": max(values),
-            "n": len(values), f"values{unit}": [round(v, 6) for v in values]}
+    return {
+        f"min{unit}": min(values),
+        f"median{unit}": statistics.median(values),
+        f"max{unit}": max(values),
+        "n": len(values),
+        f"values{unit}": [round(v, 6) for v in values],
+    }
 
 
 def peak_flops(device_kind: str):
@@ -120,10 +161,17 @@ class Suite:
         self.lock = threading.Lock()
         self.done = False
         self.rc = 0
-        self.result = {"suite": "stare_jax benchmarks/device_suite.py", "mode": "tiny" if args.tiny else "full",
-                       "budget_s": args.budget_s, "hard_limit_s": args.budget_s + HARD_GRACE_S,
-                       "loadavg_before": loadavg(), "train_step_mfu": None, "sampler_tokens_per_s": None,
-                       "stare_vs_grpo_step_ratio": None, "sections": {}}
+        self.result = {
+            "suite": "stare_jax benchmarks/device_suite.py",
+            "mode": "tiny" if args.tiny else "full",
+            "budget_s": args.budget_s,
+            "hard_limit_s": args.budget_s + HARD_GRACE_S,
+            "loadavg_before": loadavg(),
+            "train_step_mfu": None,
+            "sampler_tokens_per_s": None,
+            "stare_vs_grpo_step_ratio": None,
+            "sections": {},
+        }
         self.current = None
 
     # ------------------------------------------------------------------ budget
@@ -154,8 +202,11 @@ class Suite:
                 for name in SIZES:
                     sec = r["sections"].setdefault(name, {})
                     if "status" not in sec or sec["status"] == "running":
-                        sec["status"] = ("skipped: budget (hard limit reached while running)" if name == interrupted
-                                         else "skipped: budget")
+                        sec["status"] = (
+                            "skipped: budget (hard limit reached while running)"
+                            if name == interrupted
+                            else "skipped: budget"
+                        )
             r["loadavg_after"] = loadavg()
             r["wall_s"] = round(time.perf_counter() - self.t0, 3)
             for attempt in range(5):  # the watchdog may serialise while the main thread adds a key
@@ -165,8 +216,19 @@ class Suite:
                 except RuntimeError:
                     time.sleep(0.05)
             else:
-                text = json.dumps({k: r.get(k) for k in ("suite", "mode", "wall_s", "train_step_mfu",
-                                                         "sampler_tokens_per_s", "stare_vs_grpo_step_ratio")})
+                text = json.dumps(
+                    {
+                        k: r.get(k)
+                        for k in (
+                            "suite",
+                            "mode",
+                            "wall_s",
+                            "train_step_mfu",
+                            "sampler_tokens_per_s",
+                            "stare_vs_grpo_step_ratio",
+                        )
+                    }
+                )
             print(text, flush=True)
             if self.args.json:
                 with open(self.args.json, "w") as f:
@@ -179,8 +241,10 @@ class Suite:
         wait = self.deadline + HARD_GRACE_S - time.perf_counter()
 
         def fire():
-            log(f"[device_suite] hard limit ({self.args.budget_s + HARD_GRACE_S:.0f} s) reached in section "
-                f"{self.current!r}: printing what is done and exiting")
+            log(
+                f"[device_suite] hard limit ({self.args.budget_s + HARD_GRACE_S:.0f} s) reached in section "
+                f"{self.current!r}: printing what is done and exiting"
+            )
             rc = self.finish(interrupted=self.current)
             os._exit(rc)
 
@@ -195,8 +259,10 @@ class Suite:
             self.result["sections"][name] = {"status": "skipped: --skip"}
             return
         if self.left() < min_start:
-            self.result["sections"][name] = {"status": "skipped: budget",
-                                             "note": f"{self.left():.0f} s left < {min_start:.0f} s needed to start"}
+            self.result["sections"][name] = {
+                "status": "skipped: budget",
+                "note": f"{self.left():.0f} s left < {min_start:.0f} s needed to start",
+            }
             log(f"[device_suite] {name}: skipped (budget)")
             return
         self.current = name
@@ -227,11 +293,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke run (CI)")
     ap.add_argument("--json", metavar="PATH", help="also write the JSON here")
-    ap.add_argument("--budget-s", type=float, default=450.0,
-                    help="time budget; later sections are skipped when it runs out; hard exit at budget + 30 s")
-    ap.add_argument("--attention-impl", default="auto", choices=("auto", "xla", "dot_product", "cudnn", "splash"),
-                    help="auto: splash on TPU, cudnn on GPU (the paper configs' choice), xla on CPU; a failing "
-                         "splash/cudnn compile is retried once with xla (noted in the JSON)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=450.0,
+        help="time budget; later sections are skipped when it runs out; hard exit at budget + 30 s",
+    )
+    ap.add_argument(
+        "--attention-impl",
+        default="auto",
+        choices=("auto", "xla", "dot_product", "cudnn", "splash"),
+        help="auto: splash on TPU, cudnn on GPU (the paper configs' choice), xla on CPU; a failing "
+        "splash/cudnn compile is retried once with xla (noted in the JSON)",
+    )
     ap.add_argument("--remat", default="full", help="remat_policy of the models (paper configs: full)")
     ap.add_argument("--batch", type=int, help="train_step batch (default 16; tiny 4)")
     ap.add_argument("--seq-len", type=int, help="train_step tokens per sequence (default 1024; tiny 64)")
@@ -261,15 +335,27 @@ def main(argv=None) -> int:
     if impl == "auto":
         impl = {"tpu": "splash", "gpu": "cudnn"}.get(platform, "xla")
     r = suite.result
-    r.update({"device_kind": kind, "platform": platform, "device_count": jax.device_count(),
-              "jax_version": jax.__version__, "jaxlib_version": jaxlib.__version__, "flax_version": flax.__version__,
-              "peak_bf16_flops_per_s": peak, "peak_flops_entry": peak_name, "attention_impl": impl,
-              "remat_policy": args.remat, "import_s": round(time.perf_counter() - suite.t0, 3),
-              # set (e.g. by the CI test) -> first_call_s / compile_s may be cache loads, not compiles
-              "compilation_cache_dir": jax.config.jax_compilation_cache_dir or None})
+    r.update(
+        {
+            "device_kind": kind,
+            "platform": platform,
+            "device_count": jax.device_count(),
+            "jax_version": jax.__version__,
+            "jaxlib_version": jaxlib.__version__,
+            "flax_version": flax.__version__,
+            "peak_bf16_flops_per_s": peak,
+            "peak_flops_entry": peak_name,
+            "attention_impl": impl,
+            "remat_policy": args.remat,
+            "import_s": round(time.perf_counter() - suite.t0, 3),
+            # set (e.g. by the CI test) -> first_call_s / compile_s may be cache loads, not compiles
+            "compilation_cache_dir": jax.config.jax_compilation_cache_dir or None,
+        }
+    )
     if jax.device_count() > 1:
-        r["note_devices"] = (f"{jax.device_count()} devices visible; the suite runs on one ({dev}) as a "
-                             "single-chip benchmark")
+        r["note_devices"] = (
+            f"{jax.device_count()} devices visible; the suite runs on one ({dev}) as a single-chip benchmark"
+        )
 
     full = not args.tiny
 
@@ -277,14 +363,19 @@ def main(argv=None) -> int:
         return override if override is not None else SIZES[section][0 if full else 1][key]
 
     ctx = _Ctx(args, impl, full)
-    ts_sizes = dict(batch=size("train_step", "batch", args.batch), seq_len=size("train_step", "seq_len", args.seq_len),
-                    micro_batches=size("train_step", "micro_batches", args.micro_batches),
-                    timed=size("train_step", "timed", args.steps))
-    sp_sizes = dict(prompts=size("sampler", "prompts", args.sampler_prompts),
-                    samples=size("sampler", "samples", args.sampler_samples),
-                    prompt_len=SIZES["sampler"][0 if full else 1]["prompt_len"],
-                    new_tokens=size("sampler", "new_tokens", args.new_tokens),
-                    timed=SIZES["sampler"][0 if full else 1]["timed"])
+    ts_sizes = dict(
+        batch=size("train_step", "batch", args.batch),
+        seq_len=size("train_step", "seq_len", args.seq_len),
+        micro_batches=size("train_step", "micro_batches", args.micro_batches),
+        timed=size("train_step", "timed", args.steps),
+    )
+    sp_sizes = dict(
+        prompts=size("sampler", "prompts", args.sampler_prompts),
+        samples=size("sampler", "samples", args.sampler_samples),
+        prompt_len=SIZES["sampler"][0 if full else 1]["prompt_len"],
+        new_tokens=size("sampler", "new_tokens", args.new_tokens),
+        timed=SIZES["sampler"][0 if full else 1]["timed"],
+    )
     ra_sizes = dict(SIZES["stare_ratio"][0 if full else 1])
     if args.ratio_pairs is not None:
         ra_sizes["pairs"] = args.ratio_pairs
@@ -312,9 +403,13 @@ class _Ctx:
         else:
             base = ModelConfig(**TINY_MODEL)
             name = "tiny Qwen2-shaped (2 layers, d=64)"
-        cfg = base.replace(dtype="bfloat16", param_dtype="float32", attention_impl=impl,
-                           remat_policy=self.args.remat,
-                           max_position_embeddings=max(base.max_position_embeddings, seq_len + 1))
+        cfg = base.replace(
+            dtype="bfloat16",
+            param_dtype="float32",
+            attention_impl=impl,
+            remat_policy=self.args.remat,
+            max_position_embeddings=max(base.max_position_embeddings, seq_len + 1),
+        )
         return name, cfg
 
     def ratio_config(self, seq_len, impl):
@@ -323,8 +418,9 @@ class _Ctx:
         if not self.full:  # the train_step section's model and sizes: its STARE-O1 program is reused from a
             return self.big_config(seq_len, impl)[1]  # persistent compilation cache (JAX_COMPILATION_CACHE_DIR)
         kw = dict(RATIO_MODEL, max_position_embeddings=max(RATIO_MODEL["max_position_embeddings"], seq_len + 1))
-        return ModelConfig(**kw, dtype="bfloat16", param_dtype="float32", attention_impl=impl,
-                           remat_policy=self.args.remat)
+        return ModelConfig(
+            **kw, dtype="bfloat16", param_dtype="float32", attention_impl=impl, remat_policy=self.args.remat
+        )
 
     def model(self, cfg):
         from stare_jax.models import init_model
@@ -346,8 +442,9 @@ def _fall_back(ctx, sec, impl, err, label):
     """After attention_impl `impl` failed: re-raise if it was the last choice, else record the fallback to xla."""
     if impl == ctx.impls()[-1]:
         raise err
-    sec["attention_fallback"] = (f"attention_impl={impl} failed ({type(err).__name__}: "
-                                 f"{str(err).splitlines()[0][:300]}); fell back to xla")
+    sec["attention_fallback"] = (
+        f"attention_impl={impl} failed ({type(err).__name__}: {str(err).splitlines()[0][:300]}); fell back to xla"
+    )
     log(f"[device_suite] {label}: {sec['attention_fallback']}")
     ctx._models.clear()
 
@@ -356,10 +453,22 @@ def model_summary(cfg):
     d, L, h, dh, V = cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.vocab_size
     n_total = cfg.num_params()
     n_matmul = n_total - (0 if cfg.tie_word_embeddings else V * d)
-    return {"params": n_total, "matmul_params": n_matmul, "layers": L, "hidden": d, "heads": h,
-            "kv_heads": cfg.num_kv_heads, "head_dim": dh, "intermediate": cfg.intermediate_size, "vocab": V,
-            "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": cfg.dtype, "param_dtype": cfg.param_dtype,
-            "attention_impl": cfg.attention_impl, "remat_policy": cfg.remat_policy}
+    return {
+        "params": n_total,
+        "matmul_params": n_matmul,
+        "layers": L,
+        "hidden": d,
+        "heads": h,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": dh,
+        "intermediate": cfg.intermediate_size,
+        "vocab": V,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "dtype": cfg.dtype,
+        "param_dtype": cfg.param_dtype,
+        "attention_impl": cfg.attention_impl,
+        "remat_policy": cfg.remat_policy,
+    }
 
 
 def synthetic_batch(B, L, V, seed=0):
@@ -371,7 +480,7 @@ def synthetic_batch(B, L, V, seed=0):
     ids = rng.integers(0, V, (B, L)).astype(np.int32)
     attn = np.ones((B, L), np.int32)
     resp = np.zeros((B, L), np.int32)
-    resp[:, max(1, L // 4):] = 1
+    resp[:, max(1, L // 4) :] = 1
     adv = np.where(np.arange(B) % 2 == 0, 1.0, -1.0).astype(np.float32)
     return dict(input_ids_BxT=ids, attention_mask_BxT=attn, response_mask_BxT=resp, advantages_B=adv)
 
@@ -406,13 +515,21 @@ def section_train_step(suite, ctx, sec, peak, *, batch, seq_len, micro_batches, 
     from stare_jax.rl import StareConfig
     from stare_jax.rl.step import OptimizerConfig, TrainStepConfig
 
-    tcfg = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-6),
-                           stare=StareConfig(enabled=True, variant="O1", target_entropy=1e3),
-                           num_micro_batches=micro_batches)
-    sec["sizes"] = {"batch": batch, "seq_len": seq_len, "tokens_per_step": batch * seq_len,
-                    "micro_batches": micro_batches, "timed_steps": timed, "warmup_steps": 1,
-                    "train_step": "STARE-O1, gate forced on (target_entropy 1e3), ppo_epochs 1, 1 mini-batch, "
-                                  "token-mean, lr 1e-6 AdamW, state donated"}
+    tcfg = TrainStepConfig(
+        optimizer=OptimizerConfig(lr=1e-6),
+        stare=StareConfig(enabled=True, variant="O1", target_entropy=1e3),
+        num_micro_batches=micro_batches,
+    )
+    sec["sizes"] = {
+        "batch": batch,
+        "seq_len": seq_len,
+        "tokens_per_step": batch * seq_len,
+        "micro_batches": micro_batches,
+        "timed_steps": timed,
+        "warmup_steps": 1,
+        "train_step": "STARE-O1, gate forced on (target_entropy 1e3), ppo_epochs 1, 1 mini-batch, "
+        "token-mean, lr 1e-6 AdamW, state donated",
+    }
     for impl in ctx.impls():
         name, mcfg = ctx.big_config(seq_len, impl)
         try:
@@ -429,14 +546,17 @@ def section_train_step(suite, ctx, sec, peak, *, batch, seq_len, micro_batches, 
             _fall_back(ctx, sec, impl, e, "train_step")
     sec["model_name"] = name
     sec["model"] = model_summary(mcfg)
-    log(f"[device_suite] train_step: {name}, {mcfg.num_params() / 1e6:.1f}M params, {batch}x{seq_len}, "
-        f"first call {first:.1f} s")
+    log(
+        f"[device_suite] train_step: {name}, {mcfg.num_params() / 1e6:.1f}M params, {batch}x{seq_len}, "
+        f"first call {first:.1f} s"
+    )
     call()  # warm-up
     times = suite.timed(call, timed)
     st = stats(times)
     m = jax.device_get(box["metrics"])
-    sec["metrics_last_step"] = {k: float(m[k]) for k in ("loss", "grad_norm", "entropy", "gate_on",
-                                                          "skipped_updates", "response_tokens")}
+    sec["metrics_last_step"] = {
+        k: float(m[k]) for k in ("loss", "grad_norm", "entropy", "gate_on", "skipped_updates", "response_tokens")
+    }
     sec["step_time"] = st
     sec["first_call_s"] = round(first, 3)
     sec["compile_s"] = round(first - st["median_s"], 3)
@@ -446,9 +566,14 @@ def section_train_step(suite, ctx, sec, peak, *, batch, seq_len, micro_batches, 
     attn = 2 * mcfg.num_layers * mcfg.num_heads * mcfg.head_dim * seq_len  # per token, forward, causal
     model_flops = tokens * (8 * n + 4 * attn)
     hw_flops = model_flops + (tokens * (2 * n + attn) if mcfg.remat_policy != "none" else 0)
-    sec["flops"] = {"model_flops_per_step": model_flops, "train_fwd_bwd": tokens * (6 * n + 3 * attn),
-                    "old_logprob_pass": tokens * (2 * n + attn), "attention_fwd_per_token": attn,
-                    "remat_recompute": hw_flops - model_flops, "hardware_flops_per_step": hw_flops}
+    sec["flops"] = {
+        "model_flops_per_step": model_flops,
+        "train_fwd_bwd": tokens * (6 * n + 3 * attn),
+        "old_logprob_pass": tokens * (2 * n + attn),
+        "attention_fwd_per_token": attn,
+        "remat_recompute": hw_flops - model_flops,
+        "hardware_flops_per_step": hw_flops,
+    }
     achieved = model_flops / st["median_s"]
     sec["model_flops_per_s"] = achieved
     sec["tokens_per_s"] = tokens / st["median_s"]
@@ -456,7 +581,8 @@ def section_train_step(suite, ctx, sec, peak, *, batch, seq_len, micro_batches, 
         "MFU = tokens*(8*N + 8*n_layers*n_heads*head_dim*L) / (median_step_s * peak_bf16_flops_per_s); "
         "6N+3A fwd+bwd update + 2N+A no-grad old-log-prob pass, A = 2*n_layers*n_heads*head_dim*L per token "
         "(causal QK^T+AV), N = num_params less the untied input embedding, tokens = batch*L; remat recompute "
-        "(+2N+A) excluded from MFU, included in hfu")
+        "(+2N+A) excluded from MFU, included in hfu"
+    )
     if peak:
         mfu = achieved / peak
         sec["mfu"] = mfu
@@ -467,10 +593,13 @@ def section_train_step(suite, ctx, sec, peak, *, batch, seq_len, micro_batches, 
         sec["mfu"] = None
         suite.result["train_step_mfu_note"] = (
             f"device kind {suite.result['device_kind']!r} is not in the peak FLOP/s table (H100/H200, A100, B200, "
-            "TPU v4/v5e/v5p/v6e), so MFU is null; model_flops_per_s is in sections.train_step")
+            "TPU v4/v5e/v5p/v6e), so MFU is null; model_flops_per_s is in sections.train_step"
+        )
     del box, call
-    log(f"[device_suite] train_step: median {st['median_s'] * 1e3:.1f} ms, "
-        f"{achieved / 1e12:.2f} TFLOP/s, MFU {sec['mfu']}")
+    log(
+        f"[device_suite] train_step: median {st['median_s'] * 1e3:.1f} ms, "
+        f"{achieved / 1e12:.2f} TFLOP/s, MFU {sec['mfu']}"
+    )
 
 
 def section_sampler(suite, ctx, sec, *, prompts, samples, prompt_len, new_tokens, timed):
@@ -479,9 +608,18 @@ def section_sampler(suite, ctx, sec, *, prompts, samples, prompt_len, new_tokens
 
     from stare_jax.sampling import Sampler, SamplingParams
 
-    sec["sizes"] = {"prompts": prompts, "samples_per_prompt": samples, "rows": prompts * samples,
-                    "prompt_len": prompt_len, "new_tokens": new_tokens, "timed_runs": timed, "warmup_runs": 1,
-                    "temperature": 1.0, "eos_ids": [], "kv_cache_dtype": "bfloat16"}
+    sec["sizes"] = {
+        "prompts": prompts,
+        "samples_per_prompt": samples,
+        "rows": prompts * samples,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "timed_runs": timed,
+        "warmup_runs": 1,
+        "temperature": 1.0,
+        "eos_ids": [],
+        "kv_cache_dtype": "bfloat16",
+    }
     for impl in ctx.impls():
         name, mcfg = ctx.big_config(prompt_len + new_tokens, impl)
         try:
@@ -497,8 +635,13 @@ def section_sampler(suite, ctx, sec, *, prompts, samples, prompt_len, new_tokens
             out_box = {}
 
             def call():
-                out = sampler.generate_arrays(ids, mask, max_new_tokens=new_tokens, num_samples=samples,
-                                              sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=0))
+                out = sampler.generate_arrays(
+                    ids,
+                    mask,
+                    max_new_tokens=new_tokens,
+                    num_samples=samples,
+                    sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=0),
+                )
                 out_box["out"] = jax.block_until_ready(out)
 
             t = time.perf_counter()
@@ -526,8 +669,9 @@ def section_sampler(suite, ctx, sec, *, prompts, samples, prompt_len, new_tokens
     sec["tokens_per_s"] = tps
     sec["tokens_per_s_best"] = rows * new_tokens / st["min_s"]
     suite.result["sampler_tokens_per_s"] = tps
-    suite.result["sampler_setup"] = (f"{prompts} prompts x {samples} sample(s), {prompt_len}-token prompts, "
-                                     f"{new_tokens} new tokens, eos_ids=[]")
+    suite.result["sampler_setup"] = (
+        f"{prompts} prompts x {samples} sample(s), {prompt_len}-token prompts, {new_tokens} new tokens, eos_ids=[]"
+    )
     sampler.release()
     log(f"[device_suite] sampler: median {st['median_s']:.3f} s -> {tps:.0f} tokens/s")
 
@@ -536,12 +680,22 @@ def section_stare_ratio(suite, ctx, sec, *, batch, seq_len, micro_batches, pairs
     from stare_jax.rl import StareConfig
     from stare_jax.rl.step import OptimizerConfig, TrainStepConfig
 
-    arms = {"grpo_ds": StareConfig(enabled=False),
-            "stare_o1": StareConfig(enabled=True, variant="O1", target_entropy=1e3)}
-    sec["sizes"] = {"batch": batch, "seq_len": seq_len, "micro_batches": micro_batches, "timed_pairs": pairs,
-                    "warmup_steps": 1, "order": "interleaved grpo_ds, stare_o1, grpo_ds, ..."}
-    sec["arms"] = {"grpo_ds": "StareConfig(enabled=False)",
-                   "stare_o1": "StareConfig(enabled=True, variant='O1', target_entropy=1e3): gate on"}
+    arms = {
+        "grpo_ds": StareConfig(enabled=False),
+        "stare_o1": StareConfig(enabled=True, variant="O1", target_entropy=1e3),
+    }
+    sec["sizes"] = {
+        "batch": batch,
+        "seq_len": seq_len,
+        "micro_batches": micro_batches,
+        "timed_pairs": pairs,
+        "warmup_steps": 1,
+        "order": "interleaved grpo_ds, stare_o1, grpo_ds, ...",
+    }
+    sec["arms"] = {
+        "grpo_ds": "StareConfig(enabled=False)",
+        "stare_o1": "StareConfig(enabled=True, variant='O1', target_entropy=1e3): gate on",
+    }
     for impl in ctx.impls():
         mcfg = ctx.ratio_config(seq_len, impl)
         try:
@@ -550,8 +704,7 @@ def section_stare_ratio(suite, ctx, sec, *, batch, seq_len, micro_batches, pairs
             batch_np = synthetic_batch(batch, seq_len, mcfg.vocab_size, seed=2)
             calls, boxes, first = {}, {}, {}
             for arm, scfg in arms.items():
-                tcfg = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-6), stare=scfg,
-                                       num_micro_batches=micro_batches)
+                tcfg = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-6), stare=scfg, num_micro_batches=micro_batches)
                 calls[arm], boxes[arm] = _stepper(model, tcfg, batch_np)
                 t = time.perf_counter()
                 calls[arm]()

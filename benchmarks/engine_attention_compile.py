@@ -9,6 +9,7 @@ Each backend is one decode compile (a 7B program: minutes and several GB of host
 (`stare-jax plan CONFIG --compile`) compiles the train step, the weight reshard and both engine programs with the
 config's own attention (auto: pallas on a TPU with head_dim % 128 == 0 and a bfloat16 KV cache).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,31 +31,44 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", action="store_true", help="also compile the prefill program (gathers either way)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    from stare_jax.training import aot
     from stare_jax.config.loader import load_config
+    from stare_jax.training import aot
 
     cfg = load_config(args.config)
     out = {}
     for attention in ("gather", "pallas"):
-        r = aot.compile_engine(cfg, topology=args.topology, attention=attention, prefill=args.prefill,
-                               log=lambda m: print(m, file=sys.stderr))
-        out[attention] = {"topology": r["topology"], "mesh": r["mesh"],
-                          **{name: {k: p[k] for k in (*FIELDS, "mosaic_kernels", "compile_s")}
-                             for name, p in r["compiled"].items()}}
+        r = aot.compile_engine(
+            cfg,
+            topology=args.topology,
+            attention=attention,
+            prefill=args.prefill,
+            log=lambda m: print(m, file=sys.stderr),
+        )
+        out[attention] = {
+            "topology": r["topology"],
+            "mesh": r["mesh"],
+            **{name: {k: p[k] for k in (*FIELDS, "mosaic_kernels", "compile_s")} for name, p in r["compiled"].items()},
+        }
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     first = next(iter(out.values()))
     print(f"{args.config}: engine programs for {first['topology']} (mesh {first['mesh']}), GiB per chip")
-    print(f"  {'attention':<10}{'program':<17}" + "".join(f"{f.split('_')[0][:8]:>10}" for f in FIELDS)
-          + f"{'mosaic':>8}{'compile s':>11}")
+    print(
+        f"  {'attention':<10}{'program':<17}"
+        + "".join(f"{f.split('_')[0][:8]:>10}" for f in FIELDS)
+        + f"{'mosaic':>8}{'compile s':>11}"
+    )
     for attention, r in out.items():
         for name in ("sampler", "sampler_prefill"):
             if name in r:
                 p = r[name]
-                print(f"  {attention:<10}{('decode' if name == 'sampler' else 'prefill'):<17}"
-                      + "".join(f"{p[f] / GiB:10.2f}" for f in FIELDS) + f"{p['mosaic_kernels']:8d}"
-                      + f"{p['compile_s']:11.1f}")
+                print(
+                    f"  {attention:<10}{('decode' if name == 'sampler' else 'prefill'):<17}"
+                    + "".join(f"{p[f] / GiB:10.2f}" for f in FIELDS)
+                    + f"{p['mosaic_kernels']:8d}"
+                    + f"{p['compile_s']:11.1f}"
+                )
     return 0
 
 

@@ -20,6 +20,7 @@ time. The roofline line divides the decode's matmul FLOPs per step (analytic, fr
 matmul peak, the GFLOP/s of a jitted [rows, hidden] x [hidden, vocab] matmul timed in this process: a decode
 step cannot be faster than that on this CPU with these matmuls (the greedy engine is bound by it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,14 @@ def hlo_ops(hlo_text: str) -> dict[str, dict]:
         m = _LINE.match(line)
         if m:
             name_meta = _OP_NAME.search(line)
-            operands = re.findall(r"%([\w.\-]+)", line[m.end():].split(")", 1)[0])
-            ops[m.group(1)] = {"shape": m.group(2), "opcode": m.group(3), "operands": operands,
-                               "op_name": name_meta.group(1) if name_meta else "", "line": line}
+            operands = re.findall(r"%([\w.\-]+)", line[m.end() :].split(")", 1)[0])
+            ops[m.group(1)] = {
+                "shape": m.group(2),
+                "opcode": m.group(3),
+                "operands": operands,
+                "op_name": name_meta.group(1) if name_meta else "",
+                "line": line,
+            }
     return ops
 
 
@@ -208,33 +214,46 @@ def main(argv=None):
         if not files:
             raise SystemExit(f"no optimized HLO of {module} under {dump}: did XLA_FLAGS reach XLA?")
         classes_by_module[module], conflicts[module] = merge_variants(
-            [classify_ops(hlo_ops(open(f).read()), cfg.vocab_size) for f in files])
+            [classify_ops(hlo_ops(open(f).read()), cfg.vocab_size) for f in files]
+        )
     agg = aggregate([e for e in trace["traceEvents"] if e.get("ph") == "X"], classes_by_module)
     decode, prefill = agg["jit__decode_chunk"], agg.get("jit__prefill", {"wall_s": 0.0})
     layer_flops, head_flops = matmul_flops_per_token(cfg)
     peak = matmul_peak_gflops(args.batch, cfg.hidden_size, cfg.vocab_size)
     step_flops = args.batch * (layer_flops + head_flops)
     result = {
-        "benchmark": "engine_profile", "batch": args.batch, "new_tokens": args.new,
-        "call_s": calls_s, "call_median_s": statistics.median(calls_s), "decode_steps": steps,
-        "prefill_wall_s": prefill["wall_s"], "decode_wall_s": decode["wall_s"],
+        "benchmark": "engine_profile",
+        "batch": args.batch,
+        "new_tokens": args.new,
+        "call_s": calls_s,
+        "call_median_s": statistics.median(calls_s),
+        "decode_steps": steps,
+        "prefill_wall_s": prefill["wall_s"],
+        "decode_wall_s": decode["wall_s"],
         "decode_step_ms": 1e3 * decode["wall_s"] / steps,
         "decode_op_ms_per_step": {c: 1e3 * s / steps for c, s in decode["op_s"].items()},
-        "matmul_gflop_per_step": step_flops / 1e9, "matmul_peak_gflops": peak,
+        "matmul_gflop_per_step": step_flops / 1e9,
+        "matmul_peak_gflops": peak,
         "step_ms_at_matmul_peak": 1e3 * step_flops / (peak * 1e9),
         "instruction_names_classed_other_by_variant_conflict": conflicts["jit__decode_chunk"],
     }
     result["decode_step_vs_matmul_roofline"] = result["decode_step_ms"] / result["step_ms_at_matmul_peak"]
     result["machine"] = machine_state()
     out = sys.stderr if args.json else sys.stdout
-    print(f"greedy {args.batch} x {args.new}: call {result['call_median_s']:.2f} s (median of {args.repeats}); "
-          f"profiled call: prefill {prefill['wall_s']:.2f} s, decode {decode['wall_s']:.2f} s over {steps} steps "
-          f"= {result['decode_step_ms']:.1f} ms/step", file=out)
+    print(
+        f"greedy {args.batch} x {args.new}: call {result['call_median_s']:.2f} s (median of {args.repeats}); "
+        f"profiled call: prefill {prefill['wall_s']:.2f} s, decode {decode['wall_s']:.2f} s over {steps} steps "
+        f"= {result['decode_step_ms']:.1f} ms/step",
+        file=out,
+    )
     for c, ms in result["decode_op_ms_per_step"].items():
         print(f"  {c:14s} {ms:7.2f} ms/step (op time)", file=out)
-    print(f"matmuls {result['matmul_gflop_per_step']:.2f} GFLOP/step at the measured peak {peak:.0f} GFLOP/s = "
-          f"{result['step_ms_at_matmul_peak']:.1f} ms/step: the decode step is "
-          f"{result['decode_step_vs_matmul_roofline']:.2f}x that roofline", file=out)
+    print(
+        f"matmuls {result['matmul_gflop_per_step']:.2f} GFLOP/step at the measured peak {peak:.0f} GFLOP/s = "
+        f"{result['step_ms_at_matmul_peak']:.1f} ms/step: the decode step is "
+        f"{result['decode_step_vs_matmul_roofline']:.2f}x that roofline",
+        file=out,
+    )
     if args.json:
         print(json.dumps(result, indent=1))
     if args.keep:

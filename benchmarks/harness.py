@@ -14,6 +14,7 @@ it warns on stderr and sets `busy: true`.
 Ratios are speed ratios against the reference side (the last one unless `reference=` names one):
 ratio = median_s[reference] / median_s[side], so > 1 means `side` is faster.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,16 @@ import sys
 import time
 from typing import Callable
 
-THREAD_ENV_VARS = ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                   "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "JAX_PLATFORMS", "KMP_AFFINITY")
+THREAD_ENV_VARS = (
+    "XLA_FLAGS",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "TF_NUM_INTRAOP_THREADS",
+    "TF_NUM_INTEROP_THREADS",
+    "JAX_PLATFORMS",
+    "KMP_AFFINITY",
+)
 
 
 def load_average() -> list[float]:
@@ -45,20 +54,32 @@ def thread_settings() -> dict:
     out = {"env": {k: os.environ.get(k) for k in THREAD_ENV_VARS if os.environ.get(k) is not None}}
     torch = sys.modules.get("torch")
     if torch is not None:
-        out["torch"] = {"version": torch.__version__, "num_threads": torch.get_num_threads(),
-                        "num_interop_threads": torch.get_num_interop_threads()}
+        out["torch"] = {
+            "version": torch.__version__,
+            "num_threads": torch.get_num_threads(),
+            "num_interop_threads": torch.get_num_interop_threads(),
+        }
     jax = sys.modules.get("jax")
     if jax is not None:
         devices = jax.devices()
-        out["jax"] = {"version": jax.__version__, "backend": jax.default_backend(), "devices": len(devices),
-                      "device_kind": devices[0].device_kind}
+        out["jax"] = {
+            "version": jax.__version__,
+            "backend": jax.default_backend(),
+            "devices": len(devices),
+            "device_kind": devices[0].device_kind,
+        }
     return out
 
 
 def machine_state() -> dict:
     """CPU count, usable CPUs, load average now and the thread settings."""
-    return {"cpu_count": os.cpu_count(), "cpus_usable": usable_cpus(), "loadavg": load_average(),
-            "niceness": os.nice(0), "threads": thread_settings()}
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable_cpus(),
+        "loadavg": load_average(),
+        "niceness": os.nice(0),
+        "threads": thread_settings(),
+    }
 
 
 def _block(out):
@@ -111,14 +132,24 @@ def ratios(runs: dict, reference: str) -> dict:
         if name == reference:
             continue
         pair = [a / b for a, b in zip(ref_t, r["times_s"])]
-        out[name] = {"ratio_of_medians": statistics.median(ref_t) / statistics.median(r["times_s"]),
-                     "median_of_pair_ratios": statistics.median(pair), "pair_ratio_min": min(pair),
-                     "pair_ratio_max": max(pair)}
+        out[name] = {
+            "ratio_of_medians": statistics.median(ref_t) / statistics.median(r["times_s"]),
+            "median_of_pair_ratios": statistics.median(pair),
+            "pair_ratio_min": min(pair),
+            "pair_ratio_max": max(pair),
+        }
     return out
 
 
-def compare(fns: dict[str, Callable], repeats: int = 5, warmup: int = 1, reference: str | None = None,
-            label: str = "", units: float | None = None, unit_name: str = "items") -> dict:
+def compare(
+    fns: dict[str, Callable],
+    repeats: int = 5,
+    warmup: int = 1,
+    reference: str | None = None,
+    label: str = "",
+    units: float | None = None,
+    unit_name: str = "items",
+) -> dict:
     """Time the callables interleaved and return the JSON-ready record (see the module docstring).
 
     units: work per call (tokens, items) so each side also gets units/s at its median; reference: the side the
@@ -134,17 +165,32 @@ def compare(fns: dict[str, Callable], repeats: int = 5, warmup: int = 1, referen
     sides = {}
     for name, r in runs.items():
         s = summarize(r["times_s"])
-        s.update(times_s=r["times_s"], cpu_s=r["cpu_s"], median_cpu_s=statistics.median(r["cpu_s"]),
-                 median_cores_busy=statistics.median(c / max(t, 1e-9) for c, t in zip(r["cpu_s"], r["times_s"])))
+        s.update(
+            times_s=r["times_s"],
+            cpu_s=r["cpu_s"],
+            median_cpu_s=statistics.median(r["cpu_s"]),
+            median_cores_busy=statistics.median(c / max(t, 1e-9) for c, t in zip(r["cpu_s"], r["times_s"])),
+        )
         if units:
             s[f"{unit_name}_per_s"] = units / s["median_s"]
         sides[name] = s
     cores = usable_cpus()
-    res = {"label": label, "reference": reference, "repeats": repeats, "warmup": warmup, "sides": sides,
-           "ratios": ratios(runs, reference), "loadavg_before": before, "loadavg_after": after,
-           "loadavg_peak_1m": max(la[0] for la in [before, after] + loads), "cpu_count": os.cpu_count(),
-           "cpus_usable": cores, "niceness": os.nice(0), "threads": thread_settings(),
-           "busy": is_busy([before, after] + loads, cores)}
+    res = {
+        "label": label,
+        "reference": reference,
+        "repeats": repeats,
+        "warmup": warmup,
+        "sides": sides,
+        "ratios": ratios(runs, reference),
+        "loadavg_before": before,
+        "loadavg_after": after,
+        "loadavg_peak_1m": max(la[0] for la in [before, after] + loads),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": cores,
+        "niceness": os.nice(0),
+        "threads": thread_settings(),
+        "busy": is_busy([before, after] + loads, cores),
+    }
     if res["busy"]:
         warn_busy(res)
     return res
@@ -152,26 +198,34 @@ def compare(fns: dict[str, Callable], repeats: int = 5, warmup: int = 1, referen
 
 def warn_busy(res: dict) -> None:
     """The loud stderr warning for a ratio measured on an oversubscribed machine."""
-    print(f"\n!!! WARNING [{res['label']}]: load average peaked at {res['loadavg_peak_1m']:.2f} > "
-          f"{res['cpus_usable']} usable cores: the machine was busy, these timings are not a quiet-machine "
-          f"figure (busy: true) !!!\n", file=sys.stderr, flush=True)
+    print(
+        f"\n!!! WARNING [{res['label']}]: load average peaked at {res['loadavg_peak_1m']:.2f} > "
+        f"{res['cpus_usable']} usable cores: the machine was busy, these timings are not a quiet-machine "
+        f"figure (busy: true) !!!\n",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def format_comparison(res: dict) -> str:
     """Human-readable lines for one `compare` record."""
-    lines = [f"[{res['label']}] {res['repeats']} interleaved rounds (+{res['warmup']} warm-up), load "
-             f"{res['loadavg_before'][0]:.2f} before / {res['loadavg_after'][0]:.2f} after "
-             f"(peak {res['loadavg_peak_1m']:.2f}), {res['cpus_usable']}/{res['cpu_count']} CPUs, "
-             f"nice {res['niceness']}"
-             + ("  ** BUSY **" if res["busy"] else "")]
+    lines = [
+        f"[{res['label']}] {res['repeats']} interleaved rounds (+{res['warmup']} warm-up), load "
+        f"{res['loadavg_before'][0]:.2f} before / {res['loadavg_after'][0]:.2f} after "
+        f"(peak {res['loadavg_peak_1m']:.2f}), {res['cpus_usable']}/{res['cpu_count']} CPUs, "
+        f"nice {res['niceness']}" + ("  ** BUSY **" if res["busy"] else "")
+    ]
     for name, s in res["sides"].items():
         rate = next((f"  {v:10.1f} {k.replace('_', ' ')}" for k, v in s.items() if k.endswith("_per_s")), "")
-        lines.append(f"  {name:22s} median {s['median_s'] * 1e3:9.1f} ms  (min {s['min_s'] * 1e3:.1f}, max "
-                     f"{s['max_s'] * 1e3:.1f}; CPU {s['median_cpu_s']:.2f} s, {s['median_cores_busy']:.2f} cores)"
-                     + rate)
+        lines.append(
+            f"  {name:22s} median {s['median_s'] * 1e3:9.1f} ms  (min {s['min_s'] * 1e3:.1f}, max "
+            f"{s['max_s'] * 1e3:.1f}; CPU {s['median_cpu_s']:.2f} s, {s['median_cores_busy']:.2f} cores)" + rate
+        )
     for name, r in res["ratios"].items():
-        lines.append(f"  ratio {name} / {res['reference']} (speed): {r['ratio_of_medians']:.3f} of medians, "
-                     f"{r['median_of_pair_ratios']:.3f} median of per-round ratios")
+        lines.append(
+            f"  ratio {name} / {res['reference']} (speed): {r['ratio_of_medians']:.3f} of medians, "
+            f"{r['median_of_pair_ratios']:.3f} median of per-round ratios"
+        )
     return "\n".join(lines)
 
 

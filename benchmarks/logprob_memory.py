@@ -11,6 +11,7 @@ at Qwen-like sizes (V = 151936, T = 4096, hidden 1536 by default). Goal: chunked
 Nothing is timed, so nothing is interleaved: the figures are the compiler's and do not move with the load.
 `--json` prints the rows with the machine state (benchmarks/harness.py) on stdout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
 from harness import emit  # noqa: E402
+
 from stare_jax.rl.logprobs import naive_logprobs_and_entropy, token_logprobs_and_entropy  # noqa: E402
 
 
@@ -41,8 +42,12 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=1536)
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="hidden-state dtype")
-    ap.add_argument("--param-dtype", default="float32", choices=["bfloat16", "float32"],
-                    help="unembed table dtype (fp32 master weights by default)")
+    ap.add_argument(
+        "--param-dtype",
+        default="float32",
+        choices=["bfloat16", "float32"],
+        help="unembed table dtype (fp32 master weights by default)",
+    )
     ap.add_argument("--json", action="store_true", help="print the rows as JSON on stdout (text to stderr)")
     args = ap.parse_args(argv)
     out = sys.stderr if args.json else sys.stdout
@@ -64,23 +69,41 @@ def main(argv=None):
             def loss(hh, ww):
                 lp, ent = fn(hh, ww, tt, mm)
                 return jnp.sum(lp * mm) + jnp.sum(ent * mm)
+
             return jax.grad(loss, argnums=(0, 1))(hh, ww)
+
         return g
 
     logits_gib = B * T * V * 4 / 2**30
-    print(f"backend={jax.default_backend()} B={B} T={T} V={V} D={D} dtype={args.dtype} "
-          f"param_dtype={args.param_dtype} chunk={args.chunk} (one fp32 [B,T,V] logits array = {logits_gib:.2f} GiB)",
-          file=out)
+    print(
+        f"backend={jax.default_backend()} B={B} T={T} V={V} D={D} dtype={args.dtype} "
+        f"param_dtype={args.param_dtype} chunk={args.chunk} (one fp32 [B,T,V] logits array = {logits_gib:.2f} GiB)",
+        file=out,
+    )
     rows = []
     for name, fc, fn in (("forward", chunked, naive), ("forward+backward", grad_of(chunked), grad_of(naive))):
         c = temp_bytes(fc, h, w, t, m)
         n = temp_bytes(fn, h, w, t, m)
         rows.append({"pass": name, "chunked_temp_bytes": c, "naive_temp_bytes": n, "ratio": c / max(n, 1)})
-        print(f"{name:17s} chunked temp = {c / 2**20:10.1f} MiB   naive temp = {n / 2**20:10.1f} MiB   "
-              f"ratio = {c / max(n, 1):.4f}  (goal <= {1 / 8:.3f})", file=out)
+        print(
+            f"{name:17s} chunked temp = {c / 2**20:10.1f} MiB   naive temp = {n / 2**20:10.1f} MiB   "
+            f"ratio = {c / max(n, 1):.4f}  (goal <= {1 / 8:.3f})",
+            file=out,
+        )
     if args.json:
-        emit({"benchmark": "logprob_memory", "batch": B, "seq": T, "vocab": V, "hidden": D, "chunk": args.chunk,
-              "rows": rows, "comparisons": []}, as_json=True)
+        emit(
+            {
+                "benchmark": "logprob_memory",
+                "batch": B,
+                "seq": T,
+                "vocab": V,
+                "hidden": D,
+                "chunk": args.chunk,
+                "rows": rows,
+                "comparisons": [],
+            },
+            as_json=True,
+        )
     return rows
 
 

@@ -33,6 +33,7 @@ machine the old script gave 0.84x-0.87x. Interleaved runs here (2 shared cores, 
 - quiet machine (nothing else running, 3 Dec 2026, `benchmarks/run_all.py`): 0.985x of medians (per-round median
   1.086x), and 1.092x (1.049x) in an earlier quiet run: parity.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,10 +53,17 @@ def build_hf(args):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                                   num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                                   intermediate_size=args.intermediate, max_position_embeddings=4096,
-                                   tie_word_embeddings=False, rope_theta=10000.0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
     model = transformers.Qwen2ForCausalLM(cfg).to(torch.float32)
     model.config._attn_implementation = "sdpa"
     return model
@@ -140,8 +148,11 @@ def jax_step_fn(folder, ids_np, steps: int = 1, loss: str = "lse", compiler_opti
     graphdef, state = nnx.split(model)
     ids = jnp.asarray(ids_np)
     t0 = time.perf_counter()
-    step = jax.jit(jax.value_and_grad(jax_loss_fn(graphdef, loss))).lower(state, ids).compile(
-        compiler_options=compiler_options or None)
+    step = (
+        jax.jit(jax.value_and_grad(jax_loss_fn(graphdef, loss)))
+        .lower(state, ids)
+        .compile(compiler_options=compiler_options or None)
+    )
     compile_s = time.perf_counter() - t0
 
     def call():
@@ -174,8 +185,11 @@ def part_fns(hf, folder, ids_np, **overrides) -> dict:
     tw = hf.lm_head.weight
 
     body = jax.jit(jax.value_and_grad(lambda s: jnp.sum(nnx.merge(graphdef, s).hidden_states(ids) * r)))
-    head = jax.jit(jax.value_and_grad(
-        lambda s, h: cross_entropy(nnx.merge(graphdef, s).logits_from_hidden(h), ids[:, 1:]), argnums=(0, 1)))
+    head = jax.jit(
+        jax.value_and_grad(
+            lambda s, h: cross_entropy(nnx.merge(graphdef, s).logits_from_hidden(h), ids[:, 1:]), argnums=(0, 1)
+        )
+    )
 
     def torch_body():
         hf.zero_grad(set_to_none=True)
@@ -191,8 +205,10 @@ def part_fns(hf, folder, ids_np, **overrides) -> dict:
         loss.backward()
         return float(loss.detach())
 
-    return {"body": {"stare_jax": lambda: body(state), "transformers": torch_body},
-            "head": {"stare_jax": lambda: head(state, h), "transformers": torch_head}}
+    return {
+        "body": {"stare_jax": lambda: body(state), "transformers": torch_body},
+        "head": {"stare_jax": lambda: head(state, h), "transformers": torch_head},
+    }
 
 
 def _parse(argv):
@@ -208,10 +224,16 @@ def _parse(argv):
     p.add_argument("--intermediate", type=int, default=1408)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--scan-layers", action="store_true", help="stare_jax with ModelConfig.scan_layers=True")
-    p.add_argument("--loss", default="lse", choices=("lse", "lse_onehot", "log_softmax"),
-                   help="the JAX loss formulation")
-    p.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VAL,...",
-                   help="an extra stare_jax side (ModelConfig overrides, loss=..., xla.FLAG=VALUE)")
+    p.add_argument(
+        "--loss", default="lse", choices=("lse", "lse_onehot", "log_softmax"), help="the JAX loss formulation"
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=KEY=VAL,...",
+        help="an extra stare_jax side (ModelConfig overrides, loss=..., xla.FLAG=VALUE)",
+    )
     p.add_argument("--parts", action="store_true", help="also time the decoder body and the unembedding+loss alone")
     add_harness_args(p, repeats=5)
     return p.parse_args(argv)
@@ -230,20 +252,37 @@ def main(argv=None):
         specs = [("stare_jax", base_overrides, {}, args.loss)] + [parse_variant(v) for v in args.variant]
         for name, overrides, xla, loss in specs:
             sides[name], compile_s, loss_value = jax_step_fn(d, ids, args.steps, loss, xla, **overrides)
-            info[name] = {"compile_s": compile_s, "loss": loss_value, "overrides": overrides, "xla": xla,
-                          "loss_formulation": loss}
+            info[name] = {
+                "compile_s": compile_s,
+                "loss": loss_value,
+                "overrides": overrides,
+                "xla": xla,
+                "loss_formulation": loss,
+            }
         sides["transformers"] = torch_step_fn(hf_model, ids, args.steps)
         info["transformers"] = {"loss": sides["transformers"]()}
-        comparisons = [compare(sides, repeats=args.repeats, warmup=args.warmup, label="fwd+bwd",
-                               units=tokens, unit_name="tokens")]
+        comparisons = [
+            compare(sides, repeats=args.repeats, warmup=args.warmup, label="fwd+bwd", units=tokens, unit_name="tokens")
+        ]
         if args.parts:
             for label, fns in part_fns(hf_model, d, ids, **base_overrides).items():
                 comparisons.append(compare(fns, repeats=args.repeats, warmup=args.warmup, label=label))
-    res = {"benchmark": "model_fwd_bwd", "params": n_params, "batch": args.batch, "seq": args.seq,
-           "steps_per_call": args.steps, "dtype": "float32", "sides": info, "comparisons": comparisons,
-           "ratio_jax_over_torch": comparisons[0]["ratios"]["stare_jax"]["ratio_of_medians"]}
-    print(f"params {n_params / 1e6:.1f}M, batch {args.batch} x {args.seq} tokens, fp32, fwd+bwd; losses "
-          + ", ".join(f"{k} {v['loss']:.5f}" for k, v in info.items()), file=sys.stderr if args.json else sys.stdout)
+    res = {
+        "benchmark": "model_fwd_bwd",
+        "params": n_params,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps_per_call": args.steps,
+        "dtype": "float32",
+        "sides": info,
+        "comparisons": comparisons,
+        "ratio_jax_over_torch": comparisons[0]["ratios"]["stare_jax"]["ratio_of_medians"],
+    }
+    print(
+        f"params {n_params / 1e6:.1f}M, batch {args.batch} x {args.seq} tokens, fp32, fwd+bwd; losses "
+        + ", ".join(f"{k} {v['loss']:.5f}" for k, v in info.items()),
+        file=sys.stderr if args.json else sys.stdout,
+    )
     emit(res, args.json)
     return res
 

@@ -26,6 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import add_harness_args, compare, emit  # noqa: E402
+
 from stare_jax.rewards.math import score  # noqa: E402
 from stare_jax.rewards.pool import RewardPool  # noqa: E402
 
@@ -89,8 +90,11 @@ def main(argv=None) -> dict:
 
     responses, references = make_mix(args.data, args.n, args.group_size)
     mean_chars = sum(map(len, responses)) / len(responses)
-    print(f"{args.n} responses ({args.group_size} per prompt) from math500 (mean {mean_chars:.0f} chars), "
-          f"{args.workers} workers, {os.cpu_count()} CPUs", file=out)
+    print(
+        f"{args.n} responses ({args.group_size} per prompt) from math500 (mean {mean_chars:.0f} chars), "
+        f"{args.workers} workers, {os.cpu_count()} CPUs",
+        file=out,
+    )
 
     t0 = time.perf_counter()
     with RewardPool(args.workers, timeout_s=args.timeout_s, memory_mb=args.memory_mb) as pool:
@@ -103,16 +107,30 @@ def main(argv=None) -> dict:
         def run_local():
             last["local"] = [score(r, ref) for r, ref in zip(responses, references)]
 
-        res = compare({"pool": run_pool, "in-process": run_local}, repeats=args.repeats,
-                      label=f"reward scoring ({args.workers} workers)", units=args.n, unit_name="items")
+        res = compare(
+            {"pool": run_pool, "in-process": run_local},
+            repeats=args.repeats,
+            label=f"reward scoring ({args.workers} workers)",
+            units=args.n,
+            unit_name="items",
+        )
     stats = last["stats"]
     n_diff = sum(a != b for a, b in zip(last["pool"], last["local"]))
-    print(f"pool start-up: {t_start:.2f} s; pool accuracy {sum(last['pool']) / args.n:.3f} (timeouts "
-          f"{stats['n_timeout']}, crashes {stats['n_crash']}, errors {stats['n_error']}); in-process accuracy "
-          f"{sum(last['local']) / args.n:.3f}; score disagreements pool vs in-process: {n_diff}", file=out)
-    result = {"benchmark": "reward_throughput", "n": args.n, "workers": args.workers, "pool_startup_s": t_start,
-              "score_disagreements": n_diff, "pool_stats": {k: v for k, v in stats.items() if k.startswith("n_")},
-              "comparisons": [res]}
+    print(
+        f"pool start-up: {t_start:.2f} s; pool accuracy {sum(last['pool']) / args.n:.3f} (timeouts "
+        f"{stats['n_timeout']}, crashes {stats['n_crash']}, errors {stats['n_error']}); in-process accuracy "
+        f"{sum(last['local']) / args.n:.3f}; score disagreements pool vs in-process: {n_diff}",
+        file=out,
+    )
+    result = {
+        "benchmark": "reward_throughput",
+        "n": args.n,
+        "workers": args.workers,
+        "pool_startup_s": t_start,
+        "score_disagreements": n_diff,
+        "pool_stats": {k: v for k, v in stats.items() if k.startswith("n_")},
+        "comparisons": [res],
+    }
     emit(result, args.json)
     return result
 

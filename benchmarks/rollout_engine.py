@@ -31,6 +31,7 @@ kv_bytes_engine the engine's page pool (allocated once) and kv_peak_bytes_engine
 --json prints one record with tokens_per_s_engine / _static / _hf and kv_bytes_engine / _static (longtail case)
 and every comparison.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,8 +97,8 @@ def _left_pad(prompts):
     ids = torch.zeros((len(prompts), T), dtype=torch.long)
     mask = torch.zeros((len(prompts), T), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, T - len(p):] = torch.tensor(p)
-        mask[i, T - len(p):] = 1
+        ids[i, T - len(p) :] = torch.tensor(p)
+        mask[i, T - len(p) :] = 1
     return ids, mask
 
 
@@ -133,15 +134,25 @@ def hf_longtail(hf, prompts, G, max_new, lengths, finished, eos_ids, batch_rows)
     per, eos_set = max(1, batch_rows // G), set(eos_ids)
     useful = []
     for s in range(0, len(prompts), per):
-        chunk = prompts[s:s + per]
+        chunk = prompts[s : s + per]
         ids, mask = _left_pad(chunk)
         rows = slice(s * G, (s + len(chunk)) * G)
         proc = forced_length_processor(lengths[rows], eos_ids, finished[rows], ids.shape[1])
         with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                              top_p=1.0, max_new_tokens=max_new, num_return_sequences=G, pad_token_id=0,
-                              eos_token_id=list(eos_ids), logits_processor=transformers.LogitsProcessorList([proc]))
-        for row in out[:, ids.shape[1]:].tolist():
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new,
+                num_return_sequences=G,
+                pad_token_id=0,
+                eos_token_id=list(eos_ids),
+                logits_processor=transformers.LogitsProcessorList([proc]),
+            )
+        for row in out[:, ids.shape[1] :].tolist():
             ends = [i for i, t in enumerate(row) if t in eos_set]
             useful.append(ends[0] + 1 if ends else len(row))
     return useful
@@ -161,8 +172,10 @@ def rows_identical(a_tokens, b_tokens) -> list:
         common, total = common + n, total + max(len(x), len(y))
     prefix = common / max(total, 1)
     if prefix < 0.5:
-        raise SystemExit(f"only {same}/{len(a_tokens)} rows identical and {prefix:.2f} of the tokens in common "
-                         f"prefixes between the engine and the static sampler")
+        raise SystemExit(
+            f"only {same}/{len(a_tokens)} rows identical and {prefix:.2f} of the tokens in common "
+            f"prefixes between the engine and the static sampler"
+        )
     return [same, len(a_tokens), round(prefix, 4)]
 
 
@@ -192,23 +205,40 @@ def main(argv=None):
         model = from_pretrained(tmp)
     cfg = model.config
     static = Sampler(model)
-    engine = Engine(model, config=EngineConfig(max_slots=args.slots, page_size=args.page_size,
-                                               num_pages=args.num_pages, decode_chunk=args.chunk,
-                                               prefill_chunk=args.prefill_chunk))
+    engine = Engine(
+        model,
+        config=EngineConfig(
+            max_slots=args.slots,
+            page_size=args.page_size,
+            num_pages=args.num_pages,
+            decode_chunk=args.chunk,
+            prefill_chunk=args.prefill_chunk,
+        ),
+    )
     rng = np.random.default_rng(args.seed)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    result: dict = {"benchmark": "rollout_engine", "comparisons": [],
-                    "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab},
-                    "engine_config": {"max_slots": args.slots, "page_size": args.page_size, "decode_chunk": args.chunk,
-                                      "prefill_chunk": args.prefill_chunk}}
+    result: dict = {
+        "benchmark": "rollout_engine",
+        "comparisons": [],
+        "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab},
+        "engine_config": {
+            "max_slots": args.slots,
+            "page_size": args.page_size,
+            "decode_chunk": args.chunk,
+            "prefill_chunk": args.prefill_chunk,
+        },
+    }
     G = args.group
 
     if "longtail" in cases:
         n_eos = eos_count(args.vocab, args.max_new / args.median_div)
         eos = list(range(args.vocab - n_eos, args.vocab))
         prompts = _prompts(rng, args.prompts, args.min_prompt, args.max_prompt, args.vocab - n_eos)
-        kw = dict(max_new_tokens=args.max_new, num_samples=G,
-                  sampling=SamplingParams(temperature=1.0, eos_ids=eos, seed=args.seed))
+        kw = dict(
+            max_new_tokens=args.max_new,
+            num_samples=G,
+            sampling=SamplingParams(temperature=1.0, eos_ids=eos, seed=args.seed),
+        )
         ref, got = static.generate(prompts, **kw), engine.generate(prompts, **kw)  # compiles
         same = rows_identical(ref.tokens, got.tokens)
         lengths, finished = got.lengths, [r == "eos" for r in got.finish_reasons]
@@ -218,43 +248,75 @@ def main(argv=None):
             hf_useful = hf_longtail(hf, prompts, G, args.max_new, lengths, finished, eos, args.hf_batch)
             if hf_useful != lengths:
                 raise SystemExit("longtail: transformers' rows did not end at the forced lengths")
-            sides["transformers"] = lambda: hf_longtail(hf, prompts, G, args.max_new, lengths, finished, eos,
-                                                        args.hf_batch)
-        res = compare(sides, repeats=args.repeats, warmup=0, reference="static", label="longtail", units=useful,
-                      unit_name="tokens")
+            sides["transformers"] = lambda: hf_longtail(
+                hf, prompts, G, args.max_new, lengths, finished, eos, args.hf_batch
+            )
+        res = compare(
+            sides,
+            repeats=args.repeats,
+            warmup=0,
+            reference="static",
+            label="longtail",
+            units=useful,
+            unit_name="tokens",
+        )
         result["comparisons"].append(res)
         med = {n: res["sides"][n]["median_s"] for n in sides}
         page_bytes = kv_bytes(engine) // engine.live_pool.num_pages
-        result.update({
-            "workload": {"prompts": args.prompts, "group": G, "max_new": args.max_new, "eos_ids": n_eos,
-                         "prompt_lens": [min(map(len, prompts)), max(map(len, prompts))], "useful_tokens": useful,
-                         "lengths_median": float(np.median(lengths)), "lengths_mean": float(np.mean(lengths)),
-                         "rows_at_max": int(sum(n == args.max_new for n in lengths)), "hf_batch": args.hf_batch},
-            "rows_identical_engine_static": same,
-            "tokens_per_s_engine": useful / med["engine"], "tokens_per_s_static": useful_static / med["static"],
-            "tokens_per_s_hf": useful / med["transformers"] if "transformers" in med else None,
-            "engine_vs_static": (useful / med["engine"]) / (useful_static / med["static"]),
-            "engine_vs_hf": med["transformers"] / med["engine"] if "transformers" in med else None,
-            "kv_bytes_static": static_kv_bytes(static, cfg, args.prompts * G, max(map(len, prompts)), args.max_new),
-            "kv_bytes_engine": kv_bytes(engine),
-            "kv_peak_bytes_engine": int(engine.stats["peak_pages"] * page_bytes),
-            "engine_stats": dict(engine.stats)})
+        result.update(
+            {
+                "workload": {
+                    "prompts": args.prompts,
+                    "group": G,
+                    "max_new": args.max_new,
+                    "eos_ids": n_eos,
+                    "prompt_lens": [min(map(len, prompts)), max(map(len, prompts))],
+                    "useful_tokens": useful,
+                    "lengths_median": float(np.median(lengths)),
+                    "lengths_mean": float(np.mean(lengths)),
+                    "rows_at_max": int(sum(n == args.max_new for n in lengths)),
+                    "hf_batch": args.hf_batch,
+                },
+                "rows_identical_engine_static": same,
+                "tokens_per_s_engine": useful / med["engine"],
+                "tokens_per_s_static": useful_static / med["static"],
+                "tokens_per_s_hf": useful / med["transformers"] if "transformers" in med else None,
+                "engine_vs_static": (useful / med["engine"]) / (useful_static / med["static"]),
+                "engine_vs_hf": med["transformers"] / med["engine"] if "transformers" in med else None,
+                "kv_bytes_static": static_kv_bytes(static, cfg, args.prompts * G, max(map(len, prompts)), args.max_new),
+                "kv_bytes_engine": kv_bytes(engine),
+                "kv_peak_bytes_engine": int(engine.stats["peak_pages"] * page_bytes),
+                "engine_stats": dict(engine.stats),
+            }
+        )
         result["kv_ratio_engine_vs_static"] = result["kv_bytes_engine"] / result["kv_bytes_static"]
-        print(f"[longtail] {result['workload']}\n[longtail] engine / static {result['engine_vs_static']:.2f}x, "
-              f"engine / transformers {result['engine_vs_hf'] or float('nan'):.2f}x, KV bytes engine pool "
-              f"{result['kv_bytes_engine']:,} (peak in use {result['kv_peak_bytes_engine']:,}) vs static "
-              f"{result['kv_bytes_static']:,} = {result['kv_ratio_engine_vs_static']:.3f}x", file=out_stream)
+        print(
+            f"[longtail] {result['workload']}\n[longtail] engine / static {result['engine_vs_static']:.2f}x, "
+            f"engine / transformers {result['engine_vs_hf'] or float('nan'):.2f}x, KV bytes engine pool "
+            f"{result['kv_bytes_engine']:,} (peak in use {result['kv_peak_bytes_engine']:,}) vs static "
+            f"{result['kv_bytes_static']:,} = {result['kv_ratio_engine_vs_static']:.3f}x",
+            file=out_stream,
+        )
 
     if "uniform" in cases:
         prompts = _prompts(rng, args.uniform_prompts, args.min_prompt, args.max_prompt, args.vocab)
-        kw = dict(max_new_tokens=args.uniform_new, num_samples=G,
-                  sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=args.seed))
-        result["uniform_rows_identical"] = rows_identical(static.generate(prompts, **kw).tokens,
-                                                          engine.generate(prompts, **kw).tokens)
-        res = compare({"engine": lambda: engine.generate(prompts, **kw),
-                       "static": lambda: static.generate(prompts, **kw)}, repeats=args.repeats, warmup=0,
-                      reference="static", label="uniform", units=len(prompts) * G * args.uniform_new,
-                      unit_name="tokens")
+        kw = dict(
+            max_new_tokens=args.uniform_new,
+            num_samples=G,
+            sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=args.seed),
+        )
+        result["uniform_rows_identical"] = rows_identical(
+            static.generate(prompts, **kw).tokens, engine.generate(prompts, **kw).tokens
+        )
+        res = compare(
+            {"engine": lambda: engine.generate(prompts, **kw), "static": lambda: static.generate(prompts, **kw)},
+            repeats=args.repeats,
+            warmup=0,
+            reference="static",
+            label="uniform",
+            units=len(prompts) * G * args.uniform_new,
+            unit_name="tokens",
+        )
         result["comparisons"].append(res)
         result["uniform_engine_vs_static"] = res["sides"]["static"]["median_s"] / res["sides"]["engine"]["median_s"]
 
@@ -262,8 +324,13 @@ def main(argv=None):
         prompts = _prompts(rng, args.greedy_batch, args.min_prompt, min(args.max_prompt, 64), args.vocab)
         kw = dict(max_new_tokens=args.greedy_new, sampling=SamplingParams(temperature=0.0, eos_ids=[], seed=0))
         ids, mask = _left_pad(prompts)
-        hf_kw = dict(max_new_tokens=args.greedy_new, min_new_tokens=args.greedy_new, do_sample=False, pad_token_id=0,
-                     eos_token_id=None)
+        hf_kw = dict(
+            max_new_tokens=args.greedy_new,
+            min_new_tokens=args.greedy_new,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
 
         def run_hf():
             with torch.no_grad():
@@ -273,17 +340,26 @@ def main(argv=None):
         result["greedy_rows_identical_engine_static"] = rows_identical(static.generate(prompts, **kw).tokens, ours)
         sides = {"engine": lambda: engine.generate(prompts, **kw), "static": lambda: static.generate(prompts, **kw)}
         if not args.no_hf:
-            result["greedy_identical_to_hf"] = sum(a == b for a, b in zip(ours, run_hf()[:, ids.shape[1]:].tolist()))
+            result["greedy_identical_to_hf"] = sum(a == b for a, b in zip(ours, run_hf()[:, ids.shape[1] :].tolist()))
             sides["transformers"] = run_hf
-        res = compare(sides, repeats=args.repeats, warmup=0, reference="transformers" if not args.no_hf else "static",
-                      label="greedy", units=len(prompts) * args.greedy_new, unit_name="tokens")
+        res = compare(
+            sides,
+            repeats=args.repeats,
+            warmup=0,
+            reference="transformers" if not args.no_hf else "static",
+            label="greedy",
+            units=len(prompts) * args.greedy_new,
+            unit_name="tokens",
+        )
         result["comparisons"].append(res)
         if not args.no_hf:
             med = {n: res["sides"][n]["median_s"] for n in sides}
             result["greedy_engine_vs_hf"] = med["transformers"] / med["engine"]
             result["greedy_static_vs_hf"] = med["transformers"] / med["static"]
-            print(f"[greedy] sequences identical to transformers: {result['greedy_identical_to_hf']}/{len(prompts)}",
-                  file=out_stream)
+            print(
+                f"[greedy] sequences identical to transformers: {result['greedy_identical_to_hf']}/{len(prompts)}",
+                file=out_stream,
+            )
     emit(result, args.json)
     return result
 

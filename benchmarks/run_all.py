@@ -9,6 +9,7 @@ ratios of the interleaved rounds, the load average before/after, `BUSY` where it
 threads each framework used. logprob_memory compiles only: its rows are compiled temp-memory ratios. Each
 benchmark's default run (rollout_engine: --quick) is sized to finish in about 3 minutes on a quiet 2-core machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,16 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCHMARKS = ("model_fwd_bwd", "sampler_bench", "stare_overhead", "stare_select_impls", "reward_throughput",
-              "sandbox_throughput", "logprob_memory", "rollout_engine")
+BENCHMARKS = (
+    "model_fwd_bwd",
+    "sampler_bench",
+    "stare_overhead",
+    "stare_select_impls",
+    "reward_throughput",
+    "sandbox_throughput",
+    "logprob_memory",
+    "rollout_engine",
+)
 EXTRA_ARGS = {"rollout_engine": ["--quick"]}  # its full workload takes ~25 min on 2 cores: run it on its own
 
 
@@ -30,8 +39,9 @@ def run_one(name: str, timeout_s: float, extra: list[str]) -> dict:
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout_s, env=env,
-                              cwd=os.path.dirname(HERE))
+        proc = subprocess.run(
+            cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout_s, env=env, cwd=os.path.dirname(HERE)
+        )
     except subprocess.TimeoutExpired:
         return {"benchmark": name, "error": f"timed out after {timeout_s:.0f} s", "wall_s": timeout_s}
     wall = time.perf_counter() - t0
@@ -72,8 +82,10 @@ def table_rows(rec: dict) -> list[str]:
         return [f"| {name} | - | ERROR: {rec['error']} | | | | | |"]
     rows = []
     for r in rec.get("rows", []) if name == "logprob_memory" else []:
-        rows.append(f"| {name} | {r['pass']} temp memory | chunked / naive = {r['ratio']:.4f} | compile-only | "
-                    f"{r['chunked_temp_bytes'] / 2**20:.0f} / {r['naive_temp_bytes'] / 2**20:.0f} MiB | - | - | - |")
+        rows.append(
+            f"| {name} | {r['pass']} temp memory | chunked / naive = {r['ratio']:.4f} | compile-only | "
+            f"{r['chunked_temp_bytes'] / 2**20:.0f} / {r['naive_temp_bytes'] / 2**20:.0f} MiB | - | - | - |"
+        )
     for c in rec.get("comparisons", []):
         ref = c["reference"]
         for side, r in c["ratios"].items():
@@ -82,15 +94,19 @@ def table_rows(rec: dict) -> list[str]:
                 f"| {name} | {c['label']}: {side} / {ref} | {r['ratio_of_medians']:.3f} | "
                 f"{r['median_of_pair_ratios']:.3f} ({r['pair_ratio_min']:.3f}-{r['pair_ratio_max']:.3f}), "
                 f"{c['repeats']} rounds | {s['median_s']:.3f} / {t['median_s']:.3f} | "
-                f"{c['loadavg_before'][0]:.2f} / {c['loadavg_after'][0]:.2f}" + (" BUSY" if c["busy"] else "")
-                + f" | {c['cpus_usable']}/{c['cpu_count']} | {_threads(c['threads'])} |")
+                f"{c['loadavg_before'][0]:.2f} / {c['loadavg_after'][0]:.2f}"
+                + (" BUSY" if c["busy"] else "")
+                + f" | {c['cpus_usable']}/{c['cpu_count']} | {_threads(c['threads'])} |"
+            )
     return rows
 
 
 def table(records: list[dict]) -> str:
-    head = ["| benchmark | comparison (side / reference) | speed ratio (of medians) | per-round ratio: median "
-            "(min-max) | median s side / reference | load avg before / after | CPUs | threads |",
-            "| --- | --- | ---: | --- | --- | --- | --- | --- |"]
+    head = [
+        "| benchmark | comparison (side / reference) | speed ratio (of medians) | per-round ratio: median "
+        "(min-max) | median s side / reference | load avg before / after | CPUs | threads |",
+        "| --- | --- | ---: | --- | --- | --- | --- | --- |",
+    ]
     return "\n".join(head + [row for rec in records for row in table_rows(rec)])
 
 
@@ -100,8 +116,14 @@ def main(argv=None):
     ap.add_argument("--timeout-s", type=float, default=900, help="per benchmark")
     ap.add_argument("--json", action="store_true", help="print all records as one JSON object after the table")
     ap.add_argument("--out", default=None, help="also write all records as JSON to this file")
-    ap.add_argument("--from", dest="from_files", nargs="+", default=None, metavar="FILE",
-                    help="run nothing: print the table of records saved earlier with --out")
+    ap.add_argument(
+        "--from",
+        dest="from_files",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="run nothing: print the table of records saved earlier with --out",
+    )
     args = ap.parse_args(argv)
     if args.from_files:
         records = [rec for f in args.from_files for rec in json.load(open(f))["records"]]
@@ -122,8 +144,10 @@ def main(argv=None):
     text = table(records)
     busy = any(c.get("busy") for rec in records for c in rec.get("comparisons", []))
     if busy:
-        text += ("\n\nWARNING: the load average exceeded the core count during at least one comparison (BUSY): "
-                 "these are not quiet-machine figures.")
+        text += (
+            "\n\nWARNING: the load average exceeded the core count during at least one comparison (BUSY): "
+            "these are not quiet-machine figures."
+        )
     print(text)
     if args.json:
         print(json.dumps({"records": records}))

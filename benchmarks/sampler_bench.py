@@ -14,6 +14,7 @@ On a machine shared with other jobs the ratio moves with the load (torch's OpenM
 oversubscription; the harness flags `busy` when the load average exceeded the core count); compare the CPU seconds
 too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,10 +62,18 @@ def _make_checkpoint(args, folder):
 
     torch.manual_seed(args.seed)
     cfg = transformers.Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
-        max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
-        pad_token_id=0)
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     hf = transformers.Qwen2ForCausalLM(cfg).eval().to(torch.float32)
     hf.save_pretrained(folder)
     return hf
@@ -95,23 +104,33 @@ def main(argv=None):
     ids = torch.zeros((args.batch, T), dtype=torch.long)
     mask = torch.zeros((args.batch, T), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, T - len(p):] = torch.tensor(p)
-        mask[i, T - len(p):] = 1
+        ids[i, T - len(p) :] = torch.tensor(p)
+        mask[i, T - len(p) :] = 1
 
     out = sys.stderr if args.json else sys.stdout
-    print(f"model: Qwen2-shaped hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv, "
-          f"mlp {args.intermediate}, vocab {args.vocab}, fp32 | batch {args.batch} x {args.new_tokens} new tokens, "
-          f"prompts {args.min_prompt}-{args.max_prompt} tokens | jax {jax.__version__} on "
-          f"{jax.devices()[0].platform} ({len(jax.devices())} devices), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs", file=out)
+    print(
+        f"model: Qwen2-shaped hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} kv, "
+        f"mlp {args.intermediate}, vocab {args.vocab}, fp32 | batch {args.batch} x {args.new_tokens} new tokens, "
+        f"prompts {args.min_prompt}-{args.max_prompt} tokens | jax {jax.__version__} on "
+        f"{jax.devices()[0].platform} ({len(jax.devices())} devices), torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), {os.cpu_count()} CPUs",
+        file=out,
+    )
     comparisons, agreement = [], {}
     modes = ("greedy", "sample") if args.mode == "both" else (args.mode,)
     for mode in modes:
         greedy = mode == "greedy"
-        jax_kw = dict(max_new_tokens=args.new_tokens,
-                      sampling=SamplingParams(temperature=0.0 if greedy else 1.0, eos_ids=[], seed=0))
-        hf_kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=not greedy,
-                     pad_token_id=0, eos_token_id=None)
+        jax_kw = dict(
+            max_new_tokens=args.new_tokens,
+            sampling=SamplingParams(temperature=0.0 if greedy else 1.0, eos_ids=[], seed=0),
+        )
+        hf_kw = dict(
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            do_sample=not greedy,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
         if not greedy:
             hf_kw.update(temperature=1.0, top_k=0, top_p=1.0)
 
@@ -126,16 +145,28 @@ def main(argv=None):
             assert out.shape == (args.batch, T + args.new_tokens)
             return out
 
-        res = compare({"stare_jax": run_jax, "transformers": run_hf}, repeats=args.repeats, label=mode,
-                      units=n_tokens, unit_name="tokens")
+        res = compare(
+            {"stare_jax": run_jax, "transformers": run_hf},
+            repeats=args.repeats,
+            label=mode,
+            units=n_tokens,
+            unit_name="tokens",
+        )
         comparisons.append(res)
         if greedy:
             ours, ref = run_jax().tokens, run_hf()[:, T:].tolist()
             agreement["greedy_sequences_identical"] = sum(a == b for a, b in zip(ours, ref))
-            print(f"[greedy] sequences identical to transformers: {agreement['greedy_sequences_identical']}/"
-                  f"{args.batch}", file=out)
-    result = {"benchmark": "sampler_bench", "batch": args.batch, "new_tokens": args.new_tokens,
-              "comparisons": comparisons, **agreement}
+            print(
+                f"[greedy] sequences identical to transformers: {agreement['greedy_sequences_identical']}/{args.batch}",
+                file=out,
+            )
+    result = {
+        "benchmark": "sampler_bench",
+        "batch": args.batch,
+        "new_tokens": args.new_tokens,
+        "comparisons": comparisons,
+        **agreement,
+    }
     emit(result, args.json)
     return result
 

@@ -9,6 +9,7 @@ exceeded the core count); the ratios are each pool's speed against the 1-worker 
     .venv/bin/python benchmarks/sandbox_throughput.py [--calls 32] [--workers 1,2,4] [--repeats 3]
                                                       [--isolation auto|rlimits] [--python PATH] [--json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import add_harness_args, compare, emit  # noqa: E402
+
 from stare_jax.tools import SandboxPool, sandbox_capabilities  # noqa: E402
 
 
@@ -33,11 +35,17 @@ def main(argv=None) -> dict:
     sizes = [int(w) for w in args.workers.split(",")]
     caps = sandbox_capabilities(args.python)
     isolation = caps["isolation"] if args.isolation == "auto" else args.isolation
-    print(f"{args.calls} x print(1) per batch; isolation {isolation}; python {caps['python']}; "
-          f"{os.cpu_count()} CPUs", file=out)
+    print(
+        f"{args.calls} x print(1) per batch; isolation {isolation}; python {caps['python']}; {os.cpu_count()} CPUs",
+        file=out,
+    )
 
-    pools = {f"{n} worker{'s' * (n > 1)}": SandboxPool(n, timeout_s=args.timeout_s, python=args.python,
-                                                       isolation=args.isolation) for n in sizes}
+    pools = {
+        f"{n} worker{'s' * (n > 1)}": SandboxPool(
+            n, timeout_s=args.timeout_s, python=args.python, isolation=args.isolation
+        )
+        for n in sizes
+    }
     failures: dict[str, int] = {}
 
     def batch(name: str):
@@ -45,19 +53,32 @@ def main(argv=None) -> dict:
             results = pools[name].map(["print(1)"] * args.calls)
             bad = sum(r.stdout != "1\n" or not r.ok for r in results)
             failures[name] = failures.get(name, 0) + bad
+
         return run
 
     try:
-        res = compare({name: batch(name) for name in pools}, repeats=args.repeats, reference=next(iter(pools)),
-                      label=f"sandbox print(1) calls ({isolation})", units=args.calls, unit_name="calls")
+        res = compare(
+            {name: batch(name) for name in pools},
+            repeats=args.repeats,
+            reference=next(iter(pools)),
+            label=f"sandbox print(1) calls ({isolation})",
+            units=args.calls,
+            unit_name="calls",
+        )
     finally:
         for pool in pools.values():
             pool.close()
     if any(failures.values()):
         print(f"!!! failed calls per pool: {failures}", file=sys.stderr)
-    result = {"benchmark": "sandbox_throughput", "calls": args.calls, "isolation": isolation,
-              "python": caps["python"], "failed_calls": failures,
-              "calls_per_s": {name: s["calls_per_s"] for name, s in res["sides"].items()}, "comparisons": [res]}
+    result = {
+        "benchmark": "sandbox_throughput",
+        "calls": args.calls,
+        "isolation": isolation,
+        "python": caps["python"],
+        "failed_calls": failures,
+        "calls_per_s": {name: s["calls_per_s"] for name, s in res["sides"].items()},
+        "comparisons": [res],
+    }
     emit(result, args.json)
     return result
 

@@ -10,6 +10,7 @@ a bf16 trainer pass gives them), so ties are common. On CPU it uses 8 fake host 
     .venv/bin/python benchmarks/stare_select_impls.py [--tokens 1048576,16777216] [--repeats 3] [--seq 4096] [--json]
            [--aot-topology v5e:2x4]   # also compile both (no run) for a TPU slice: its compiled temp memory
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from harness import add_harness_args, compare, machine_state, thread_settings  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from harness import add_harness_args, compare, machine_state, thread_settings  # noqa: E402
 from stare_jax.rl.stare import StareConfig, StareState, stare_omega  # noqa: E402
 
 IMPLS = ("bisect", "jnp_quantile")
@@ -36,8 +37,9 @@ IMPLS = ("bisect", "jnp_quantile")
 def _omega_program(impl: str, out_sharding):
     """The jitted STARE-O1 omega (gate on) with selection implementation `impl`."""
     cfg = StareConfig(enabled=True, variant="O1", select_impl=impl)
-    state = StareState(gate_on=jnp.asarray(True), w=jnp.float32(cfg.w), m=jnp.float32(cfg.m),
-                       last_entropy=jnp.float32(0.0))
+    state = StareState(
+        gate_on=jnp.asarray(True), w=jnp.float32(cfg.w), m=jnp.float32(cfg.m), last_entropy=jnp.float32(0.0)
+    )
     return jax.jit(lambda a, b, c: stare_omega(a, b, c, state, cfg)[0], out_shardings=out_sharding)
 
 
@@ -61,9 +63,16 @@ def run(tokens_list, iters: int, seq: int, log=print) -> dict:
         raise SystemExit(f"needs 8 devices, found {len(devs)}")
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=devs[:8])
     sh2, sh1 = NamedSharding(mesh, P(("data", "fsdp"), None)), NamedSharding(mesh, P(("data", "fsdp")))
-    meta = {"backend": jax.default_backend(), "devices": 8, "mesh": dict(mesh.shape), "jax": jax.__version__,
-            "cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-            "loadavg_before": os.getloadavg(), "iters": iters}
+    meta = {
+        "backend": jax.default_backend(),
+        "devices": 8,
+        "mesh": dict(mesh.shape),
+        "jax": jax.__version__,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "loadavg_before": os.getloadavg(),
+        "iters": iters,
+    }
     rows, comparisons = [], []
     for n_tok in tokens_list:
         (lp, adv, mask), (B, T) = _inputs(n_tok, seq, sh2, sh1)
@@ -76,22 +85,42 @@ def run(tokens_list, iters: int, seq: int, log=print) -> dict:
             mem = compiled.memory_analysis()
             outs[impl] = jax.block_until_ready(compiled(lp, adv, mask))  # warm-up
             fns[impl] = compiled
-            rows.append({"tokens": B * T, "B": B, "T": T, "impl": impl, "compile_s": compile_s,
-                         "temp_bytes": int(mem.temp_size_in_bytes) if mem is not None else None, "times_s": []})
+            rows.append(
+                {
+                    "tokens": B * T,
+                    "B": B,
+                    "T": T,
+                    "impl": impl,
+                    "compile_s": compile_s,
+                    "temp_bytes": int(mem.temp_size_in_bytes) if mem is not None else None,
+                    "times_s": [],
+                }
+            )
         n_diff = int(jnp.sum(outs["bisect"] != outs["jnp_quantile"]))
-        by_impl = {r["impl"]: r for r in rows[-len(IMPLS):]}
-        res = compare({impl: (lambda f=fns[impl], xs=(lp, adv, mask): f(*xs)) for impl in IMPLS}, repeats=iters,
-                      warmup=0, label=f"select_impl {B * T / 2**20:.0f}M tokens", reference="jnp_quantile")
+        by_impl = {r["impl"]: r for r in rows[-len(IMPLS) :]}
+        res = compare(
+            {impl: (lambda f=fns[impl], xs=(lp, adv, mask): f(*xs)) for impl in IMPLS},
+            repeats=iters,
+            warmup=0,
+            label=f"select_impl {B * T / 2**20:.0f}M tokens",
+            reference="jnp_quantile",
+        )
         comparisons.append(res)
         for impl, r in by_impl.items():
             side = res["sides"][impl]
-            r.update(times_s=side["times_s"], min_s=side["min_s"], median_s=side["median_s"], max_s=side["max_s"],
-                     omega_tokens_differing=n_diff)
-            log(f"  {r['tokens'] / 2**20:5.1f}M tokens ({B}x{T}) {r['impl']:12s} median {r['median_s'] * 1e3:9.1f} ms"
-                f"  temp {r['temp_bytes'] / 2**20:8.1f} MiB/device")
+            r.update(
+                times_s=side["times_s"],
+                min_s=side["min_s"],
+                median_s=side["median_s"],
+                max_s=side["max_s"],
+                omega_tokens_differing=n_diff,
+            )
+            log(
+                f"  {r['tokens'] / 2**20:5.1f}M tokens ({B}x{T}) {r['impl']:12s} median {r['median_s'] * 1e3:9.1f} ms"
+                f"  temp {r['temp_bytes'] / 2**20:8.1f} MiB/device"
+            )
         del lp, adv, mask, fns, outs
-    meta.update(loadavg_after=os.getloadavg(), threads=thread_settings(),
-                busy=any(c["busy"] for c in comparisons))
+    meta.update(loadavg_after=os.getloadavg(), threads=thread_settings(), busy=any(c["busy"] for c in comparisons))
     return {"benchmark": "stare_select_impls", "meta": meta, "rows": rows, "comparisons": comparisons}
 
 
@@ -107,34 +136,56 @@ def aot(topology: str, tokens_list, seq: int, log=print) -> list[dict]:
     for n_tok in tokens_list:
         B = max(n_tok // seq, 8)
         T = n_tok // B
-        args = (jax.ShapeDtypeStruct((B, T), jnp.float32, sharding=sh2), jax.ShapeDtypeStruct((B,), jnp.float32,
-                sharding=sh1), jax.ShapeDtypeStruct((B, T), jnp.float32, sharding=sh2))
+        args = (
+            jax.ShapeDtypeStruct((B, T), jnp.float32, sharding=sh2),
+            jax.ShapeDtypeStruct((B,), jnp.float32, sharding=sh1),
+            jax.ShapeDtypeStruct((B, T), jnp.float32, sharding=sh2),
+        )
         for impl in IMPLS:
             f = _omega_program(impl, sh2)
             mem = f.lower(*args).compile().memory_analysis()
-            out.append({"topology": topology, "mesh": dict(mesh.shape), "tokens": B * T, "B": B, "T": T,
-                        "impl": impl, "temp_bytes": int(mem.temp_size_in_bytes)})
-            log(f"  [aot {topology}] {B * T / 2**20:5.1f}M tokens {impl:12s} temp "
-                f"{out[-1]['temp_bytes'] / 2**20:8.1f} MiB/device")
+            out.append(
+                {
+                    "topology": topology,
+                    "mesh": dict(mesh.shape),
+                    "tokens": B * T,
+                    "B": B,
+                    "T": T,
+                    "impl": impl,
+                    "temp_bytes": int(mem.temp_size_in_bytes),
+                }
+            )
+            log(
+                f"  [aot {topology}] {B * T / 2**20:5.1f}M tokens {impl:12s} temp "
+                f"{out[-1]['temp_bytes'] / 2**20:8.1f} MiB/device"
+            )
     return out
 
 
 def table(res: dict) -> str:
     m, lines = res["meta"], []
     if m:
-        lines.append(f"fake {m['devices']}-device {m['backend']} mesh {m['mesh']}, {m['cpus_usable']} usable of "
-                     f"{m['cpu_count']} CPUs, load average {m['loadavg_before'][0]:.2f} before / "
-                     f"{m['loadavg_after'][0]:.2f} after, {m['iters']} interleaved calls each"
-                     + (" (BUSY: load above the core count)" if m.get("busy") else ""))
-    lines += ["| tokens | select_impl | min ms | median ms | max ms | compiled temp MiB/device | omega differs |",
-              "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines.append(
+            f"fake {m['devices']}-device {m['backend']} mesh {m['mesh']}, {m['cpus_usable']} usable of "
+            f"{m['cpu_count']} CPUs, load average {m['loadavg_before'][0]:.2f} before / "
+            f"{m['loadavg_after'][0]:.2f} after, {m['iters']} interleaved calls each"
+            + (" (BUSY: load above the core count)" if m.get("busy") else "")
+        )
+    lines += [
+        "| tokens | select_impl | min ms | median ms | max ms | compiled temp MiB/device | omega differs |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in res["rows"]:
         temp = "n/a" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"
-        lines.append(f"| {r['tokens'] / 2**20:.0f}M ({r['B']}x{r['T']}) | {r['impl']} | {r['min_s'] * 1e3:.1f} | "
-                     f"{r['median_s'] * 1e3:.1f} | {r['max_s'] * 1e3:.1f} | {temp} | {r['omega_tokens_differing']} |")
+        lines.append(
+            f"| {r['tokens'] / 2**20:.0f}M ({r['B']}x{r['T']}) | {r['impl']} | {r['min_s'] * 1e3:.1f} | "
+            f"{r['median_s'] * 1e3:.1f} | {r['max_s'] * 1e3:.1f} | {temp} | {r['omega_tokens_differing']} |"
+        )
     for r in res.get("aot", []):
-        lines.append(f"| {r['tokens'] / 2**20:.0f}M, compiled for {r['topology']} {r['mesh']} | {r['impl']} | - | - "
-                     f"| - | {r['temp_bytes'] / 2**20:.1f} | - |")
+        lines.append(
+            f"| {r['tokens'] / 2**20:.0f}M, compiled for {r['topology']} {r['mesh']} | {r['impl']} | - | - "
+            f"| - | {r['temp_bytes'] / 2**20:.1f} | - |"
+        )
     return "\n".join(lines)
 
 
@@ -153,7 +204,7 @@ def main(argv=None):
         print(*a, file=sys.stderr, flush=True)
 
     tokens = [int(x) for x in args.tokens.split(",")]
-    res = ({"meta": {}, "rows": []} if args.skip_run else run(tokens, iters, args.seq, log=log))
+    res = {"meta": {}, "rows": []} if args.skip_run else run(tokens, iters, args.seq, log=log)
     if args.aot_topology:
         res["aot"] = aot(args.aot_topology, tokens, args.seq, log=log)
     if args.json:

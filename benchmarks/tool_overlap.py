@@ -13,6 +13,7 @@ identical (tokens, masks, statuses).
                                                 [--latency-max 0.5] [--repeats 3] [--cache-dir .cache/toy] [--json]
                                                 [config overrides: sampling.engine.max_slots=16 ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,15 +26,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import add_harness_args, compare, emit  # noqa: E402
+
 from stare_jax import models  # noqa: E402
-from stare_jax.toy import assets as toy
 from stare_jax.config.loader import load_config  # noqa: E402
-from stare_jax.training.setup import make_sampler  # noqa: E402
 from stare_jax.data.tokenizer import load_tokenizer  # noqa: E402
+from stare_jax.sampling import SamplingParams  # noqa: E402
 from stare_jax.tools.config import make_backend  # noqa: E402
 from stare_jax.tools.pool import Backend, SandboxPool  # noqa: E402
-from stare_jax.sampling import SamplingParams  # noqa: E402
 from stare_jax.tools.rollout import tool_rollouts  # noqa: E402
+from stare_jax.toy import assets as toy
+from stare_jax.training.setup import make_sampler  # noqa: E402
 
 
 class LatencyBackend:
@@ -68,15 +70,19 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     out = sys.stderr if args.json else sys.stdout
     cfg = load_config(args.config, args.overrides)
-    assets = toy.prepare(toy.asset_config(cfg.toy), cache_dir=args.cache_dir or cfg.toy.cache_dir,
-                         log=lambda m: print(m, file=out))
+    assets = toy.prepare(
+        toy.asset_config(cfg.toy), cache_dir=args.cache_dir or cfg.toy.cache_dir, log=lambda m: print(m, file=out)
+    )
     tok = load_tokenizer(assets.model_dir / "tokenizer.model")
     engine = make_sampler(models.from_pretrained(assets.model_dir), cfg, None, tok.pad_id)
-    lines = assets.train_path.read_text().splitlines()[:args.prompts]
+    lines = assets.train_path.read_text().splitlines()[: args.prompts]
     prompts = [toy.encode_example(tok, json.loads(line)["problem"]) for line in lines]
     G, N = cfg.rl.group_size, cfg.sampling.max_new_tokens
-    print(f"{len(prompts)} prompts x {G} samples, {N} new tokens, call latency U[{args.latency_min}, "
-          f"{args.latency_max}] s, {args.workers} sandbox workers, engine {engine.engine_config}", file=out)
+    print(
+        f"{len(prompts)} prompts x {G} samples, {N} new tokens, call latency U[{args.latency_min}, "
+        f"{args.latency_max}] s, {args.workers} sandbox workers, engine {engine.engine_config}",
+        file=out,
+    )
     rows: dict[str, list] = {}
     calls: dict[str, int] = {}
 
@@ -86,24 +92,47 @@ def main(argv=None) -> dict:
         def run():
             backend = LatencyBackend(make_backend(cfg.tool), args.latency_min, args.latency_max)
             with SandboxPool(args.workers, backend=backend) as pool:
-                rows[name] = tool_rollouts(engine, prompts, group_size=G, tool_cfg=cfg.tool, tokenizer=tok, pool=pool,
-                                           max_new_tokens=N,
-                                           sampling=SamplingParams(temperature=cfg.sampling.temperature, seed=cfg.seed),
-                                           overlap=overlap)
+                rows[name] = tool_rollouts(
+                    engine,
+                    prompts,
+                    group_size=G,
+                    tool_cfg=cfg.tool,
+                    tokenizer=tok,
+                    pool=pool,
+                    max_new_tokens=N,
+                    sampling=SamplingParams(temperature=cfg.sampling.temperature, seed=cfg.seed),
+                    overlap=overlap,
+                )
             calls[name] = backend.calls
+
         return run
 
-    res = compare({"overlapped": side(True), "lock-step": side(False)}, repeats=args.repeats,
-                  reference="lock-step", label="tool rollout wall time", units=len(prompts) * G, unit_name="rows")
-    same = all((a.tokens, a.model_mask, a.statuses, a.end) == (b.tokens, b.model_mask, b.statuses, b.end)
-               for a, b in zip(rows["overlapped"], rows["lock-step"], strict=True))
+    res = compare(
+        {"overlapped": side(True), "lock-step": side(False)},
+        repeats=args.repeats,
+        reference="lock-step",
+        label="tool rollout wall time",
+        units=len(prompts) * G,
+        unit_name="rows",
+    )
+    same = all(
+        (a.tokens, a.model_mask, a.statuses, a.end) == (b.tokens, b.model_mask, b.statuses, b.end)
+        for a, b in zip(rows["overlapped"], rows["lock-step"], strict=True)
+    )
     turns = sum(r.turns for r in rows["lock-step"])
     print(f"rows identical: {same}; sandbox calls per rollout: {calls}; turns: {turns}", file=out)
     if not same:
         print("!!! the overlapped rows differ from the lock-step rows", file=sys.stderr)
-    result = {"benchmark": "tool_overlap", "rows_identical": same, "sandbox_calls": calls, "turns": turns,
-              "latency_s": [args.latency_min, args.latency_max], "workers": args.workers,
-              "overrides": args.overrides, "comparisons": [res]}
+    result = {
+        "benchmark": "tool_overlap",
+        "rows_identical": same,
+        "sandbox_calls": calls,
+        "turns": turns,
+        "latency_s": [args.latency_min, args.latency_max],
+        "workers": args.workers,
+        "overrides": args.overrides,
+        "comparisons": [res],
+    }
     emit(result, args.json)
     return result
 

@@ -21,6 +21,7 @@ stare_jax.training.aot takes them out of the device peak.
 Bringing 60 GiB in from host while 30 GiB are on device is refused
 (150 GiB of device memory needed). Seen on 2026-12-06 (61 s in all): both, as described.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,11 +53,14 @@ def program(L: int, mesh):
     def step(ws, xs):
         def micro(acc, x):
             return jax.tree.map(jnp.add, acc, jax.grad(loss)(ws, x)), None
+
         acc, _ = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, ws), xs)
         return jax.tree.map(lambda w, a: w - 1e-3 * a, ws, acc)
 
-    ws = (jax.ShapeDtypeStruct((L, D, F), jnp.float32, sharding=NamedSharding(mesh, P(None, None, "tensor"))),
-          jax.ShapeDtypeStruct((L, F, D), jnp.float32, sharding=NamedSharding(mesh, P(None, "tensor", None))))
+    ws = (
+        jax.ShapeDtypeStruct((L, D, F), jnp.float32, sharding=NamedSharding(mesh, P(None, None, "tensor"))),
+        jax.ShapeDtypeStruct((L, F, D), jnp.float32, sharding=NamedSharding(mesh, P(None, "tensor", None))),
+    )
     xs = jax.ShapeDtypeStruct((MICRO, B, T, D), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
     return jax.jit(step, donate_argnums=0).trace(ws, xs)
 
@@ -70,12 +74,22 @@ def try_compile(L: int, mesh) -> dict:
         m = re.search(r"required for HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", msg)
         if not m:
             raise
-        return {"layers": L, "compiles": False, "required_gib": float(m.group(1)), "hbm_gib": float(m.group(2)),
-                "message": msg.splitlines()[0][:300]}
+        return {
+            "layers": L,
+            "compiles": False,
+            "required_gib": float(m.group(1)),
+            "hbm_gib": float(m.group(2)),
+            "message": msg.splitlines()[0][:300],
+        }
     resident = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-    return {"layers": L, "compiles": True, "args_plus_temp_size_gib": (resident + ma.temp_size_in_bytes) / GiB,
-            "peak_memory_gib": ma.peak_memory_in_bytes / GiB, "temp_size_gib": ma.temp_size_in_bytes / GiB,
-            "arguments_gib": ma.argument_size_in_bytes / GiB}
+    return {
+        "layers": L,
+        "compiles": True,
+        "args_plus_temp_size_gib": (resident + ma.temp_size_in_bytes) / GiB,
+        "peak_memory_gib": ma.peak_memory_in_bytes / GiB,
+        "temp_size_gib": ma.temp_size_in_bytes / GiB,
+        "arguments_gib": ma.argument_size_in_bytes / GiB,
+    }
 
 
 def host_memory_rows(mesh) -> list[dict]:
@@ -84,19 +98,24 @@ def host_memory_rows(mesh) -> list[dict]:
     ds = NamedSharding(mesh, P("tensor"))
     rows = []
     for host_gib, dev_gib, bring_in in ((60, 60, False), (60, 30, True)):
+
         def step(h, d, bring_in=bring_in):
             if bring_in:  # the moments' round trip: in, updated, back out
                 return jax.device_put(jax.device_put(h, jax.memory.Space.Device) * 2, jax.memory.Space.Host), d + 1
             return h, d + 1
+
         n = mesh.size
         h = jax.ShapeDtypeStruct((host_gib * GiB // 4 * n,), jnp.float32, sharding=hs)
         d = jax.ShapeDtypeStruct((dev_gib * GiB // 4 * n,), jnp.float32, sharding=ds)
         row = {"host_gib": host_gib, "device_gib": dev_gib, "brought_in": bring_in}
         try:
             ma = jax.jit(step, out_shardings=(hs, ds), donate_argnums=(0, 1)).lower(h, d).compile().memory_analysis()
-            row.update(compiles=True, peak_memory_gib=ma.peak_memory_in_bytes / GiB,
-                       host_arguments_gib=ma.host_argument_size_in_bytes / GiB,
-                       arguments_gib=ma.argument_size_in_bytes / GiB)
+            row.update(
+                compiles=True,
+                peak_memory_gib=ma.peak_memory_in_bytes / GiB,
+                host_arguments_gib=ma.host_argument_size_in_bytes / GiB,
+                arguments_gib=ma.argument_size_in_bytes / GiB,
+            )
         except Exception as e:  # noqa: BLE001 - the refusal is the measurement
             row.update(compiles=False, message=str(e).splitlines()[0][:200])
         rows.append(row)
@@ -121,17 +140,32 @@ def main() -> int:
         print(json.dumps(out, indent=1))
         return 0
     a, r = rows[lo], rows[hi]
-    print(f"last L that compiles: {lo}: arguments + outputs - aliases + temp_size = {a['args_plus_temp_size_gib']:.2f} "
-          f"GiB, peak_memory_in_bytes = {a['peak_memory_gib']:.2f} GiB, HBM {r['hbm_gib']:.2f} GiB")
+    print(
+        f"last L that compiles: {lo}: arguments + outputs - aliases + temp_size = {a['args_plus_temp_size_gib']:.2f} "
+        f"GiB, peak_memory_in_bytes = {a['peak_memory_gib']:.2f} GiB, HBM {r['hbm_gib']:.2f} GiB"
+    )
     print(f"first L refused: {hi}: the compiler's required figure {r['required_gib']:.2f} GiB ({r['message']})")
-    print("enforced: " + ("peak_memory_in_bytes" if a["peak_memory_gib"] <= r["hbm_gib"] * 1.0001 <
-                           a["args_plus_temp_size_gib"] else "inconclusive"))
+    print(
+        "enforced: "
+        + (
+            "peak_memory_in_bytes"
+            if a["peak_memory_gib"] <= r["hbm_gib"] * 1.0001 < a["args_plus_temp_size_gib"]
+            else "inconclusive"
+        )
+    )
     for h in out["host_memory"]:
-        what = (f"{h['host_gib']} GiB host + {h['device_gib']} GiB device arguments per chip"
-                + (", the host ones brought in and sent back" if h["brought_in"] else ""))
-        print(f"{what}: " + (f"compiles, peak_memory_in_bytes {h['peak_memory_gib']:.2f} GiB (host arguments "
-                              f"{h['host_arguments_gib']:.2f}, device arguments {h['arguments_gib']:.2f})"
-                              if h["compiles"] else f"refused ({h['message']})"))
+        what = f"{h['host_gib']} GiB host + {h['device_gib']} GiB device arguments per chip" + (
+            ", the host ones brought in and sent back" if h["brought_in"] else ""
+        )
+        print(
+            f"{what}: "
+            + (
+                f"compiles, peak_memory_in_bytes {h['peak_memory_gib']:.2f} GiB (host arguments "
+                f"{h['host_arguments_gib']:.2f}, device arguments {h['arguments_gib']:.2f})"
+                if h["compiles"]
+                else f"refused ({h['message']})"
+            )
+        )
     return 0
 
 

@@ -7,6 +7,7 @@ the TPU, a machine with a CUDA plugin is left to jax's own choice, and an explic
 
 No jax import here: stare_jax/__init__.py calls `choose_default_platforms()` before any submodule imports jax.
 """
+
 from __future__ import annotations
 
 import glob
@@ -44,8 +45,9 @@ def _installed(module: str) -> bool:
         return False
 
 
-def default_platforms(environ: Mapping[str, str], *, libtpu_installed: bool, has_tpu: bool,
-                      cuda_plugin_installed: bool) -> str | None:
+def default_platforms(
+    environ: Mapping[str, str], *, libtpu_installed: bool, has_tpu: bool, cuda_plugin_installed: bool
+) -> str | None:
     """The JAX_PLATFORMS value to set, or None to leave jax's default: "cpu" only when the user set none, libtpu is
     installed, no TPU is present and no CUDA plugin could claim a GPU."""
     if "JAX_PLATFORMS" in environ or not libtpu_installed or has_tpu or cuda_plugin_installed:
@@ -59,8 +61,12 @@ def choose_default_platforms() -> str | None:
     if "jax" in sys.modules or "JAX_PLATFORMS" in os.environ:
         return None
     libtpu = _installed("libtpu")
-    value = default_platforms(os.environ, libtpu_installed=libtpu, has_tpu=libtpu and tpu_present(),
-                              cuda_plugin_installed=libtpu and any(_installed(m) for m in _CUDA_PLUGINS))
+    value = default_platforms(
+        os.environ,
+        libtpu_installed=libtpu,
+        has_tpu=libtpu and tpu_present(),
+        cuda_plugin_installed=libtpu and any(_installed(m) for m in _CUDA_PLUGINS),
+    )
     if value is not None:
         os.environ["JAX_PLATFORMS"] = value
     return value

@@ -15,6 +15,7 @@ results the host logic reads come back with `fetch_global`, and a host result on
 sandboxed tool call, whose timing differs between hosts) is computed on process 0 and sent to the others with
 `broadcast_from_process0`. In a single process every helper is the identity, a plain device_put or device_get.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,20 +23,23 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
-
-from stare_jax.models.sharding import BATCH_AXES, batch_sharding
 from jax.experimental import multihost_utils
 
+from stare_jax.models.sharding import BATCH_AXES, batch_sharding
 
-def process_batch_rows(mesh: jax.sharding.Mesh, global_batch_size: int,
-                       batch_axes: Sequence[str] = BATCH_AXES) -> np.ndarray:
+
+def process_batch_rows(
+    mesh: jax.sharding.Mesh, global_batch_size: int, batch_axes: Sequence[str] = BATCH_AXES
+) -> np.ndarray:
     """Sorted indices of the rows of a [global_batch_size, ...] batch that this process's devices hold.
 
     These are the rows this process must feed to `global_batch_from_process_local`, in this order."""
     shards = int(np.prod([mesh.shape[a] for a in batch_axes]))
     if global_batch_size % shards:
-        raise ValueError(f"global batch size {global_batch_size} must be divisible by the {shards} devices of "
-                         f"mesh axes {tuple(batch_axes)}")
+        raise ValueError(
+            f"global batch size {global_batch_size} must be divisible by the {shards} devices of "
+            f"mesh axes {tuple(batch_axes)}"
+        )
     idx = batch_sharding(mesh, batch_axes).addressable_devices_indices_map((global_batch_size,))
     rows: set[int] = set()
     for index in idx.values():
@@ -44,9 +48,12 @@ def process_batch_rows(mesh: jax.sharding.Mesh, global_batch_size: int,
     return np.array(sorted(rows), dtype=np.int64)
 
 
-def global_batch_from_process_local(batch_local: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh,
-                                    global_batch_size: int,
-                                    batch_axes: Sequence[str] = BATCH_AXES) -> dict:
+def global_batch_from_process_local(
+    batch_local: Mapping[str, np.ndarray],
+    mesh: jax.sharding.Mesh,
+    global_batch_size: int,
+    batch_axes: Sequence[str] = BATCH_AXES,
+) -> dict:
     """{key: global jax.Array [global_batch_size, ...]} sharded over batch_axes, from this process's rows.
 
     batch_local[k] must hold exactly the rows `process_batch_rows(mesh, global_batch_size)` of the global
@@ -57,8 +64,10 @@ def global_batch_from_process_local(batch_local: Mapping[str, np.ndarray], mesh:
     for k, v in batch_local.items():
         v = np.asarray(v)
         if v.ndim < 1 or v.shape[0] != n_local:
-            raise ValueError(f"process-local batch[{k!r}] has shape {v.shape}; process {jax.process_index()} "
-                             f"feeds {n_local} of the {global_batch_size} rows (leading axis)")
+            raise ValueError(
+                f"process-local batch[{k!r}] has shape {v.shape}; process {jax.process_index()} "
+                f"feeds {n_local} of the {global_batch_size} rows (leading axis)"
+            )
         out[k] = jax.make_array_from_process_local_data(sharding, v, (global_batch_size,) + v.shape[1:])
     return out
 
@@ -67,8 +76,9 @@ def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
 
-def global_batch(batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh,
-                 batch_axes: Sequence[str] = BATCH_AXES) -> dict:
+def global_batch(
+    batch: Mapping[str, np.ndarray], mesh: jax.sharding.Mesh, batch_axes: Sequence[str] = BATCH_AXES
+) -> dict:
     """{key: global jax.Array} from a host batch that is identical on every process: each process feeds only
     the rows its devices hold (`process_batch_rows`). Keys may differ in their leading length (the packed
     layout's rows and sequences)."""
@@ -107,15 +117,20 @@ def fetch_global(tree):
     out = {}
     if spanning:
         xs = [leaves[i] for i in spanning]
-        replicated = tuple(x.sharding.update(spec=jax.sharding.PartitionSpec())
-                           if isinstance(x.sharding, jax.sharding.NamedSharding) else None for x in xs)
+        replicated = tuple(
+            x.sharding.update(spec=jax.sharding.PartitionSpec())
+            if isinstance(x.sharding, jax.sharding.NamedSharding)
+            else None
+            for x in xs
+        )
         if all(r is not None for r in replicated):
             gathered = [x.addressable_data(0) for x in jax.jit(_identity, out_shardings=replicated)(*xs)]
         else:  # another sharding type: jax's own gather, one array at a time
             gathered = multihost_utils.process_allgather(xs, tiled=True)
         out = dict(zip(spanning, gathered))
-    return jax.tree.unflatten(treedef, [np.asarray(out[i] if i in out else jax.device_get(x))
-                                        for i, x in enumerate(leaves)])
+    return jax.tree.unflatten(
+        treedef, [np.asarray(out[i] if i in out else jax.device_get(x)) for i, x in enumerate(leaves)]
+    )
 
 
 def broadcast_from_process0(value: Any) -> Any:
@@ -129,7 +144,7 @@ def broadcast_from_process0(value: Any) -> Any:
     data = np.frombuffer(json.dumps(value).encode() if mine else b"", np.uint8)
     size = int(multihost_utils.broadcast_one_to_all(np.asarray([data.size], np.int32), is_source=mine)[0])
     buf = np.zeros((size,), np.uint8)
-    buf[:data.size] = data
+    buf[: data.size] = data
     got = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=mine))
     return json.loads(got.astype(np.uint8).tobytes().decode())
 

@@ -8,6 +8,7 @@ multi-process runs): opt-in with --system or STARE_JAX_RUN_SYSTEM=1, and always 
 suite; `slow` - opt-in (--runslow or STARE_JAX_RUN_SLOW=1). The default run is unit + integration; `-m unit` /
 `-m integration` select one tier, and every run ends with each tier's time. Shared fixtures are defined here;
 helpers without fixtures live in tests/support/ (imported as `support.x`: pyproject.toml puts tests/ on sys.path)."""
+
 import gc
 import json
 import os
@@ -22,6 +23,7 @@ import pathlib
 
 import jax
 import pytest
+
 from support.models import FAMILIES, make_hf_model
 from support.tokenizers import QWEN25_TEMPLATE, QWEN_PATTERN, _added_tokens_decoder, _train_bpe
 
@@ -42,8 +44,12 @@ SHARED_DATA = _REPO.parent / "shared" / "data"
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
-    parser.addoption("--system", action="store_true", default=False,
-                     help="run the system tier (TPU compiles, launch scripts, multi-process runs)")
+    parser.addoption(
+        "--system",
+        action="store_true",
+        default=False,
+        help="run the system tier (TPU compiles, launch scripts, multi-process runs)",
+    )
 
 
 TIERS = ("unit", "integration", "system", "slow")
@@ -56,8 +62,9 @@ def tier_of(item) -> str:
         return "slow"
     folder = pathlib.Path(str(item.path)).resolve().relative_to(_TESTS_DIR).parts[0]
     if folder not in TIERS[:3]:
-        raise pytest.UsageError(f"{item.path}: a test module must live in tests/unit, tests/integration or "
-                                f"tests/system")
+        raise pytest.UsageError(
+            f"{item.path}: a test module must live in tests/unit, tests/integration or tests/system"
+        )
     return folder
 
 
@@ -143,9 +150,17 @@ def qwen_sft_dir(tmp_path_factory):
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = _train_bpe(QWEN_PATTERN, specials)
     tok.save(str(folder / "tokenizer.json"))
-    config = {"added_tokens_decoder": _added_tokens_decoder(tok, specials), "bos_token": None,
-              "chat_template": QWEN25_TEMPLATE, "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>",
-              "pad_token": "<|endoftext|>", "model_max_length": 131072, "tokenizer_class": "Qwen2Tokenizer",
-              "unk_token": None, "split_special_tokens": False}
+    config = {
+        "added_tokens_decoder": _added_tokens_decoder(tok, specials),
+        "bos_token": None,
+        "chat_template": QWEN25_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 131072,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+        "split_special_tokens": False,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder

@@ -29,6 +29,7 @@ on stderr naming the fix, exit status 2; Ctrl-C outside a training loop is one l
 saves the current step and exits 0: stare_jax.training.checkpoint.PreemptionHandler). Any other exception is a bug
 and keeps its traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv[:1] if argv and argv[0] in COMMANDS else ())
     args, extra = parser.parse_known_args(argv)
     # KEY=VALUE overrides may also follow the options (argparse takes positionals only in their first run)
-    if extra and isinstance(getattr(args, "overrides", None), list) and all(
-            "=" in e and not e.startswith("-") for e in extra):
+    if (
+        extra
+        and isinstance(getattr(args, "overrides", None), list)
+        and all("=" in e and not e.startswith("-") for e in extra)
+    ):
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -1,4 +1,5 @@
 """`python -m stare_jax.cli`: the `stare-jax` command."""
+
 import sys
 
 from stare_jax.cli import main

@@ -1,5 +1,6 @@
 """What the subcommand modules share, without heavy imports: the one-line usage error and the argument groups
 that several commands take."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,5 +1,6 @@
 """`stare-jax compare`: the entropy-control methods on the embedded CPU default: compare.png + compare.md/json in
 the run folder."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,16 +11,20 @@ from stare_jax.experiments.compare import DEFAULT_METHODS, METHODS, parse_method
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default="runs/compare")
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help=f"comma-separated, from: {', '.join(METHODS)} (default: %(default)s)")
+    p.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"comma-separated, from: {', '.join(METHODS)} (default: %(default)s)",
+    )
     p.add_argument("--seeds", default="0", help="comma-separated seeds (default: %(default)s)")
     add_config_args(p)
 
 
 def run(args) -> int:
     if args.config:
-        raise UsageError("--config is not used (compare runs configs/tiny_cpu_<method>.yaml); pass KEY=VALUE "
-                         "overrides instead")
+        raise UsageError(
+            "--config is not used (compare runs configs/tiny_cpu_<method>.yaml); pass KEY=VALUE overrides instead"
+        )
     try:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:

@@ -1,4 +1,5 @@
 """`stare-jax config [--config FILE] [KEY=VALUE ...]`: print the resolved configuration."""
+
 from __future__ import annotations
 
 import argparse

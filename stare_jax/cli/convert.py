@@ -1,4 +1,5 @@
 """`stare-jax convert GGUF_FILE OUT_DIR`: a GGUF checkpoint (e.g. SmolLM2) as a Hugging Face folder."""
+
 from __future__ import annotations
 
 import argparse

@@ -1,6 +1,7 @@
 """`stare-jax plan CONFIG [--accelerator A] [--compile [--topology T]] [--json]`: memory/FLOP estimate (or the TPU
 compiler's own figures) of a config on an accelerator; --sft: CONFIG is an SFT config, its step compiled
 (--compile)."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,24 +22,42 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config_file", metavar="CONFIG")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     p.add_argument("--accelerator", default=None, help="e.g. v5p-64 or 2x8xH100 (default: launch.accelerator)")
-    p.add_argument("--compile", action="store_true",
-                   help="compile every program of the run for the config's TPU slice on this host (needs libtpu) "
-                        "and print the compiler's memory/FLOP figures beside the estimate")
-    p.add_argument("--topology", default=None,
-                   help="TPU topology to compile for, e.g. v5p:2x4x4 or v6e:2x2 (default: from launch.accelerator; "
-                        "implies --compile)")
-    p.add_argument("--reuse-sampler", default=None, metavar="REPORT_JSON",
-                   help="with --compile: take the sampler and weight-reshard figures from an earlier --json report "
-                        "of a config with the same sampler_key (same model, mesh, sampling, slice; e.g. another "
-                        "arm of the same setting) and compile only the train step")
-    p.add_argument("--sft", action="store_true",
-                   help="CONFIG is a `stare-jax sft` config: with --compile, compile its SFT step for its slice")
-    p.add_argument("--response-median", type=float, default=None, metavar="TOKENS",
-                   help="rl.packing's estimate: median response length of the assumed lognormal (default "
-                        "max_new_tokens / 8)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile every program of the run for the config's TPU slice on this host (needs libtpu) "
+        "and print the compiler's memory/FLOP figures beside the estimate",
+    )
+    p.add_argument(
+        "--topology",
+        default=None,
+        help="TPU topology to compile for, e.g. v5p:2x4x4 or v6e:2x2 (default: from launch.accelerator; "
+        "implies --compile)",
+    )
+    p.add_argument(
+        "--reuse-sampler",
+        default=None,
+        metavar="REPORT_JSON",
+        help="with --compile: take the sampler and weight-reshard figures from an earlier --json report "
+        "of a config with the same sampler_key (same model, mesh, sampling, slice; e.g. another "
+        "arm of the same setting) and compile only the train step",
+    )
+    p.add_argument(
+        "--sft",
+        action="store_true",
+        help="CONFIG is a `stare-jax sft` config: with --compile, compile its SFT step for its slice",
+    )
+    p.add_argument(
+        "--response-median",
+        type=float,
+        default=None,
+        metavar="TOKENS",
+        help="rl.packing's estimate: median response length of the assumed lognormal (default max_new_tokens / 8)",
+    )
     p.add_argument("--response-sigma", type=float, default=1.0, help="its sigma (default 1.0)")
-    p.add_argument("--prompt-tokens", type=int, default=None, help="assumed prompt length (default "
-                                                                   "data.max_prompt_len / 4)")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=None, help="assumed prompt length (default data.max_prompt_len / 4)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 

@@ -1,5 +1,6 @@
 """`stare-jax plot RUN_DIR [RUN_DIR ...] [--out PNG]`: overlaid curves + summary table (a folder of runs: its
 runs)."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,10 @@ def run(args) -> int:
         if not d.is_dir():
             raise UsageError(f"run folder {d} does not exist")
         if not is_run_dir(d):
-            raise UsageError(f"{d} holds no metrics.jsonl and no sub-folder does: give run folders written by "
-                             f"`stare-jax train --run-dir` or `stare-jax demo --run-dir`")
+            raise UsageError(
+                f"{d} holds no metrics.jsonl and no sub-folder does: give run folders written by "
+                f"`stare-jax train --run-dir` or `stare-jax demo --run-dir`"
+            )
         try:
             load_run(d)
         except ValueError as e:  # a bad line or no step records: the message names the file and line

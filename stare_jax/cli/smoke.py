@@ -1,5 +1,6 @@
 """`stare-jax smoke [--run-dir DIR] [--model P]`: load a model (a tiny random one by default), generate a few
 tokens, print them as ids and text."""
+
 from __future__ import annotations
 
 import argparse
@@ -53,12 +54,14 @@ def run(args) -> int:
     else:
         vocab = model.config.vocab_size
         prompt = [[t % vocab for t in p] for p in ([1, 5, 9, 13], [2, 4, 6])]
-    generated = generate(model, prompt, max_new_tokens=args.new_tokens,
-                         sampling=SamplingParams(temperature=0.0)).tokens
+    generated = generate(model, prompt, max_new_tokens=args.new_tokens, sampling=SamplingParams(temperature=0.0)).tokens
     elapsed = time.time() - t0
     generated = [list(map(int, g)) for g in generated]
-    text = ([{"prompt": tok.decode(p), "generated": tok.decode(g)} for p, g in zip(prompt, generated)]
-            if tok is not None else None)
+    text = (
+        [{"prompt": tok.decode(p), "generated": tok.decode(g)} for p, g in zip(prompt, generated)]
+        if tok is not None
+        else None
+    )
     result = {
         "model": str(model_dir),
         "devices": [str(d) for d in jax.devices()],
@@ -78,8 +81,10 @@ def _check_inputs(args) -> pathlib.Path:
     if args.new_tokens < 1:
         raise UsageError(f"--new-tokens {args.new_tokens} must be >= 1")
     if args.model and not (pathlib.Path(args.model) / "config.json").is_file():
-        raise UsageError(f"--model {args.model} is not a Hugging Face folder (no config.json); convert one with "
-                         f"`stare-jax smollm2` or `stare-jax convert`, or omit --model for a tiny random model")
+        raise UsageError(
+            f"--model {args.model} is not a Hugging Face folder (no config.json); convert one with "
+            f"`stare-jax smollm2` or `stare-jax convert`, or omit --model for a tiny random model"
+        )
     run_dir = pathlib.Path(args.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--run-dir {run_dir} is a file; give a folder")
@@ -89,9 +94,17 @@ def _check_inputs(args) -> pathlib.Path:
 def _tiny_model(model_dir: pathlib.Path, seed: int) -> pathlib.Path:
     """`model_dir` holding a tiny random Qwen2 model and a byte tokenizer (each written unless already there)."""
     if not (model_dir / "config.json").is_file():
-        tiny = models.ModelConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                                  intermediate_size=128, max_position_embeddings=512,
-                                  architecture="Qwen2ForCausalLM", qkv_bias=True)
+        tiny = models.ModelConfig(
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=512,
+            architecture="Qwen2ForCausalLM",
+            qkv_bias=True,
+        )
         models.save_pretrained(models.init_model(tiny, seed=seed), model_dir)
     if not (model_dir / "tokenizer.json").is_file():
         byte_tokenizer(model_dir)

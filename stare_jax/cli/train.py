@@ -1,5 +1,6 @@
 """`stare-jax train --config FILE --run-dir DIR [--resume [--allow-config-change]] [KEY=VALUE ...]`: RL training
 (GRPO-ds or STARE) of a config."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,14 +13,23 @@ from stare_jax.training.loop import run_training
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", required=True, help="output folder: metrics.jsonl, checkpoints/, config.yaml, ...")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in RUN_DIR if it has one, else start a new run there")
-    p.add_argument("--require-checkpoint", action="store_true",
-                   help="with --resume: fail (instead of starting fresh) when RUN_DIR has no checkpoint")
-    p.add_argument("--allow-config-change", action="store_true",
-                   help="with --resume: continue even though the config differs from the run's config.yaml in keys "
-                        "that change what is trained (without it such a resume is refused; the change is recorded "
-                        "in RUN_DIR/config_changes.jsonl)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in RUN_DIR if it has one, else start a new run there",
+    )
+    p.add_argument(
+        "--require-checkpoint",
+        action="store_true",
+        help="with --resume: fail (instead of starting fresh) when RUN_DIR has no checkpoint",
+    )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: continue even though the config differs from the run's config.yaml in keys "
+        "that change what is trained (without it such a resume is refused; the change is recorded "
+        "in RUN_DIR/config_changes.jsonl)",
+    )
     add_distributed_args(p)
     add_config_args(p)
 
@@ -30,13 +40,20 @@ def run(args) -> int:
     if args.allow_config_change and not args.resume:
         raise UsageError("--allow-config-change only applies with --resume: add --resume, or drop it")
     cfg = load_config(args.config, args.overrides)
-    summary = run_training(cfg, args.run_dir, resume=args.resume, require_checkpoint=args.require_checkpoint,
-                           allow_config_change=args.allow_config_change,
-                           distributed=(args.coordinator_address, args.num_processes, args.process_id),
-                           inputs_for=run_inputs)
+    summary = run_training(
+        cfg,
+        args.run_dir,
+        resume=args.resume,
+        require_checkpoint=args.require_checkpoint,
+        allow_config_change=args.allow_config_change,
+        distributed=(args.coordinator_address, args.num_processes, args.process_id),
+        inputs_for=run_inputs,
+    )
     print(f"train: {summary['steps_run']} steps in {summary['wall_s']:.1f}s; outputs in {summary['run_dir']}")
     if summary["stopped"]:
         last = (summary.get("last") or {}).get("step", "?")
-        print(f"train: stopped by a signal after step {last}, saved as a checkpoint; continue with the same "
-              f"command plus --resume")
+        print(
+            f"train: stopped by a signal after step {last}, saved as a checkpoint; continue with the same "
+            f"command plus --resume"
+        )
     return 0

@@ -2,6 +2,7 @@
 checkpoints, a resume with another config, an exhausted dynamic sampling budget): `stare-jax` reports them in one
 line, exit status 2, without a traceback. Its own module because the types live in modules that import jax:
 `stare_jax.cli.main` loads it only when a command has raised."""
+
 from __future__ import annotations
 
 from stare_jax.config.resume import ConfigChangeError
@@ -11,6 +12,16 @@ from stare_jax.training.checkpoint import CheckpointCorruptError, CheckpointMism
 from stare_jax.training.setup import TrainingError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
-    DataError, TrainingError, ConfigChangeError, CheckpointNotFoundError, CheckpointCorruptError,
-    CheckpointMismatchError, DynamicSamplingError, FileNotFoundError, FileExistsError, NotADirectoryError,
-    IsADirectoryError, PermissionError)
+    DataError,
+    TrainingError,
+    ConfigChangeError,
+    CheckpointNotFoundError,
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    DynamicSamplingError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)

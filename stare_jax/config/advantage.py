@@ -16,6 +16,7 @@ optional token-level entropy term on top. No jax here: the run config imports it
   entropy_to_advantage_kappa = 2, scale 0.1 "for PPO tested in paper"); alpha = 0.4 is the GRPO setting as we read
   the paper, not confirmed by a search of the stored pages (0.1 is its PPO setting).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,10 @@ class AdvantageConfig:
     """The advantage of each response (and, with entropy_adv, each token)."""
 
     estimator: Literal["grpo", "w_reinforce"] = option(
-        "grpo", "grpo: group-normalised rewards (verl grpo; rl.norm_adv_by_std=false is Dr.GRPO's); w_reinforce: "
-                "lambda for a correct response, -1 for a wrong one (Zhu et al. 2025)")
+        "grpo",
+        "grpo: group-normalised rewards (verl grpo; rl.norm_adv_by_std=false is Dr.GRPO's); w_reinforce: "
+        "lambda for a correct response, -1 for a wrong one (Zhu et al. 2025)",
+    )
     w_reinforce_lambda: float = option(0.1, "W-REINF: weight of the positive samples (paper: 0.1)", lo=0.0)
     entropy_adv: bool = option(False, "EntroAdv (Cheng et al. 2025): add min(alpha * sg(H), |A| / kappa) per token")
     entropy_adv_alpha: float = option(0.4, "EntroAdv: entropy scale alpha", lo=0.0)
@@ -41,10 +44,14 @@ class AdvantageConfig:
     def __post_init__(self):
         validate_fields(self, "rl.advantage")
         if self.estimator != "w_reinforce" and self.w_reinforce_lambda != 0.1:
-            raise ConfigError(f"rl.advantage.w_reinforce_lambda = {self.w_reinforce_lambda} belongs to "
-                              f"rl.advantage.estimator = 'w_reinforce', not {self.estimator!r}")
+            raise ConfigError(
+                f"rl.advantage.w_reinforce_lambda = {self.w_reinforce_lambda} belongs to "
+                f"rl.advantage.estimator = 'w_reinforce', not {self.estimator!r}"
+            )
         if not self.entropy_adv:
             foreign = [k for k, d in (("entropy_adv_alpha", 0.4), ("entropy_adv_kappa", 2.0)) if getattr(self, k) != d]
             if foreign:
-                raise ConfigError(f"rl.advantage: {', '.join('rl.advantage.' + k for k in foreign)} only apply with "
-                                  f"rl.advantage.entropy_adv: true")
+                raise ConfigError(
+                    f"rl.advantage: {', '.join('rl.advantage.' + k for k in foreign)} only apply with "
+                    f"rl.advantage.entropy_adv: true"
+                )

@@ -12,6 +12,7 @@ No jax here: the run config imports it.
   current policy's log-probs carry the gradient); "reward" = verl algorithm.use_kl_in_reward (token rewards = score -
   coef * kl(old_logprobs, ref_logprobs), summed per response before the GRPO advantage, inside the train step).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,20 +29,29 @@ DEFAULT_ESTIMATOR = {"loss": "low_var_kl", "reward": "kl"}
 class KLConfig:
     """KL penalty to a frozen reference policy (GRPO's beta; verl use_kl_loss / use_kl_in_reward)."""
 
-    coef: float = option(0.0, "KL coefficient (verl kl_loss_coef / kl_ctrl.kl_coef; 0.001 in verl's GRPO recipes); "
-                              "0 = no KL term", lo=0.0)
+    coef: float = option(
+        0.0,
+        "KL coefficient (verl kl_loss_coef / kl_ctrl.kl_coef; 0.001 in verl's GRPO recipes); 0 = no KL term",
+        lo=0.0,
+    )
     estimator: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] | None = option(
-        None, "per-token KL estimator (verl kl_penalty names); null = low_var_kl for the loss, kl for the reward")
-    use_as: Literal["loss", "reward"] = option("loss", "loss term (verl use_kl_loss) or token-level reward penalty "
-                                                       "before the advantage (verl use_kl_in_reward)")
-    reference: str | None = option(None, "'initial' (the run's starting weights) or a Hugging Face folder; "
-                                         "null = no reference model")
+        None, "per-token KL estimator (verl kl_penalty names); null = low_var_kl for the loss, kl for the reward"
+    )
+    use_as: Literal["loss", "reward"] = option(
+        "loss",
+        "loss term (verl use_kl_loss) or token-level reward penalty before the advantage (verl use_kl_in_reward)",
+    )
+    reference: str | None = option(
+        None, "'initial' (the run's starting weights) or a Hugging Face folder; null = no reference model"
+    )
 
     def __post_init__(self):
         validate_fields(self, "rl.kl")
         if self.coef > 0 and not self.reference:
-            raise ConfigError(f"rl.kl.coef = {self.coef} needs a reference policy: set rl.kl.reference to 'initial' "
-                              f"(the run's starting weights) or a Hugging Face folder")
+            raise ConfigError(
+                f"rl.kl.coef = {self.coef} needs a reference policy: set rl.kl.reference to 'initial' "
+                f"(the run's starting weights) or a Hugging Face folder"
+            )
         if self.reference == "":
             raise ConfigError("rl.kl.reference = '' is not a reference: use 'initial', a Hugging Face folder or null")
 

@@ -5,6 +5,7 @@ YAML files may name a `base:` file (relative to themselves) whose values they ov
 an unknown key (with the closest valid key suggested), a wrong type or an out-of-range value raises
 `ConfigError` naming the dotted key, the file or override it came from, and what is accepted.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,21 +17,19 @@ from typing import Any, Literal
 
 import yaml
 
-from stare_jax.models.config import AttentionImpl, RematPolicy
-from stare_jax.models.config import ModelConfig
-from stare_jax.config.options import ConfigError, check_range, coerce, option
 from stare_jax.config.advantage import AdvantageConfig
+from stare_jax.config.engine import EngineConfig
 from stare_jax.config.kl import KLConfig
 from stare_jax.config.lora import LoRAConfig
 from stare_jax.config.offload import OffloadConfig
 from stare_jax.config.optimizer import OptimizerConfig
+from stare_jax.config.options import ConfigError, check_range, coerce, option
 from stare_jax.config.packing import PackingConfig
-from stare_jax.config.rollout_correction import RolloutCorrectionConfig
 from stare_jax.config.policy_loss import TOKEN_LEVEL, PolicyLossConfig, TokenFilterConfig
+from stare_jax.config.rollout_correction import RolloutCorrectionConfig
 from stare_jax.config.stare import StareConfig
-from stare_jax.config.engine import EngineConfig
+from stare_jax.models.config import AttentionImpl, ModelConfig, RematPolicy
 from stare_jax.tools.config import ToolConfig
-
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -39,15 +38,19 @@ DType = Literal["float32", "bfloat16", "float16"]
 class ModelRunConfig:
     """Which model to train and how to compute with it."""
 
-    path: str | None = option(None, doc="HF checkpoint folder (config.json + *.safetensors); "
-                                    "None with `preset` for random init")
+    path: str | None = option(
+        None, doc="HF checkpoint folder (config.json + *.safetensors); None with `preset` for random init"
+    )
     preset: str | None = option(None, doc="named architecture (e.g. qwen2.5-7b) or 'tiny'; used when path is None")
     dtype: DType = option("float32", doc="compute dtype")
     param_dtype: DType = option("float32", doc="parameter (master) dtype")
     attention_impl: AttentionImpl = option("xla", doc="attention kernel")
     remat_policy: RematPolicy = option("none", doc="per-layer rematerialisation")
-    scan_layers: bool = option(False, doc="stacked layers run as one lax.scan (one compiled layer, sequential "
-                                      "remat); checkpoints are then stored stacked")
+    scan_layers: bool = option(
+        False,
+        doc="stacked layers run as one lax.scan (one compiled layer, sequential "
+        "remat); checkpoints are then stored stacked",
+    )
     tokenizer_path: str | None = option(None, doc="tokenizer folder or SentencePiece .model; defaults to path")
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # adapters on a frozen base (stare_jax/config/lora.py)
 
@@ -78,7 +81,8 @@ class DataConfig:
     prompt_field: str = option("problem")
     answer_field: str = option("answer")
     task: Literal["math", "digit_set", "digit_sum", "tool_mul"] = option(
-        "math", doc="verifier: math answers (sandboxed) or one of the toy tasks")
+        "math", doc="verifier: math answers (sandboxed) or one of the toy tasks"
+    )
     prompt_template: Literal["paper", "chat", "raw"] = option("paper", doc="paper instruction, chat template, or raw")
     max_prompt_len: int = option(1024, lo=1)
     shuffle: bool = option(True)
@@ -94,8 +98,9 @@ class SamplingConfig:
     top_p: float = option(1.0, lo=0.0, hi=1.0, lo_open=True)
     top_k: int = option(0, lo=0, doc="0 = off")
     kv_cache_dtype: DType = option("bfloat16")
-    max_prompts_per_call: int = option(0, lo=0, doc="prompts per sampler call (bounds the KV cache); 0 = the whole "
-                                                "generation batch in one call")
+    max_prompts_per_call: int = option(
+        0, lo=0, doc="prompts per sampler call (bounds the KV cache); 0 = the whole generation batch in one call"
+    )
     eval_temperature: float = option(0.7, lo=0.0)
     eval_top_p: float = option(0.95, lo=0.0, hi=1.0, lo_open=True)
     eval_num_samples: int = option(0, lo=0, doc="samples per eval problem; 0 = the paper's protocol per benchmark")
@@ -122,12 +127,17 @@ class RLConfig:
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = option(
         "token-mean"
     )
-    micro_batch_size: int = option(8, lo=1,
-                                   doc="sequences per forward/backward micro-batch on each data-parallel shard")
-    micro_batch_tokens: int = option(0, lo=0, doc="token budget per device per micro-batch (verl's "
-                                                  "ppo_max_token_len_per_gpu): with rl.packing, rows per micro-batch "
-                                                  "= this // row_tokens; without, sequences per micro-batch = this // "
-                                                  "the batch's length bucket. 0 = rl.micro_batch_size")
+    micro_batch_size: int = option(
+        8, lo=1, doc="sequences per forward/backward micro-batch on each data-parallel shard"
+    )
+    micro_batch_tokens: int = option(
+        0,
+        lo=0,
+        doc="token budget per device per micro-batch (verl's "
+        "ppo_max_token_len_per_gpu): with rl.packing, rows per micro-batch "
+        "= this // row_tokens; without, sequences per micro-batch = this // "
+        "the batch's length bucket. 0 = rl.micro_batch_size",
+    )
     packing: PackingConfig = field(default_factory=PackingConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     mini_batches: int = option(1, lo=1, doc="optimizer steps per RL batch")
@@ -150,30 +160,44 @@ class RLConfig:
         name = self.policy_loss.name
         adv = self.advantage
         if adv.entropy_adv and self.stare.enabled:
-            raise ConfigError("rl.advantage.entropy_adv: true cannot be combined with rl.stare.enabled: true: both "
-                              "reshape the advantage of high-entropy / high-surprisal tokens to control entropy; "
-                              "compare them as separate arms")
+            raise ConfigError(
+                "rl.advantage.entropy_adv: true cannot be combined with rl.stare.enabled: true: both "
+                "reshape the advantage of high-entropy / high-surprisal tokens to control entropy; "
+                "compare them as separate arms"
+            )
         if adv.entropy_adv and name not in TOKEN_LEVEL:
-            raise ConfigError(f"rl.advantage.entropy_adv: true needs a token-level loss; rl.policy_loss.name = "
-                              f"{name!r} is sequence-level (token-level: {', '.join(TOKEN_LEVEL)})")
+            raise ConfigError(
+                f"rl.advantage.entropy_adv: true needs a token-level loss; rl.policy_loss.name = "
+                f"{name!r} is sequence-level (token-level: {', '.join(TOKEN_LEVEL)})"
+            )
         if adv.estimator == "w_reinforce":
             if self.kl.as_reward:
-                raise ConfigError("rl.kl.use_as = 'reward' cannot be combined with rl.advantage.estimator = "
-                                  "'w_reinforce': W-REINF's advantage comes from correctness alone (lambda / -1), "
-                                  "there is no reward for the KL penalty to enter; use rl.kl.use_as: loss")
+                raise ConfigError(
+                    "rl.kl.use_as = 'reward' cannot be combined with rl.advantage.estimator = "
+                    "'w_reinforce': W-REINF's advantage comes from correctness alone (lambda / -1), "
+                    "there is no reward for the KL penalty to enter; use rl.kl.use_as: loss"
+                )
             if self.overlong_buffer:
-                raise ConfigError(f"rl.overlong_buffer = {self.overlong_buffer} cannot be combined with "
-                                  f"rl.advantage.estimator = 'w_reinforce' (its advantage ignores reward shaping); "
-                                  f"set rl.overlong_buffer: 0")
+                raise ConfigError(
+                    f"rl.overlong_buffer = {self.overlong_buffer} cannot be combined with "
+                    f"rl.advantage.estimator = 'w_reinforce' (its advantage ignores reward shaping); "
+                    f"set rl.overlong_buffer: 0"
+                )
         if name == "stare" and not self.stare.enabled:
-            raise ConfigError("rl.policy_loss.name = 'stare' needs rl.stare.enabled: true (STARE is the vanilla "
-                              "loss weighted by omega; name 'vanilla' with rl.stare.enabled is the same)")
-        for key, on in (("rl.stare.enabled", self.stare.enabled), ("rl.token_filter.enabled",
-                                                                   self.token_filter.enabled)):
+            raise ConfigError(
+                "rl.policy_loss.name = 'stare' needs rl.stare.enabled: true (STARE is the vanilla "
+                "loss weighted by omega; name 'vanilla' with rl.stare.enabled is the same)"
+            )
+        for key, on in (
+            ("rl.stare.enabled", self.stare.enabled),
+            ("rl.token_filter.enabled", self.token_filter.enabled),
+        ):
             if on and name not in TOKEN_LEVEL:
-                raise ConfigError(f"{key}: true cannot be combined with rl.policy_loss.name = {name!r}: it weights "
-                                  f"the per-token loss and {name!r} is a sequence-level loss (token-level: "
-                                  f"{', '.join(TOKEN_LEVEL)})")
+                raise ConfigError(
+                    f"{key}: true cannot be combined with rl.policy_loss.name = {name!r}: it weights "
+                    f"the per-token loss and {name!r} is a sequence-level loss (token-level: "
+                    f"{', '.join(TOKEN_LEVEL)})"
+                )
 
 
 # optimizer is OptimizerConfig itself (stare_jax/config/optimizer.py), like rl.stare.
@@ -218,8 +242,9 @@ class ToyConfig:
     sft_steps: int = option(150, lo=0)
     sft_lr: float = option(3e-3, lo=0.0, lo_open=True)
     sft_noise: float = option(0.3, lo=0.0, hi=1.0, doc="fraction of warm-start answer digits replaced by random ones")
-    sft_direct_frac: float = option(0.0, lo=0.0, hi=1.0, doc="tool_mul: fraction of warm-start answers guessed "
-                                                             "without calling the tool")
+    sft_direct_frac: float = option(
+        0.0, lo=0.0, hi=1.0, doc="tool_mul: fraction of warm-start answers guessed without calling the tool"
+    )
     vocab_size: int = option(40, lo=8, doc="the toy tokenizer's vocabulary size")
 
 
@@ -228,8 +253,11 @@ class LaunchConfig:
     """Where the run is meant to go (used by `stare-jax plan` and the launch/ scripts)."""
 
     accelerator: str | None = option(None, doc="TPU type (e.g. v5p-64) or GPUs as [NODESx]GPUSxTYPE (e.g. 2x8xH100)")
-    gpu_alternative: str | None = option(None, doc="a GPU cluster the run also fits (with the overrides the config's "
-                                               "comment names, e.g. a smaller sampler call), e.g. 2x8xH100")
+    gpu_alternative: str | None = option(
+        None,
+        doc="a GPU cluster the run also fits (with the overrides the config's "
+        "comment names, e.g. a smaller sampler call), e.g. 2x8xH100",
+    )
 
 
 @dataclass
@@ -253,8 +281,10 @@ class Config:
     def __post_init__(self):
         ref = self.rl.kl.reference
         if self.model.lora.enabled and ref not in (None, "initial"):
-            raise ConfigError(f"rl.kl.reference = {ref!r} with model.lora.enabled: a LoRA run's reference is its "
-                              f"frozen base: set rl.kl.reference to 'initial' (or null for no KL)")
+            raise ConfigError(
+                f"rl.kl.reference = {ref!r} with model.lora.enabled: a LoRA run's reference is its "
+                f"frozen base: set rl.kl.reference to 'initial' (or null for no KL)"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -265,8 +295,9 @@ def _build(cls, data: dict, where: dict[str, str], prefix: str = ""):
     """Construct dataclass `cls` from `data`; `where` maps dotted keys to their source for error messages."""
     default_where = where.get("", "<defaults>")
     if not isinstance(data, dict):
-        raise ConfigError(f"{where.get(prefix.rstrip('.'), default_where)}: '{prefix.rstrip('.')}' must be a mapping, "
-                          f"got {data!r}")
+        raise ConfigError(
+            f"{where.get(prefix.rstrip('.'), default_where)}: '{prefix.rstrip('.')}' must be a mapping, got {data!r}"
+        )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for k in data:
@@ -275,8 +306,7 @@ def _build(cls, data: dict, where: dict[str, str], prefix: str = ""):
             close = difflib.get_close_matches(str(k), list(fields), n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
             raise ConfigError(
-                f"{where.get(full, default_where)}: unknown key '{full}'{hint} "
-                f"(valid keys here: {', '.join(fields)})"
+                f"{where.get(full, default_where)}: unknown key '{full}'{hint} (valid keys here: {', '.join(fields)})"
             )
     kwargs = {}
     for name, f in fields.items():
@@ -369,8 +399,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def load_section(cls, path: str | pathlib.Path | None = None, overrides: typing.Sequence[str] = (),
-                 prefix: str = ""):
+def load_section(cls, path: str | pathlib.Path | None = None, overrides: typing.Sequence[str] = (), prefix: str = ""):
     """Dataclass `cls` from a YAML file (its `base:` chain; the defaults when path is None) and dotted KEY=VALUE
     overrides, every key checked. `prefix` (e.g. "sft.") is how errors name the keys; an override may carry it."""
     where: dict[str, str] = {"": str(path) if path else "<defaults>"}

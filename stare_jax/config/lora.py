@@ -6,6 +6,7 @@ Off by default. With it on, only the adapters are trained (the base weights get 
 state: a 7B policy's AdamW state drops from 12 bytes per parameter to the adapters'), the KL reference is the
 frozen base itself when rl.kl.reference is 'initial', and `stare-jax export` writes a PEFT adapter folder.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,20 +21,29 @@ class LoRAConfig:
 
     enabled: bool = option(False, "train LoRA adapters on a frozen base instead of every weight")
     rank: int = option(32, "adapter rank r", lo=1)
-    alpha: float = option(64.0, "PEFT's lora_alpha: the adapters' update is scaled by alpha / rank",
-                          lo=0.0, lo_open=True)
-    target_modules: list = option(list(LORA_TARGETS), "HF module names to adapt: any of " + ", ".join(LORA_TARGETS)
-                                  + " (default all linear layers of the decoder)")
+    alpha: float = option(
+        64.0, "PEFT's lora_alpha: the adapters' update is scaled by alpha / rank", lo=0.0, lo_open=True
+    )
+    target_modules: list = option(
+        list(LORA_TARGETS),
+        "HF module names to adapt: any of " + ", ".join(LORA_TARGETS) + " (default all linear layers of the decoder)",
+    )
 
     def __post_init__(self):
         validate_fields(self, "model.lora")
         targets = list(self.target_modules)
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown or not targets or len(set(targets)) != len(targets):
-            what = (f"unknown module name(s) {unknown}" if unknown else "no module" if not targets
-                    else "a module named twice")
-            raise ConfigError(f"model.lora.target_modules = {list(targets)}: {what}; allowed: "
-                              f"{', '.join(LORA_TARGETS)}")
+            what = (
+                f"unknown module name(s) {unknown}"
+                if unknown
+                else "no module"
+                if not targets
+                else "a module named twice"
+            )
+            raise ConfigError(
+                f"model.lora.target_modules = {list(targets)}: {what}; allowed: {', '.join(LORA_TARGETS)}"
+            )
 
     def architecture_fields(self) -> dict:
         """The stare_jax.models.ModelConfig fields this section sets (rank 0 and no targets when off)."""

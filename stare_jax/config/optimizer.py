@@ -2,6 +2,7 @@
 (stare_jax/config/loader.py embeds it) and the optimizer part of the jitted step's static TrainStepConfig. No jax here:
 the run config imports it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,12 +24,18 @@ class OptimizerConfig:
     weight_decay: float = option(0.01, lo=0.0)
     grad_clip: float = option(1.0, "global-norm clip; 0 = off", lo=0.0)
     schedule: Literal["constant", "linear", "cosine"] = option(
-        "constant", "constant (a linear warm-up first when warmup_steps > 0), linear (warm-up only, then constant) "
-                    "or cosine (warm-up, then cosine decay to 0 over total_steps)")
-    warmup_steps: int = option(0, "linear warm-up length in optimizer updates (rl.mini_batches x rl.ppo_epochs "
-                                  "per RL step)", lo=0)
-    total_steps: int | None = option(None, "cosine decay length in optimizer steps; null = the run's total_steps "
-                                           "x rl.mini_batches x rl.ppo_epochs", lo=1)
+        "constant",
+        "constant (a linear warm-up first when warmup_steps > 0), linear (warm-up only, then constant) "
+        "or cosine (warm-up, then cosine decay to 0 over total_steps)",
+    )
+    warmup_steps: int = option(
+        0, "linear warm-up length in optimizer updates (rl.mini_batches x rl.ppo_epochs per RL step)", lo=0
+    )
+    total_steps: int | None = option(
+        None,
+        "cosine decay length in optimizer steps; null = the run's total_steps x rl.mini_batches x rl.ppo_epochs",
+        lo=1,
+    )
 
     def __post_init__(self):
         validate_fields(self, "optimizer")

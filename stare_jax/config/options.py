@@ -7,6 +7,7 @@ those declarations with the dotted key and the file they came from; a frozen sec
 construction (`validate_fields`) with the same checker, so a section built in code (tests, benchmarks) is held to
 the same rules. No imports from the rest of the package: every layer may use this module.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,8 +24,9 @@ class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
 
 
-def option(default, doc: str = "", *, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False,
-           nonzero: bool = False):
+def option(
+    default, doc: str = "", *, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False, nonzero: bool = False
+):
     """A dataclass field with its documentation and accepted numeric range [lo, hi] (open ends where asked)."""
     meta: dict = {"doc": doc}
     if lo is not None or hi is not None or nonzero:
@@ -65,8 +67,10 @@ def coerce(value: Any, tp, key: str, where: str) -> Any:
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{where}: '{key}' = {value!r} is not accepted; accepted values: "
-                              f"{', '.join(repr(c) for c in choices)}{hint}")
+            raise ConfigError(
+                f"{where}: '{key}' = {value!r} is not accepted; accepted values: "
+                f"{', '.join(repr(c) for c in choices)}{hint}"
+            )
         return value
     if tp is type(None):
         if value is not None:
@@ -103,9 +107,12 @@ def check_range(value, meta, key: str, where: str) -> None:
     if meta.get("nonzero") and value == 0:
         raise ConfigError(f"{where}: '{key}' = 0 is not accepted; use a positive size or -1 (all remaining devices)")
     if (lo is not None and (value < lo or (lo_open and value == lo))) or (
-            hi is not None and (value > hi or (hi_open and value == hi))):
-        accepted = (f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}"
-                    f"{')' if hi_open else ']'}")
+        hi is not None and (value > hi or (hi_open and value == hi))
+    ):
+        accepted = (
+            f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}"
+            f"{')' if hi_open else ']'}"
+        )
         doc = f" ({meta['doc']})" if meta.get("doc") else ""
         raise ConfigError(f"{where}: '{key}' = {value!r} is out of range; accepted: {accepted}{doc}")
 

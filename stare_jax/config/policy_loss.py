@@ -10,6 +10,7 @@ run config imports it.
   (rl.micro_batch_size x data shards sequences; the whole mini-batch when there is one micro-batch): "batch" ranks
   that whole micro-batch, "micro_batch" each group of rl.micro_batch_size sequences (verl's per-GPU ranking).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,10 @@ class PolicyLossConfig:
     """Which policy loss the step minimises, with verl's option names and defaults."""
 
     name: Literal["vanilla", "stare", "clip_cov", "kl_cov", "gspo", "cispo", "gpg", "geo_mean", "sapo"] = option(
-        "vanilla", "verl loss_mode; gspo / sapo aggregate seq-mean-token-mean and geo_mean averages over sequences "
-                   "whatever rl.loss_agg says (as verl)")
+        "vanilla",
+        "verl loss_mode; gspo / sapo aggregate seq-mean-token-mean and geo_mean averages over sequences "
+        "whatever rl.loss_agg says (as verl)",
+    )
     clip_cov_ratio: float = option(0.0002, "clip_cov: fraction of tokens detached", lo=0.0, hi=1.0, lo_open=True)
     clip_cov_lb: float = option(1.0, "clip_cov: covariance lower bound")
     clip_cov_ub: float = option(5.0, "clip_cov: covariance upper bound")
@@ -43,23 +46,32 @@ class PolicyLossConfig:
     tau_pos: float = option(1.0, "sapo: gate temperature for A > 0", lo=0.0, lo_open=True)
     tau_neg: float = option(1.05, "sapo: gate temperature for A <= 0", lo=0.0, lo_open=True)
     scope: Literal["batch", "micro_batch"] = option(
-        "batch", "clip_cov / kl_cov selection: the step's whole (global) micro-batch, or each rl.micro_batch_size "
-                 "group (verl's per-GPU micro-batch)")
-    micro_batch_size: int | None = option(None, "scope micro_batch: sequences per selection group; null = the run's "
-                                              "rl.micro_batch_size", lo=1)
+        "batch",
+        "clip_cov / kl_cov selection: the step's whole (global) micro-batch, or each rl.micro_batch_size "
+        "group (verl's per-GPU micro-batch)",
+    )
+    micro_batch_size: int | None = option(
+        None, "scope micro_batch: sequences per selection group; null = the run's rl.micro_batch_size", lo=1
+    )
 
     def __post_init__(self):
         validate_fields(self, "rl.policy_loss")
         own = SECTION_OPTIONS.get(self.name, ())
-        foreign = [f.name for f in dataclasses.fields(self)
-                   if f.name != "name" and f.name not in own and getattr(self, f.name) != f.default]
+        foreign = [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name != "name" and f.name not in own and getattr(self, f.name) != f.default
+        ]
         if foreign:
             keys = ", ".join(f"rl.policy_loss.{k}" for k in foreign)
-            raise ConfigError(f"rl.policy_loss: {keys} do not belong to policy loss {self.name!r} (its options: "
-                              f"{', '.join(own) or 'none beyond rl.clip_*'})")
+            raise ConfigError(
+                f"rl.policy_loss: {keys} do not belong to policy loss {self.name!r} (its options: "
+                f"{', '.join(own) or 'none beyond rl.clip_*'})"
+            )
         if self.clip_cov_lb >= self.clip_cov_ub:
-            raise ConfigError(f"rl.policy_loss: clip_cov_lb={self.clip_cov_lb} must be < clip_cov_ub="
-                              f"{self.clip_cov_ub}")
+            raise ConfigError(
+                f"rl.policy_loss: clip_cov_lb={self.clip_cov_lb} must be < clip_cov_ub={self.clip_cov_ub}"
+            )
 
     def options(self) -> dict:
         """compute_policy_loss keywords of this section for the chosen loss."""
@@ -74,8 +86,10 @@ class TokenFilterConfig:
     enabled: bool = option(False)
     rho: float = option(0.2, "fraction of the batch's valid tokens kept", lo=0.0, hi=1.0, lo_open=True)
     rule: Literal["quantile", "exact_top_k"] = option(
-        "quantile", "entropy >= the (1 - rho) quantile (TRL's top_entropy_quantile; ties may keep more) or exactly "
-                    "ceil(rho n) tokens")
+        "quantile",
+        "entropy >= the (1 - rho) quantile (TRL's top_entropy_quantile; ties may keep more) or exactly "
+        "ceil(rho n) tokens",
+    )
 
     def __post_init__(self):
         validate_fields(self, "rl.token_filter")

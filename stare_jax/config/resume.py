@@ -7,6 +7,7 @@ list of changed keys unless the user allows it (`stare-jax train --resume --allo
 resume, allowed or operational, is appended to RUN_DIR/config_changes.jsonl: {"step", "time", "changes": {key:
 [old, new]}, "allowed_by"}.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -22,9 +23,20 @@ CHANGES_FILE = "config_changes.jsonl"
 # Dotted keys (or section prefixes ending in ".") that may change when a run is resumed: how the run executes
 # (placement, memory/kernel choices with the same results, outputs, length), not what it trains.
 # (model.scan_layers is not among them: it changes the layout of the parameters in the checkpoint.)
-OPERATIONAL = ("total_steps", "mesh.", "checkpoint.", "logging.", "launch.", "toy.cache_dir",
-               "sampling.max_prompts_per_call", "model.attention_impl", "model.remat_policy",
-               "rl.logprob_chunk_size", "rl.stare.select_impl", "rl.stare.theory_diagnostics")
+OPERATIONAL = (
+    "total_steps",
+    "mesh.",
+    "checkpoint.",
+    "logging.",
+    "launch.",
+    "toy.cache_dir",
+    "sampling.max_prompts_per_call",
+    "model.attention_impl",
+    "model.remat_policy",
+    "rl.logprob_chunk_size",
+    "rl.stare.select_impl",
+    "rl.stare.theory_diagnostics",
+)
 
 
 def is_operational(key: str) -> bool:
@@ -79,8 +91,9 @@ class ConfigChangeError(ValueError):
         return shown + (f" and {len(self.refused) - limit} more" if len(self.refused) > limit else "")
 
 
-def check_resume_config(root, cfg: Config, *, allow: bool, run_dir: str,
-                        flag: str = "--allow-config-change") -> dict[str, list]:
+def check_resume_config(
+    root, cfg: Config, *, allow: bool, run_dir: str, flag: str = "--allow-config-change"
+) -> dict[str, list]:
     """The changes of `cfg` against the run's saved config (root: the run folder, a path or epath.Path).
 
     Raises ConfigChangeError naming the changed keys when any of them is not operational and `allow` is False.
@@ -92,9 +105,11 @@ def check_resume_config(root, cfg: Config, *, allow: bool, run_dir: str,
     refused = {k: v for k, v in changes.items() if not is_operational(k)}
     if refused and not allow:
         err = ConfigChangeError("", refused)
-        err.args = (f"--resume: {run_dir} was trained with a different configuration ({err.summary()}); resume "
-                    f"with the same --config and overrides (see {run_dir}/config.yaml), pass {flag} to continue "
-                    f"with the new one (recorded in {CHANGES_FILE}), or use a new --run-dir",)
+        err.args = (
+            f"--resume: {run_dir} was trained with a different configuration ({err.summary()}); resume "
+            f"with the same --config and overrides (see {run_dir}/config.yaml), pass {flag} to continue "
+            f"with the new one (recorded in {CHANGES_FILE}), or use a new --run-dir",
+        )
         raise err
     return changes
 
@@ -103,12 +118,17 @@ def record_changes(root, step: int, changes: dict[str, list], *, allowed: bool) 
     """Append one line to RUN_DIR/config_changes.jsonl (works for local folders and gs:// run dirs)."""
     if not changes:
         return
-    line = json.dumps({
-        "step": int(step), "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "changes": changes,
-        "allowed_by": "--allow-config-change" if allowed and any(not is_operational(k) for k in changes)
-        else "operational keys only",
-    }, default=str)
+    line = json.dumps(
+        {
+            "step": int(step),
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "changes": changes,
+            "allowed_by": "--allow-config-change"
+            if allowed and any(not is_operational(k) for k in changes)
+            else "operational keys only",
+        },
+        default=str,
+    )
     path = root / CHANGES_FILE
     text = path.read_text() if path.exists() else ""
     path.write_text(text + line + "\n")

@@ -6,6 +6,7 @@ behaviour policy. No jax here: the run config imports it. Semantics: stare_jax.r
 Off by default (every option null): the sampler's log-probs are still kept and the mismatch diagnostics logged
 (rollout_corr/* metrics); corrections act only when rollout_is or rollout_rs is set.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,13 +15,25 @@ from typing import Literal, NamedTuple
 
 from stare_jax.config.options import ConfigError, option, validate_fields
 
-RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
-              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
 IS_LEVELS = ("token", "sequence")
 
 
 class RejectionOption(NamedTuple):
     """One parsed `rollout_rs` option: its name and thresholds (k1: log-space lower/upper; else an upper bound)."""
+
     name: str
     lower: float | None
     upper: float
@@ -33,19 +46,26 @@ def parse_rejection(rollout_rs: str, threshold: str | float | None) -> tuple[Rej
         if not opt:
             continue
         if opt not in RS_OPTIONS:
-            raise ValueError(f"rl.rollout_correction.rollout_rs: unknown option {opt!r}; accepted (comma-separated): "
-                             f"{', '.join(RS_OPTIONS)}")
+            raise ValueError(
+                f"rl.rollout_correction.rollout_rs: unknown option {opt!r}; accepted (comma-separated): "
+                f"{', '.join(RS_OPTIONS)}"
+            )
         if opt not in names:
             names.append(opt)
     if not names:
         raise ValueError("rl.rollout_correction.rollout_rs: give at least one option, e.g. token_k1")
     if threshold is None:
         raise ValueError("rl.rollout_correction.rollout_rs_threshold must be set when rollout_rs is")
-    specs = [str(threshold)] if isinstance(threshold, (int, float)) else [s.strip() for s in str(threshold).split(",")
-                                                                          if s.strip()]
+    specs = (
+        [str(threshold)]
+        if isinstance(threshold, (int, float))
+        else [s.strip() for s in str(threshold).split(",") if s.strip()]
+    )
     if len(specs) not in (1, len(names)):
-        raise ValueError(f"rl.rollout_correction.rollout_rs_threshold: one value for all options or one per option "
-                         f"({len(names)}), got {len(specs)}")
+        raise ValueError(
+            f"rl.rollout_correction.rollout_rs_threshold: one value for all options or one per option "
+            f"({len(names)}), got {len(specs)}"
+        )
     specs = specs * len(names) if len(specs) == 1 else specs
     out = []
     for name, spec in zip(names, specs):
@@ -66,8 +86,9 @@ def parse_rejection(rollout_rs: str, threshold: str | float | None) -> tuple[Rej
                 out.append(RejectionOption(name, None, hi))
         except ValueError:
             form = "a positive upper ratio bound or 'lower_upper'" if name.endswith("k1") else "one positive number"
-            raise ValueError(f"rl.rollout_correction.rollout_rs_threshold {spec!r} for option {name}: need {form}"
-                             ) from None
+            raise ValueError(
+                f"rl.rollout_correction.rollout_rs_threshold {spec!r} for option {name}: need {form}"
+            ) from None
     return tuple(out)
 
 
@@ -76,24 +97,32 @@ class RolloutCorrectionConfig:
     """Importance weights and rejection for the sampler/trainer mismatch (verl's rollout correction)."""
 
     rollout_is: Literal["token", "sequence"] | None = option(
-        None, "IS weight level: token (per-token ratio) or sequence (product over the response); null = off")
-    rollout_is_threshold: float = option(2.0, "upper truncation of the IS weights (TIS; verl's default 2.0)",
-                                         lo=0.0, lo_open=True)
+        None, "IS weight level: token (per-token ratio) or sequence (product over the response); null = off"
+    )
+    rollout_is_threshold: float = option(
+        2.0, "upper truncation of the IS weights (TIS; verl's default 2.0)", lo=0.0, lo_open=True
+    )
     rollout_is_batch_normalize: bool = option(False, "normalise the truncated IS weights to mean 1 over the batch")
     rollout_rs: str | None = option(
-        None, "rejection options, comma-separated, all must pass: token_k1|k2|k3, seq_sum_k1|k2|k3, "
-              "seq_mean_k1|k2|k3, seq_max_k2|k3; null = off")
+        None,
+        "rejection options, comma-separated, all must pass: token_k1|k2|k3, seq_sum_k1|k2|k3, "
+        "seq_mean_k1|k2|k3, seq_max_k2|k3; null = off",
+    )
     rollout_rs_threshold: str | float | None = option(
-        None, "one threshold for all rollout_rs options or one per option (comma-separated); k1 options take "
-              "'lower_upper' ratio bounds or an upper bound U (lower 1/U)")
+        None,
+        "one threshold for all rollout_rs options or one per option (comma-separated); k1 options take "
+        "'lower_upper' ratio bounds or an upper bound U (lower 1/U)",
+    )
 
     def __post_init__(self):
         validate_fields(self, "rl.rollout_correction")
         if self.rollout_rs is not None:
             self.rejection_options  # noqa: B018 - parses: a bad option or threshold is a ConfigError here
         elif self.rollout_rs_threshold is not None:
-            raise ConfigError("rl.rollout_correction.rollout_rs_threshold is set but rollout_rs is null: set "
-                              "rollout_rs (e.g. token_k1) or drop the threshold")
+            raise ConfigError(
+                "rl.rollout_correction.rollout_rs_threshold is set but rollout_rs is null: set "
+                "rollout_rs (e.g. token_k1) or drop the threshold"
+            )
 
     @property
     def rejection_options(self) -> tuple:

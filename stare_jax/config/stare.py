@@ -13,6 +13,7 @@ Reconciled from the two classes that existed before (decisions):
 - Validation happens once per construction, from these field declarations (__post_init__); the run-config loader
   checks the same declarations first only to name the key and file in its message.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,11 +55,14 @@ class StareConfig:
     target_entropy: float = option(0.3, "H_tgt; 0 = the batch gate never opens", lo=0.0)
     rule: Literal["quantile", "exact_top_k"] = option("quantile")
     scope: Literal["batch", "micro_batch"] = option("batch")
-    micro_batch_size: int | None = option(None, "scope micro_batch: sequences per selection group; null = the run's "
-                                              "rl.micro_batch_size", lo=1)
+    micro_batch_size: int | None = option(
+        None, "scope micro_batch: sequences per selection group; null = the run's rl.micro_batch_size", lo=1
+    )
     select_impl: Literal["bisect", "jnp_quantile"] = option(
-        "bisect", "how the quantile rule's thresholds are found: bisection on the float bits (masked counts, "
-                  "no sort) or jnp.nanquantile (a sort); exact_top_k always bisects")
+        "bisect",
+        "how the quantile rule's thresholds are found: bisection on the float bits (masked counts, "
+        "no sort) or jnp.nanquantile (a sort); exact_top_k always bisects",
+    )
     adaptive: bool = option(False)
     alpha: float = option(0.01, lo=0.0)
     w_max: float = option(1.5, lo=1.0)

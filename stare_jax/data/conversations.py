@@ -14,6 +14,7 @@ and including the turn's end-of-turn token (`<|im_end|>`), tool-call text includ
 generates) get mask 0. The spans come from re-rendering prefixes of the conversation, which works for any template
 whose rendering of a prefix is a prefix of the rendering of the whole (checked: an error says so otherwise).
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,9 +27,17 @@ from etils import epath
 
 from stare_jax.data.prompts import DataError, iter_jsonl_values
 
-__all__ = ["ROLES", "Conversation", "RenderedConversation", "read_conversations", "check_messages",
-           "render_conversation", "truncate", "assistant_char_spans",
-           "end_of_turn_texts"]
+__all__ = [
+    "ROLES",
+    "Conversation",
+    "RenderedConversation",
+    "read_conversations",
+    "check_messages",
+    "render_conversation",
+    "truncate",
+    "assistant_char_spans",
+    "end_of_turn_texts",
+]
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -60,7 +69,7 @@ def _check_tool_call(call: Any, where: str, m: int, c: int) -> dict:
     call = copy.deepcopy(call)
     fn = call.get("function", call)  # OpenAI nests name/arguments under "function"; accept them flat too
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise DataError(f"{here}: needs a function name (\"function\": {{\"name\": ..., \"arguments\": ...}})")
+        raise DataError(f'{here}: needs a function name ("function": {{"name": ..., "arguments": ...}})')
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:
@@ -78,8 +87,10 @@ def check_messages(messages: Any, where: str) -> list[dict]:
     known role and string content; a tool message answers a pending call of an earlier assistant message; at least
     one assistant message. Returns copies, assistant tool-call arguments parsed, content None -> ''."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: expected a non-empty list of messages, got {type(messages).__name__}"
-                        f"{'' if messages else ' (empty)'}")
+        raise DataError(
+            f"{where}: expected a non-empty list of messages, got {type(messages).__name__}"
+            f"{'' if messages else ' (empty)'}"
+        )
     out, pending, n_assistant = [], 0, 0
     for m, msg in enumerate(messages):
         if not isinstance(msg, dict):
@@ -94,8 +105,9 @@ def check_messages(messages: Any, where: str) -> list[dict]:
         if msg.get("content") is None and (role == "assistant" and calls):
             msg["content"] = ""
         if not isinstance(msg.get("content"), str):
-            raise DataError(f"{where}: message {m} ({role}) needs string 'content', got "
-                            f"{type(msg.get('content')).__name__}")
+            raise DataError(
+                f"{where}: message {m} ({role}) needs string 'content', got {type(msg.get('content')).__name__}"
+            )
         if role == "assistant":
             n_assistant += 1
             if not isinstance(calls, list):
@@ -106,8 +118,10 @@ def check_messages(messages: Any, where: str) -> list[dict]:
             pending = len(calls)
         elif role == "tool":
             if pending == 0:
-                raise DataError(f"{where}: message {m} is a tool reply with no preceding assistant tool call "
-                                f"(each tool message answers one entry of the previous assistant's tool_calls)")
+                raise DataError(
+                    f"{where}: message {m} is a tool reply with no preceding assistant tool call "
+                    f"(each tool message answers one entry of the previous assistant's tool_calls)"
+                )
             pending -= 1
         else:
             pending = 0
@@ -128,8 +142,10 @@ def read_conversations(path: str | pathlib.Path) -> list[Conversation]:
         tools = None
         if isinstance(obj, dict):
             if "messages" not in obj:
-                raise DataError(f"{where}: expected {{\"messages\": [...]}} or a list of messages; the object has "
-                                f"keys {', '.join(map(str, obj)) or 'none'}")
+                raise DataError(
+                    f'{where}: expected {{"messages": [...]}} or a list of messages; the object has '
+                    f"keys {', '.join(map(str, obj)) or 'none'}"
+                )
             tools = obj.get("tools")
             if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
                 raise DataError(f"{where}: 'tools' must be a list of tool schemas (objects)")
@@ -142,13 +158,19 @@ def read_conversations(path: str | pathlib.Path) -> list[Conversation]:
 
 def _prefix_len(full: str, part: str, where: str, what: str) -> int:
     if not full.startswith(part):
-        raise DataError(f"{where}: the chat template's rendering of {what} is not a prefix of the whole "
-                        f"conversation's, so assistant turns cannot be located by re-rendering prefixes")
+        raise DataError(
+            f"{where}: the chat template's rendering of {what} is not a prefix of the whole "
+            f"conversation's, so assistant turns cannot be located by re-rendering prefixes"
+        )
     return len(part)
 
 
-def assistant_char_spans(apply_template, messages: list[dict], end_texts: Sequence[str], where: str = "?",
-                         ) -> tuple[str, list[tuple[int, int]]]:
+def assistant_char_spans(
+    apply_template,
+    messages: list[dict],
+    end_texts: Sequence[str],
+    where: str = "?",
+) -> tuple[str, list[tuple[int, int]]]:
     """(rendered text, [start, end) character spans of the trained part of each assistant turn).
 
     apply_template(messages, add_generation_prompt) -> str. A turn's span starts after the rendering of the
@@ -160,7 +182,7 @@ def assistant_char_spans(apply_template, messages: list[dict], end_texts: Sequen
         if msg["role"] != "assistant":
             continue
         start = _prefix_len(full, apply_template(messages[:i], True), where, f"messages 0..{i - 1} + generation prompt")
-        stop = _prefix_len(full, apply_template(messages[:i + 1], False), where, f"messages 0..{i}")
+        stop = _prefix_len(full, apply_template(messages[: i + 1], False), where, f"messages 0..{i}")
         turn = full[start:stop]
         ends = [turn.rfind(e) + len(e) for e in end_texts if e and e in turn]
         spans.append((start, start + max(ends) if ends else stop))
@@ -201,8 +223,9 @@ def render_conversation(tokenizer, conv: Conversation, tools: Sequence[dict] | N
     return RenderedConversation(ids, mask, conv.where)
 
 
-def truncate(r: RenderedConversation, max_len: int,
-             rule: Literal["right", "drop", "error"]) -> RenderedConversation | None:
+def truncate(
+    r: RenderedConversation, max_len: int, rule: Literal["right", "drop", "error"]
+) -> RenderedConversation | None:
     """The rule for a conversation longer than max_len tokens: 'right' keeps its first max_len tokens (the loss is
     on the assistant tokens that remain; None when none remain), 'drop' skips it (None), 'error' raises DataError."""
     if len(r.ids) <= max_len:

@@ -12,6 +12,7 @@ rollouts.py). The global order makes a run's batches, and so its results, indepe
 processes, and the iterator state identical on every process: a checkpoint written by 1 x 8 devices resumes on
 2 x 4 and vice versa.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,9 @@ def _row_from_mapping(obj, where: str, prompt_field: str, answer_field: str, ind
         raise DataError(f"{where}: expected a JSON object per row, got {type(obj).__name__}")
     for name in (prompt_field, answer_field):
         if name not in obj or obj[name] is None:
-            raise DataError(f"{where}: row has no '{name}' field "
-                            f"(fields present: {', '.join(map(str, obj)) or 'none'})")
+            raise DataError(
+                f"{where}: row has no '{name}' field (fields present: {', '.join(map(str, obj)) or 'none'})"
+            )
     problem, answer = obj[prompt_field], obj[answer_field]
     if not isinstance(problem, str) or not problem.strip():
         raise DataError(f"{where}: '{prompt_field}' must be a non-empty string, got {problem!r:.80}")
@@ -82,8 +84,9 @@ def _row_from_mapping(obj, where: str, prompt_field: str, answer_field: str, ind
     return PromptRow(id=str(obj.get("id", index)), problem=problem, answer=str(answer), where=where)
 
 
-def read_rows(path: str | pathlib.Path, *, prompt_field: str = "problem",
-              answer_field: str = "answer") -> list[PromptRow]:
+def read_rows(
+    path: str | pathlib.Path, *, prompt_field: str = "problem", answer_field: str = "answer"
+) -> list[PromptRow]:
     """Read every row of a .jsonl or .parquet file (local, or gs://... on multi-host runs); any bad row raises
     DataError naming the file and line."""
     file = epath.Path(path)

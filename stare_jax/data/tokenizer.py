@@ -160,6 +160,7 @@ def _generation_eos(gen_config: dict | None) -> list[int]:
 @functools.lru_cache(maxsize=32)
 def _compile_chat_template(template: str):
     """Compile like transformers' `_compile_jinja_template` (sandboxed, trim/lstrip blocks, HF globals)."""
+
     class _GenerationTag(jinja2.ext.Extension):
         """`{% generation %}...{% endgeneration %}` (assistant-mask markers in some templates): renders its body."""
 

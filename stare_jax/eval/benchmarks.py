@@ -73,9 +73,7 @@ def load_benchmark(path: str | pathlib.Path) -> list[dict]:
             if field not in row:
                 raise ValueError(f"{path}:{lineno}: missing field {field!r} (have {sorted(row)})")
             if not isinstance(row[field], str):
-                raise ValueError(
-                    f"{path}:{lineno}: field {field!r} must be a string, got {type(row[field]).__name__}"
-                )
+                raise ValueError(f"{path}:{lineno}: field {field!r} must be a string, got {type(row[field]).__name__}")
         if row["id"] in seen:
             raise ValueError(f"{path}:{lineno}: duplicate id {row['id']!r} (first on line {seen[row['id']]})")
         seen[row["id"]] = lineno

@@ -9,6 +9,7 @@ Benchmarks that share sampling settings (samples per problem, temperature, top-p
 chunks of `batch_prompts`, so a large evaluation keeps the sampler's batch full instead of running one small
 benchmark at a time.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,10 +21,10 @@ import numpy as np
 from stare_jax.eval.benchmarks import benchmark_metrics
 from stare_jax.rewards.reward_fn import RewardFn
 from stare_jax.sampling import SamplingParams
-from stare_jax.training.collect import generate_any_rollouts
 from stare_jax.tools.config import ToolConfig
 from stare_jax.tools.pool import SandboxPool
 from stare_jax.tools.rollout import tool_metrics
+from stare_jax.training.collect import generate_any_rollouts
 
 
 @dataclasses.dataclass
@@ -38,9 +39,20 @@ class EvalSet:
     top_p: float = 0.95
 
 
-def evaluate_sets(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn: RewardFn, prompt_len: int,
-                  max_new_tokens: int, seed: int, ks: Sequence[int] = (1,), batch_prompts: int = 256,
-                  tool: ToolConfig | None = None, tool_pool: SandboxPool | None = None) -> dict:
+def evaluate_sets(
+    sampler,
+    eval_sets: Sequence[EvalSet],
+    *,
+    tokenizer,
+    reward_fn: RewardFn,
+    prompt_len: int,
+    max_new_tokens: int,
+    seed: int,
+    ks: Sequence[int] = (1,),
+    batch_prompts: int = 256,
+    tool: ToolConfig | None = None,
+    tool_pool: SandboxPool | None = None,
+) -> dict:
     """{benchmark: benchmark_metrics(...)} (avg@N, pass@k for k in ks that fit N, mean_response_len); with tool
     rollouts also {"tool": tool_counts summed over every benchmark}."""
     tool_totals: dict = {}
@@ -51,32 +63,66 @@ def evaluate_sets(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn
         items = [(es.name, p, a) for es in group for p, a in zip(es.prompts, es.answers)]
         draws = SamplingParams(temperature=temp, top_p=top_p, top_k=0, seed=seed)  # the benchmarks' protocol
         for start in range(0, len(items), batch_prompts):
-            chunk = items[start:start + batch_prompts]
+            chunk = items[start : start + batch_prompts]
             prompts, answers = [p for _, p, _ in chunk], [a for _, _, a in chunk]
             r, _, model_lengths = generate_any_rollouts(
-                sampler, prompts, answers, tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
-                max_new_tokens=max_new_tokens, num_samples=n, sampling=draws, index_offset=start, tool=tool,
-                tool_pool=tool_pool, tool_totals=tool_totals)
+                sampler,
+                prompts,
+                answers,
+                tokenizer=tokenizer,
+                reward_fn=reward_fn,
+                prompt_len=prompt_len,
+                max_new_tokens=max_new_tokens,
+                num_samples=n,
+                sampling=draws,
+                index_offset=start,
+                tool=tool,
+                tool_pool=tool_pool,
+                tool_totals=tool_totals,
+            )
             lengths_PxG = model_lengths.reshape(len(chunk), n)
             for i, (name, _, _) in enumerate(chunk):
                 correct[name].append(r.correct_PxG[i])
                 lengths[name].append(lengths_PxG[i])
-    out: dict = {es.name: benchmark_metrics(np.stack(correct[es.name]), np.stack(lengths[es.name]),
-                                            ks=[k for k in ks if k <= es.num_samples]) for es in eval_sets}
+    out: dict = {
+        es.name: benchmark_metrics(
+            np.stack(correct[es.name]), np.stack(lengths[es.name]), ks=[k for k in ks if k <= es.num_samples]
+        )
+        for es in eval_sets
+    }
     if tool is not None and tool.enabled:
         out["tool"] = tool_totals
     return out
 
 
-def evaluate(sampler, eval_sets: Sequence[EvalSet], *, tokenizer, reward_fn: RewardFn, prompt_len: int,
-             max_new_tokens: int, seed: int, batch_prompts: int = 256, tool: ToolConfig | None = None,
-             tool_pool: SandboxPool | None = None) -> dict:
+def evaluate(
+    sampler,
+    eval_sets: Sequence[EvalSet],
+    *,
+    tokenizer,
+    reward_fn: RewardFn,
+    prompt_len: int,
+    max_new_tokens: int,
+    seed: int,
+    batch_prompts: int = 256,
+    tool: ToolConfig | None = None,
+    tool_pool: SandboxPool | None = None,
+) -> dict:
     """Flat metrics for the training log: eval/<name>/accuracy (avg@N), eval/<name>/response_len_mean and their
     mean over benchmarks as eval/accuracy; with tool rollouts also eval/tool/* (tool_metrics over every
     benchmark)."""
-    results = evaluate_sets(sampler, eval_sets, tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
-                            max_new_tokens=max_new_tokens, seed=seed, batch_prompts=batch_prompts, tool=tool,
-                            tool_pool=tool_pool)
+    results = evaluate_sets(
+        sampler,
+        eval_sets,
+        tokenizer=tokenizer,
+        reward_fn=reward_fn,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        batch_prompts=batch_prompts,
+        tool=tool,
+        tool_pool=tool_pool,
+    )
     tool_counts = results.pop("tool", None)
     out = {f"eval/{k}": v for k, v in tool_metrics(tool_counts).items()} if tool_counts else {}
     for name, m in results.items():

@@ -14,6 +14,7 @@ where it stopped, finished arms are reused), with JAX's persistent compilation c
 set), so the sampler and evaluation programs every arm shares are compiled once. Budget: the default list with one
 seed is meant to take <= 15 minutes on 2 CPU cores (README: the measured time).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -46,10 +47,29 @@ METHODS = {
     "entro_adv": "tiny_cpu_entro_adv.yaml",
     "dr_grpo": "tiny_cpu_dr_grpo.yaml",
 }
-DEFAULT_METHODS = ("grpo_ds", "stare_o1", "stare_c2", "grpo_kl", "entropy_bonus", "clip_cov", "kl_cov",
-                   "top20_entropy", "gspo", "cispo")
-TABLE_COLUMNS = ("method", "seeds", "steps", "first H", "last-10 H", "last quarter in band", "held-out acc start",
-                 "held-out acc end", "wall s")
+DEFAULT_METHODS = (
+    "grpo_ds",
+    "stare_o1",
+    "stare_c2",
+    "grpo_kl",
+    "entropy_bonus",
+    "clip_cov",
+    "kl_cov",
+    "top20_entropy",
+    "gspo",
+    "cispo",
+)
+TABLE_COLUMNS = (
+    "method",
+    "seeds",
+    "steps",
+    "first H",
+    "last-10 H",
+    "last quarter in band",
+    "held-out acc start",
+    "held-out acc end",
+    "wall s",
+)
 PLOT_NAME, TABLE_NAME, JSON_NAME = "compare.png", "compare.md", "compare.json"
 
 
@@ -80,14 +100,28 @@ def method_rows(run_dir: pathlib.Path, methods: Sequence[str], seeds: Sequence[i
     rows = []
     for m in methods:
         runs = [dict(run_summary(arm_dir(run_dir, m, s)), seed=s, wall_s=wall.get((m, s))) for s in seeds]
-        rows.append({
-            "method": m, "config": METHODS[m], "seeds": list(seeds), "steps": runs[0]["steps"],
-            "target_entropy": runs[0]["target_entropy"],
-            **{k: _mean([r[k] for r in runs]) for k in ("first_entropy", "last10_entropy", "last_quarter_entropy",
-                                                         "last_quarter_in_band", "start_eval_accuracy",
-                                                         "final_eval_accuracy", "wall_s")},
-            "runs": runs,
-        })
+        rows.append(
+            {
+                "method": m,
+                "config": METHODS[m],
+                "seeds": list(seeds),
+                "steps": runs[0]["steps"],
+                "target_entropy": runs[0]["target_entropy"],
+                **{
+                    k: _mean([r[k] for r in runs])
+                    for k in (
+                        "first_entropy",
+                        "last10_entropy",
+                        "last_quarter_entropy",
+                        "last_quarter_in_band",
+                        "start_eval_accuracy",
+                        "final_eval_accuracy",
+                        "wall_s",
+                    )
+                },
+                "runs": runs,
+            }
+        )
     return rows
 
 
@@ -97,14 +131,22 @@ def format_table(rows: Sequence[dict]) -> str:
 
     lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {len(r['seeds'])} | {r['steps']} | {f(r['first_entropy'])} | "
-                     f"{f(r['last10_entropy'])} | {f(r['last_quarter_in_band'], '.0%')} | "
-                     f"{f(r['start_eval_accuracy'])} | {f(r['final_eval_accuracy'])} | {f(r['wall_s'], '.0f')} |")
+        lines.append(
+            f"| {r['method']} | {len(r['seeds'])} | {r['steps']} | {f(r['first_entropy'])} | "
+            f"{f(r['last10_entropy'])} | {f(r['last_quarter_in_band'], '.0%')} | "
+            f"{f(r['start_eval_accuracy'])} | {f(r['final_eval_accuracy'])} | {f(r['wall_s'], '.0f')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def run_compare(run_dir: str | pathlib.Path, methods: Sequence[str] = DEFAULT_METHODS, seeds: Sequence[int] = (0,),
-                overrides: Sequence[str] = (), *, log: Callable[[str], None] = print) -> dict:
+def run_compare(
+    run_dir: str | pathlib.Path,
+    methods: Sequence[str] = DEFAULT_METHODS,
+    seeds: Sequence[int] = (0,),
+    overrides: Sequence[str] = (),
+    *,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Train every (method, seed) arm into run_dir, then write compare.png, compare.md and compare.json.
     `overrides` (KEY=VALUE) apply to every arm, after the arm's own `seed=`."""
     run_dir = pathlib.Path(run_dir)
@@ -132,14 +174,33 @@ def run_compare(run_dir: str | pathlib.Path, methods: Sequence[str] = DEFAULT_ME
     rows = method_rows(run_dir, methods, seeds, wall)
     dirs = [arm_dir(run_dir, m, s) for m in methods for s in seeds]
     labels = [m if i == 0 else f"_{m}" for m in methods for i, _ in enumerate(seeds)]  # one legend entry a method
-    plot = plot_runs(dirs, run_dir / PLOT_NAME, labels=labels, colour_groups=[m for m in methods for _ in seeds],
-                     compact=True, title=f"embedded CPU default: {len(methods)} methods x {len(seeds)} seed(s)")
+    plot = plot_runs(
+        dirs,
+        run_dir / PLOT_NAME,
+        labels=labels,
+        colour_groups=[m for m in methods for _ in seeds],
+        compact=True,
+        title=f"embedded CPU default: {len(methods)} methods x {len(seeds)} seed(s)",
+    )
     table = format_table(rows)
-    note = (f"wall time {total:.0f} s for {len(dirs)} arms" + (f" (reused: {', '.join(reused)})" if reused else "")
-            + "; 'wall s' per arm includes its compiles and evaluations")
+    note = (
+        f"wall time {total:.0f} s for {len(dirs)} arms"
+        + (f" (reused: {', '.join(reused)})" if reused else "")
+        + "; 'wall s' per arm includes its compiles and evaluations"
+    )
     (run_dir / TABLE_NAME).write_text(f"# stare-jax compare\n\n{table}\n{note}\n\nplot: {plot}\n")
-    (run_dir / JSON_NAME).write_text(json.dumps({"methods": rows, "wall_s": total, "reused": reused,
-                                                 "columns": list(TABLE_COLUMNS), "plot": str(plot)}, indent=1))
+    (run_dir / JSON_NAME).write_text(
+        json.dumps(
+            {"methods": rows, "wall_s": total, "reused": reused, "columns": list(TABLE_COLUMNS), "plot": str(plot)},
+            indent=1,
+        )
+    )
     log(table + note + f"\nwrote {plot}, {run_dir / TABLE_NAME}, {run_dir / JSON_NAME}")
-    return {"rows": rows, "plot": str(plot), "table": str(run_dir / TABLE_NAME), "json": str(run_dir / JSON_NAME),
-            "wall_s": total, "stopped": None}
+    return {
+        "rows": rows,
+        "plot": str(plot),
+        "table": str(run_dir / TABLE_NAME),
+        "json": str(run_dir / JSON_NAME),
+        "wall_s": total,
+        "stopped": None,
+    }

@@ -27,6 +27,7 @@ numerics put the critical weight, not only where a fixed W was tuned (README: "W
 benchmarks/demo_seeds.py measures the checks over seeds and perturbed numerics; tests/system/test_demo_claims.py runs
 both scenarios end to end and asserts every check.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,12 +36,12 @@ import time
 from typing import Callable, NamedTuple, Sequence
 
 from stare_jax.config.loader import load_config
-from stare_jax.training.metrics import read_metrics
-from stare_jax.experiments.plot import plot_runs, run_summary, summary_table
 from stare_jax.config.resume import ConfigChangeError, check_resume_config
-from stare_jax.training.setup import TrainingError
+from stare_jax.experiments.plot import plot_runs, run_summary, summary_table
 from stare_jax.toy.assets import run_inputs
 from stare_jax.training.loop import run_training
+from stare_jax.training.metrics import read_metrics
+from stare_jax.training.setup import TrainingError
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 # scenario -> the two arms (name, config), GRPO-ds first
@@ -49,8 +50,10 @@ SCENARIOS = {
     "tool": (("grpo_ds", "tiny_cpu_tool_grpo_ds.yaml"), ("stare_c2", "tiny_cpu_tool_stare.yaml")),
 }
 ARMS = SCENARIOS["default"]
-TITLES = {"default": "embedded CPU default: GRPO-ds vs STARE-O1",
-          "tool": "embedded CPU tool use (tool_mul + code interpreter): GRPO-ds vs STARE-C2"}
+TITLES = {
+    "default": "embedded CPU default: GRPO-ds vs STARE-O1",
+    "tool": "embedded CPU tool use (tool_mul + code interpreter): GRPO-ds vs STARE-C2",
+}
 
 
 def _eval_gain(run_dir, key: str = "accuracy") -> float | None:
@@ -73,6 +76,7 @@ def _max_eval(run_dirs, keys: Sequence[str]) -> float | None:
 class Check(NamedTuple):
     """One claim of the demo: `value op bound` (e.g. in-band fraction >= 0.9). margin: how far the measured value
     is on the passing side of the bound (negative = failed by that much; None when not measured)."""
+
     name: str
     value: float | None
     op: str  # "<", "<=", ">=" or ">"
@@ -102,22 +106,33 @@ def demo_checks(grpo_dir, stare_dir, *, tool: bool = False) -> list[Check]:
     def ratio(a, b):
         return a / b if a is not None and b else None
 
-    out = [Check("GRPO-ds last-10 entropy / first-step entropy", ratio(g["last10_entropy"], g["first_entropy"]),
-                 "<", 0.5)]
+    out = [
+        Check("GRPO-ds last-10 entropy / first-step entropy", ratio(g["last10_entropy"], g["first_entropy"]), "<", 0.5)
+    ]
     if not tool:  # the tool warm start's entropy is mostly its deliberate noise (guessed answers): no such bound
         out.append(Check("STARE target / first-step entropy", ratio(target, s["first_entropy"]), ">=", 0.55))
     out.append(Check("STARE last-quarter steps within +-30% of target", s["last_quarter_in_band"], ">=", 0.9))
-    out.append(Check("GRPO-ds last-quarter mean entropy / target", ratio(g["last_quarter_entropy"], target),
-                     "<", 0.7))
+    out.append(Check("GRPO-ds last-quarter mean entropy / target", ratio(g["last_quarter_entropy"], target), "<", 0.7))
     for name, d in (("GRPO-ds", grpo_dir), ("STARE", stare_dir)):
         out.append(Check(f"{name} held-out accuracy gain (last 3 evals - start)", _eval_gain(d), ">=", 0.2))
     if tool:
         for name, d in (("GRPO-ds", grpo_dir), ("STARE", stare_dir)):
-            out.append(Check(f"{name} held-out tool calls per response rise (last 3 evals - start)",
-                             _eval_gain(d, "tool/calls_per_response"), ">", 0.0))
-        out.append(Check("held-out accuracy with the tool disabled (max over evals, both arms)",
-                         _max_eval([grpo_dir, stare_dir], ("eval_start_notool/accuracy", "eval_notool/accuracy")),
-                         "<=", 0.2))
+            out.append(
+                Check(
+                    f"{name} held-out tool calls per response rise (last 3 evals - start)",
+                    _eval_gain(d, "tool/calls_per_response"),
+                    ">",
+                    0.0,
+                )
+            )
+        out.append(
+            Check(
+                "held-out accuracy with the tool disabled (max over evals, both arms)",
+                _max_eval([grpo_dir, stare_dir], ("eval_start_notool/accuracy", "eval_notool/accuracy")),
+                "<=",
+                0.2,
+            )
+        )
     return out
 
 
@@ -128,8 +143,11 @@ def format_checks(checks: Sequence[Check]) -> str:
         v = "n/a" if c.value is None else f"{c.value:.3f}"
         lines.append(f"| {c.name} | {v} | {c.need} | {'yes' if c.passed else 'NO'} |")
     failed = [c.name for c in checks if not c.passed]
-    verdict = (f"all {len(checks)} checks pass" if not failed else
-               f"{len(failed)} of {len(checks)} checks FAIL: {'; '.join(failed)} (README: When a check says NO)")
+    verdict = (
+        f"all {len(checks)} checks pass"
+        if not failed
+        else f"{len(failed)} of {len(checks)} checks FAIL: {'; '.join(failed)} (README: When a check says NO)"
+    )
     return "\n".join(lines) + "\n\n" + verdict + "\n"
 
 
@@ -138,8 +156,7 @@ def _checkpoint_steps(arm_dir: pathlib.Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
 
 
-def train_arm(arm: str, cfg, arm_dir: pathlib.Path, *, what: str = "demo",
-              log: Callable[[str], None] = print) -> dict:
+def train_arm(arm: str, cfg, arm_dir: pathlib.Path, *, what: str = "demo", log: Callable[[str], None] = print) -> dict:
     """Train one arm into arm_dir, continuing it from its checkpoint when interrupted and reusing it when finished
     (the same config is required: a changed setting stops with the changed keys). Returns {"reused": bool,
     "stopped": None or where a stop signal ended it, "wall_s": the arm's training wall time (a reused arm: the
@@ -149,29 +166,43 @@ def train_arm(arm: str, cfg, arm_dir: pathlib.Path, *, what: str = "demo",
         try:
             check_resume_config(arm_dir, cfg, allow=False, run_dir=str(arm_dir))
         except ConfigChangeError as e:
-            raise TrainingError(f"{what}: {arm_dir} was trained with other settings ({e.summary()}); run the "
-                                f"{what} with the overrides it was started with, or pass a new --run-dir") from None
+            raise TrainingError(
+                f"{what}: {arm_dir} was trained with other settings ({e.summary()}); run the "
+                f"{what} with the overrides it was started with, or pass a new --run-dir"
+            ) from None
     elif (arm_dir / "metrics.jsonl").exists():
-        raise TrainingError(f"{what}: {arm_dir} holds an arm that stopped before its first checkpoint; delete "
-                            f"{arm_dir} or pass a new --run-dir")
+        raise TrainingError(
+            f"{what}: {arm_dir} holds an arm that stopped before its first checkpoint; delete "
+            f"{arm_dir} or pass a new --run-dir"
+        )
     if done and done[-1] >= cfg.total_steps:
         log(f"{what}: arm {arm} already finished in {arm_dir} ({done[-1]} steps), reusing it")
         summary = json.loads((arm_dir / "summary.json").read_text()) if (arm_dir / "summary.json").exists() else {}
         return {"reused": True, "stopped": None, "wall_s": summary.get("wall_s")}
-    log(f"{what}: training arm {arm} -> {arm_dir}" if not done else
-        f"{what}: continuing arm {arm} in {arm_dir} from its checkpoint at step {done[-1]}")
+    log(
+        f"{what}: training arm {arm} -> {arm_dir}"
+        if not done
+        else f"{what}: continuing arm {arm} in {arm_dir} from its checkpoint at step {done[-1]}"
+    )
     summary = run_training(cfg, arm_dir, resume=bool(done), inputs_for=run_inputs, log=log)
     stopped = None
     if summary["stopped"]:
         step = (summary.get("last") or {}).get("step", "?")
         stopped = f"{arm} after step {step}"
-        log(f"{what}: stopped by a signal during arm {arm} after step {step} (saved); run the same command again "
-            f"to continue from there")
+        log(
+            f"{what}: stopped by a signal during arm {arm} after step {step} (saved); run the same command again "
+            f"to continue from there"
+        )
     return {"reused": False, "stopped": stopped, "wall_s": summary["wall_s"]}
 
 
-def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *, scenario: str = "default",
-             log: Callable[[str], None] = print) -> dict:
+def run_demo(
+    run_dir: str | pathlib.Path,
+    overrides: Sequence[str] = (),
+    *,
+    scenario: str = "default",
+    log: Callable[[str], None] = print,
+) -> dict:
     """Train both arms of `scenario` (SCENARIOS) into run_dir/<arm>, then write run_dir/curves.png and
     run_dir/summary.md.
 
@@ -190,8 +221,11 @@ def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *, scen
         arm_dir = run_dir / arm
         result = train_arm(arm, load_config(CONFIGS / cfg_file, overrides), arm_dir, log=log)
         if result["stopped"]:
-            return {"run_dirs": [str(d) for d in dirs + [arm_dir]], "stopped": result["stopped"],
-                    "wall_s": time.time() - t0}
+            return {
+                "run_dirs": [str(d) for d in dirs + [arm_dir]],
+                "stopped": result["stopped"],
+                "wall_s": time.time() - t0,
+            }
         if result["reused"]:
             reused.append(arm)
         dirs.append(arm_dir)
@@ -199,11 +233,19 @@ def run_demo(run_dir: str | pathlib.Path, overrides: Sequence[str] = (), *, scen
     checks = demo_checks(*dirs, tool=scenario == "tool")
     wall = time.time() - t0
     heading = "# stare-jax demo" + (f" --scenario {scenario}" if scenario != "default" else "")
-    text = (heading + "\n\n" + summary_table(dirs) + "\n" + format_checks(checks)
-            + (f"\nwall time {wall:.0f} s (both arms, including tokenizer training and the warm start if not cached)"
-               if not reused else f"\nwall time {wall:.0f} s (finished arms reused: {', '.join(reused)})")
-            + f"\ncurves: {plot}\n")
+    text = (
+        heading
+        + "\n\n"
+        + summary_table(dirs)
+        + "\n"
+        + format_checks(checks)
+        + (
+            f"\nwall time {wall:.0f} s (both arms, including tokenizer training and the warm start if not cached)"
+            if not reused
+            else f"\nwall time {wall:.0f} s (finished arms reused: {', '.join(reused)})"
+        )
+        + f"\ncurves: {plot}\n"
+    )
     (run_dir / "summary.md").write_text(text)
     log(text)
-    return {"run_dirs": [str(d) for d in dirs], "plot": str(plot), "checks": checks, "wall_s": wall,
-            "stopped": None}
+    return {"run_dirs": [str(d) for d in dirs], "plot": str(plot), "checks": checks, "wall_s": wall, "stopped": None}

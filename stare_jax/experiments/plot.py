@@ -138,8 +138,14 @@ def plot_runs(
     """
     if not run_dirs:
         raise ValueError("plot_runs needs at least one run directory")
-    fig = build_figure(run_dirs, target_entropy=target_entropy, title=title, labels=labels,
-                       colour_groups=colour_groups, compact=compact)
+    fig = build_figure(
+        run_dirs,
+        target_entropy=target_entropy,
+        title=title,
+        labels=labels,
+        colour_groups=colour_groups,
+        compact=compact,
+    )
     out_path = pathlib.Path(out_path) if out_path is not None else default_plot_path(run_dirs)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(out_path.name + ".tmp.png")
@@ -149,8 +155,13 @@ def plot_runs(
 
 
 def build_figure(
-    run_dirs: Sequence[str | os.PathLike], *, target_entropy: float | None = None, title: str | None = None,
-    labels: Sequence[str] | None = None, colour_groups: Sequence[str] | None = None, compact: bool = False,
+    run_dirs: Sequence[str | os.PathLike],
+    *,
+    target_entropy: float | None = None,
+    title: str | None = None,
+    labels: Sequence[str] | None = None,
+    colour_groups: Sequence[str] | None = None,
+    compact: bool = False,
 ):
     """The matplotlib Figure plot_runs saves (panels in reading order: entropy, reward, accuracy, length,
     gate, W/M).
@@ -198,9 +209,14 @@ def build_figure(
         c = colors[group_index[groups[i]] % len(colors)]
         if compact:
             return {"color": c, "lw": 1.6, "alpha": 0.9}
-        return {"color": c, "lw": 1.3 + 1.6 * (n_runs - 1 - i),
-                "alpha": 0.55 if i < n_runs - 1 else 1.0, "marker": MARKERS[i % len(MARKERS)], "ms": 5,
-                "markevery": (min(i * max(1, every // n_runs), every - 1) if every > 1 else 0, every)}
+        return {
+            "color": c,
+            "lw": 1.3 + 1.6 * (n_runs - 1 - i),
+            "alpha": 0.55 if i < n_runs - 1 else 1.0,
+            "marker": MARKERS[i % len(MARKERS)],
+            "ms": 5,
+            "markevery": (min(i * max(1, every // n_runs), every - 1) if every > 1 else 0, every),
+        }
 
     drawn_targets: set[float] = set()
     starts_drawn: list[float] = []
@@ -209,14 +225,20 @@ def build_figure(
         st = style(i)
         c = st["color"]
         stare_on = any(r.get("stare_enabled") for r in records) or any(
-            _finite(r.get("stare_w")) and r.get("stare_w") != 1.0 for r in records)
+            _finite(r.get("stare_w")) and r.get("stare_w") != 1.0 for r in records
+        )
         steps, h = series(records, "entropy")
         _line(ax_h, steps, h, label=label, **st)
         if target is not None and round(target, 9) not in drawn_targets:
             drawn_targets.add(round(target, 9))
             band_label = f"STARE target {target:g} ±{int(BAND * 100)}%"
-            ax_h.axhspan(target * (1 - BAND), target * (1 + BAND), color="grey" if len(set(targets)) == 1 else c,
-                         alpha=0.15, label=band_label)
+            ax_h.axhspan(
+                target * (1 - BAND),
+                target * (1 + BAND),
+                color="grey" if len(set(targets)) == 1 else c,
+                alpha=0.15,
+                label=band_label,
+            )
             ax_h.axhline(target, color="k" if len(set(targets)) == 1 else c, ls="--", lw=1)
         _line(ax_r, *series(records, "reward_mean"), label=label, **st)
         if not compact:
@@ -233,15 +255,24 @@ def build_figure(
         _line(ax_acc, es, ev, color=c, marker="o", ls="--", ms=6 - i, lw=0.9, label=f"{label}: held-out eval")
         if start and all(abs(start[0] - v) > 0.005 for v in starts_drawn):
             starts_drawn.append(start[0])
-            ax_acc.annotate(f"before RL: {start[0]:.2f}", (0, start[0]), textcoords="offset points",
-                            xytext=(6, -4 - 10 * len(starts_drawn)), fontsize=7,
-                            color=c if len(runs) > 1 and len({round(r, 2) for r in all_starts}) > 1 else "k")
+            ax_acc.annotate(
+                f"before RL: {start[0]:.2f}",
+                (0, start[0]),
+                textcoords="offset points",
+                xytext=(6, -4 - 10 * len(starts_drawn)),
+                fontsize=7,
+                color=c if len(runs) > 1 and len({round(r, 2) for r in all_starts}) > 1 else "k",
+            )
         _line(ax_len, *series(records, "response_len_mean"), label=label, **st)
         gs, gv = series(records, "gate_on")
         if gs:
-            ax_gate.plot(gs, _rolling_mean(gv, window), drawstyle="steps-post",
-                         label=label if stare_on else f"{label} (no STARE: never on)",
-                         **{k: v for k, v in st.items() if k != "marker"})
+            ax_gate.plot(
+                gs,
+                _rolling_mean(gv, window),
+                drawstyle="steps-post",
+                label=label if stare_on else f"{label} (no STARE: never on)",
+                **{k: v for k, v in st.items() if k != "marker"},
+            )
         ws, wv = series(records, "stare_w")
         ms_, mv = series(records, "stare_m")
         wlabel = "" if stare_on else " (no STARE: 1)"
@@ -249,29 +280,59 @@ def build_figure(
         _line(ax_w, ms_, mv, label=f"{label} M{wlabel}", **{**st, "ls": "--"})
         if ax_calls is not None:
             _line(ax_calls, *series(records, "tool/calls_per_response"), label=f"{label}: training rollouts", **st)
-            _line(ax_calls, *_held_out(records, "tool/calls_per_response"), color=c, marker="o", ls="--", ms=6 - i,
-                  lw=0.9, label=f"{label}: held-out eval")
-            _line(ax_notool, *_held_out(records, "accuracy", "_notool"), color=c, marker="o", ls="--",
-                  ms=6 - i, lw=0.9, label=label)
-            _line(ax_notool, *_held_out(records, "accuracy"), color=c, lw=0.9, alpha=0.5,
-                  label=f"{label}: with the tool")
+            _line(
+                ax_calls,
+                *_held_out(records, "tool/calls_per_response"),
+                color=c,
+                marker="o",
+                ls="--",
+                ms=6 - i,
+                lw=0.9,
+                label=f"{label}: held-out eval",
+            )
+            _line(
+                ax_notool,
+                *_held_out(records, "accuracy", "_notool"),
+                color=c,
+                marker="o",
+                ls="--",
+                ms=6 - i,
+                lw=0.9,
+                label=label,
+            )
+            _line(
+                ax_notool, *_held_out(records, "accuracy"), color=c, lw=0.9, alpha=0.5, label=f"{label}: with the tool"
+            )
 
-    gate_title = ("STARE gate: share of the last " + (f"{window} steps" if window > 1 else "step")
-                  + " with reweighting on")
+    gate_title = (
+        "STARE gate: share of the last " + (f"{window} steps" if window > 1 else "step") + " with reweighting on"
+    )
     panels = [
         (ax_h, "policy entropy (nats/token, mean over response tokens)", "entropy"),
         (ax_r, "reward (mean over the rollouts trained on)", "reward_mean"),
-        (ax_acc, "held-out accuracy (step 0 = before RL)" if compact else
-         "accuracy: training rollouts (lines), held-out eval (dots; step 0 = before RL)", "accuracy"),
+        (
+            ax_acc,
+            "held-out accuracy (step 0 = before RL)"
+            if compact
+            else "accuracy: training rollouts (lines), held-out eval (dots; step 0 = before RL)",
+            "accuracy",
+        ),
         (ax_len, "response length (tokens, mean over all rollouts)", "tokens"),
     ]
     if not compact:
-        panels += [(ax_gate, gate_title, "fraction of steps"),
-                   (ax_w, "STARE token weights: W amplifies (solid), M attenuates (dashed)", "weight (1 = unweighted)")]
+        panels += [
+            (ax_gate, gate_title, "fraction of steps"),
+            (ax_w, "STARE token weights: W amplifies (solid), M attenuates (dashed)", "weight (1 = unweighted)"),
+        ]
     if ax_calls is not None:
-        panels += [(ax_calls, "tool calls per response: training rollouts (lines), held-out eval (dots; step 0 = "
-                              "before RL)", "calls"),
-                   (ax_notool, "held-out accuracy with the tool disabled (dots; step 0 = before RL)", "accuracy")]
+        panels += [
+            (
+                ax_calls,
+                "tool calls per response: training rollouts (lines), held-out eval (dots; step 0 = before RL)",
+                "calls",
+            ),
+            (ax_notool, "held-out accuracy with the tool disabled (dots; step 0 = before RL)", "accuracy"),
+        ]
     for ax, name, ylabel in panels:
         ax.set_title(name, fontsize=10)
         ax.set_xlabel("RL step")

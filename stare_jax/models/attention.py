@@ -4,6 +4,7 @@ All take q [B,T,H,Dh], k/v [B,S,K,Dh] (K divides H) and a boolean mask [B,T,S] (
 [B,T,H,Dh] in q's dtype. Softmax is always computed in float32. Rows with no allowed key (padding queries)
 give a finite uniform average, never NaN.
 """
+
 from __future__ import annotations
 
 import functools
@@ -11,8 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk, splash_attention_mask as sm
 
 from stare_jax.models import sharding as sh
 
@@ -46,8 +46,7 @@ def attention_xla(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS):
     kh = k_BxSxKxD.shape[2]
     g = h // kh
     q_BxTxKxGxD = q_BxTxHxD.reshape(b, t, kh, g, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD,
-                        preferred_element_type=jnp.float32) * (d ** -0.5)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxD, k_BxSxKxD, preferred_element_type=jnp.float32) * (d**-0.5)
     logits = jnp.where(mask_BxTxS[:, None, None, :, :], logits, _NEG)
     probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxKxD.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxD, preferred_element_type=jnp.float32)
@@ -72,15 +71,16 @@ def attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS, *, keys_tran
     kh = k_KxBxSxD.shape[0]
     g = h // kh
     q_KxBxGxTxD = jnp.transpose(q_BxTxHxD.reshape(b, t, kh, g, d), (2, 0, 3, 1, 4))
-    logits = _scores_kv_major(q_KxBxGxTxD, k_KxBxSxD, keys_transposed=keys_transposed) * (d ** -0.5)
+    logits = _scores_kv_major(q_KxBxGxTxD, k_KxBxSxD, keys_transposed=keys_transposed) * (d**-0.5)
     logits = jnp.where(mask_BxTxS[None, :, None, :, :], logits, _NEG)
     probs = jax.nn.softmax(logits, axis=-1).astype(v_KxBxSxD.dtype)
     out_KxBxGxTxD = jnp.einsum("kbgts,kbsd->kbgtd", probs, v_KxBxSxD, preferred_element_type=jnp.float32)
     return jnp.transpose(out_KxBxGxTxD, (1, 3, 0, 2, 4)).reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
 
 
-def attention_kv_major_blocked(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS, *, block: int,
-                               keys_transposed: bool = False):
+def attention_kv_major_blocked(
+    q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS, *, block: int, keys_transposed: bool = False
+):
     """attention_kv_major over keys in blocks of `block` with an online softmax (flash attention's running max /
     sum recurrence, in plain JAX under lax.scan): the fp32 logits and probabilities live one [.., T, block] block
     at a time instead of [.., T, S] (the rollout engine's prefill over a long context: 15.9 GiB per chip of them
@@ -106,7 +106,7 @@ def attention_kv_major_blocked(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS, *, b
         k_blk = jax.lax.dynamic_slice_in_dim(k_KxBxSxD, i * block, block, axis=k_axis)
         v_blk = jax.lax.dynamic_slice_in_dim(v_KxBxSxD, i * block, block, axis=2)
         mask_blk = jax.lax.dynamic_slice_in_dim(mask_BxTxS, i * block, block, axis=2)
-        logits = _scores_kv_major(q_KxBxGxTxD, k_blk, keys_transposed=keys_transposed) * (d ** -0.5)
+        logits = _scores_kv_major(q_KxBxGxTxD, k_blk, keys_transposed=keys_transposed) * (d**-0.5)
         logits = jnp.where(mask_blk[None, :, None, :, :], logits, _NEG)
         m_new = jnp.maximum(m_KxBxGxT, jnp.max(logits, axis=-1))
         rescale = jnp.exp(m_KxBxGxT - m_new)
@@ -114,8 +114,11 @@ def attention_kv_major_blocked(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS, *, b
         pv = jnp.einsum("kbgts,kbsd->kbgtd", p.astype(v_blk.dtype), v_blk, preferred_element_type=jnp.float32)
         return (m_new, l_KxBxGxT * rescale + jnp.sum(p, axis=-1), acc_KxBxGxTxD * rescale[..., None] + pv), None
 
-    init = (jnp.full((kh, b, g, t), _NEG, jnp.float32), jnp.zeros((kh, b, g, t), jnp.float32),
-            jnp.zeros((kh, b, g, t, d), jnp.float32))
+    init = (
+        jnp.full((kh, b, g, t), _NEG, jnp.float32),
+        jnp.zeros((kh, b, g, t), jnp.float32),
+        jnp.zeros((kh, b, g, t, d), jnp.float32),
+    )
     (_, l_KxBxGxT, acc_KxBxGxTxD), _ = jax.lax.scan(one_block, init, jnp.arange(nb))
     out_KxBxGxTxD = acc_KxBxGxTxD / l_KxBxGxT[..., None]
     return jnp.transpose(out_KxBxGxTxD, (1, 3, 0, 2, 4)).reshape(b, t, h, d).astype(q_BxTxHxD.dtype)
@@ -126,8 +129,13 @@ def attention_dot_product(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS, *, implem
     auto-selects cuDNN); "cudnn" asks for cuDNN's fused flash kernel (GPU, bf16/fp16 only)."""
     dt = q_BxTxHxD.dtype
     out = jax.nn.dot_product_attention(
-        q_BxTxHxD, k_BxSxKxD.astype(dt), v_BxSxKxD.astype(dt), mask=mask_BxTxS[:, None, :, :],
-        scale=q_BxTxHxD.shape[-1] ** -0.5, implementation=implementation)
+        q_BxTxHxD,
+        k_BxSxKxD.astype(dt),
+        v_BxSxKxD.astype(dt),
+        mask=mask_BxTxS[:, None, :, :],
+        scale=q_BxTxHxD.shape[-1] ** -0.5,
+        implementation=implementation,
+    )
     return out.astype(dt)
 
 
@@ -155,10 +163,19 @@ def _splash_kernel(t: int, num_heads: int, interpret: bool):
     the program being traced (so nothing concrete is created on the host's devices, or on a TPU topology's
     compile-only ones, and no kernel is shared between traces or shard_map contexts)."""
     bq = next((b for b in (512, 256, 128) if t % b == 0), t)
-    sizes = sk.BlockSizes(block_q=bq, block_kv_compute=bq, block_kv=bq, block_q_dkv=bq, block_kv_dkv=bq,
-                          block_kv_dkv_compute=bq, block_q_dq=bq, block_kv_dq=bq)
-    return sk.make_splash_mha(_splash_mask(t, num_heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                              interpret=interpret)
+    sizes = sk.BlockSizes(
+        block_q=bq,
+        block_kv_compute=bq,
+        block_kv=bq,
+        block_q_dkv=bq,
+        block_kv_dkv=bq,
+        block_kv_dkv_compute=bq,
+        block_q_dq=bq,
+        block_kv_dq=bq,
+    )
+    return sk.make_splash_mha(
+        _splash_mask(t, num_heads), block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
 
 
 def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interpret: bool | None = None):
@@ -173,8 +190,13 @@ def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interp
     pad = -t % 128  # the kernel needs whole 128-token blocks: pad the tail as a separate segment (id 0)
     if pad:
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
-        out = attention_splash(jnp.pad(q_BxTxHxD, widths), jnp.pad(k_BxSxKxD, widths), jnp.pad(v_BxSxKxD, widths),
-                               jnp.pad(segment_ids_BxT, ((0, 0), (0, pad))), interpret=interpret)
+        out = attention_splash(
+            jnp.pad(q_BxTxHxD, widths),
+            jnp.pad(k_BxSxKxD, widths),
+            jnp.pad(v_BxSxKxD, widths),
+            jnp.pad(segment_ids_BxT, ((0, 0), (0, pad))),
+            interpret=interpret,
+        )
         return out[:, :t]
     kh = k_BxSxKxD.shape[2]
     if interpret is None:
@@ -182,7 +204,7 @@ def attention_splash(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, segment_ids_BxT, *, interp
     kernel = _splash_kernel(t, h, bool(interpret))
     g = h // kh
     # splash takes [H, T, D] per example; repeat kv heads for GQA.
-    q = jnp.swapaxes(q_BxTxHxD, 1, 2) * (d ** -0.5)
+    q = jnp.swapaxes(q_BxTxHxD, 1, 2) * (d**-0.5)
     k = jnp.repeat(jnp.swapaxes(k_BxSxKxD, 1, 2), g, axis=1).astype(q.dtype)
     v = jnp.repeat(jnp.swapaxes(v_BxSxKxD, 1, 2), g, axis=1).astype(q.dtype)
     seg = segment_ids_BxT.astype(jnp.int32)
@@ -207,8 +229,9 @@ def _splash_maybe_sharded(q, k, v, attention_mask_BxT):
     v = jnp.repeat(v, g, axis=2)
     spec = sh.logical_to_spec(("batch", "seq", "act_heads", None), rules, q.shape, mesh)
     seg_spec = jax.sharding.PartitionSpec(spec[0], None)
-    fn = jax.shard_map(attention_splash, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
-                       check_vma=False)
+    fn = jax.shard_map(
+        attention_splash, mesh=mesh, in_specs=(spec, spec, spec, seg_spec), out_specs=spec, check_vma=False
+    )
     return fn(q, k, v, attention_mask_BxT)
 
 

@@ -2,6 +2,7 @@
 
 The same dataclass drives random init, HF import/export, eval_shape sizing and the sampler's KV cache.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,15 +79,15 @@ class ModelConfig:
             if self.num_heads and self.hidden_size % max(self.num_heads, 1) != 0:
                 raise ValueError(
                     f"ModelConfig.head_dim is None and hidden_size={self.hidden_size} is not divisible by "
-                    f"num_heads={self.num_heads}; give head_dim explicitly")
+                    f"num_heads={self.num_heads}; give head_dim explicitly"
+                )
             object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_heads, 1))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", _FrozenDict(self.rope_scaling))
         if not self.architecture:
-            arch = ("Qwen3ForCausalLM" if self.qk_norm else
-                    "Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM")
+            arch = "Qwen3ForCausalLM" if self.qk_norm else "Qwen2ForCausalLM" if self.qkv_bias else "LlamaForCausalLM"
             object.__setattr__(self, "architecture", arch)
         if isinstance(self.lora_targets, (list, tuple)):
             object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
@@ -95,14 +96,23 @@ class ModelConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "intermediate_size", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
-                f"ModelConfig.num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+                f"ModelConfig.num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}"
+            )
         assert self.head_dim is not None  # the loop above raised unless it is a positive int
         if self.head_dim % 2 != 0:
             raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even (RoPE rotates pairs)")
@@ -120,12 +130,14 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"ModelConfig.architecture={self.architecture!r} is not supported; "
-                f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+                f"supported: {list(SUPPORTED_ARCHITECTURES)}"
+            )
         if self.rope_scaling is not None:
             rt = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if rt not in _ROPE_TYPES:
-                raise ValueError(f"ModelConfig.rope_scaling rope_type={rt!r} is not supported; "
-                                 f"supported: {list(_ROPE_TYPES)}")
+                raise ValueError(
+                    f"ModelConfig.rope_scaling rope_type={rt!r} is not supported; supported: {list(_ROPE_TYPES)}"
+                )
             if rt == "llama3":
                 for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                     if k not in self.rope_scaling:
@@ -139,20 +151,25 @@ class ModelConfig:
         if not isinstance(r, int) or isinstance(r, bool) or r < 0:
             raise ValueError(f"ModelConfig.lora_rank must be an int >= 0 (0 = LoRA off), got {r!r}")
         if not isinstance(targets, tuple) or not all(isinstance(t, str) for t in targets):
-            raise ValueError(f"ModelConfig.lora_targets must be a list of module names among "
-                             f"{list(LORA_TARGETS)}, got {targets!r}")
+            raise ValueError(
+                f"ModelConfig.lora_targets must be a list of module names among {list(LORA_TARGETS)}, got {targets!r}"
+            )
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown:
-            raise ValueError(f"ModelConfig.lora_targets has unknown module name(s) {unknown}; "
-                             f"allowed: {list(LORA_TARGETS)}")
+            raise ValueError(
+                f"ModelConfig.lora_targets has unknown module name(s) {unknown}; allowed: {list(LORA_TARGETS)}"
+            )
         if len(set(targets)) != len(targets):
             raise ValueError(f"ModelConfig.lora_targets={list(targets)} names a module twice")
         if r == 0 and targets:
-            raise ValueError(f"ModelConfig.lora_rank must be a positive int when lora_targets is set "
-                             f"(lora_targets={list(targets)}), got {r!r}")
+            raise ValueError(
+                f"ModelConfig.lora_rank must be a positive int when lora_targets is set "
+                f"(lora_targets={list(targets)}), got {r!r}"
+            )
         if r > 0 and not targets:
-            raise ValueError(f"ModelConfig.lora_targets must name at least one of {list(LORA_TARGETS)} when "
-                             f"lora_rank={r} > 0")
+            raise ValueError(
+                f"ModelConfig.lora_targets must name at least one of {list(LORA_TARGETS)} when lora_rank={r} > 0"
+            )
         a = self.lora_alpha
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not (a > 0 and math.isfinite(a)):
             raise ValueError(f"ModelConfig.lora_alpha must be a positive finite number, got {a!r}")
@@ -166,8 +183,15 @@ class ModelConfig:
         """Adapter parameter count (r * (in + out) per targeted projection per layer)."""
         assert self.head_dim is not None
         d, h, kv, dh, i = self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate_size
-        io = {"q_proj": (d, h * dh), "k_proj": (d, kv * dh), "v_proj": (d, kv * dh), "o_proj": (h * dh, d),
-              "gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
+        io = {
+            "q_proj": (d, h * dh),
+            "k_proj": (d, kv * dh),
+            "v_proj": (d, kv * dh),
+            "o_proj": (h * dh, d),
+            "gate_proj": (d, i),
+            "up_proj": (d, i),
+            "down_proj": (i, d),
+        }
         return self.num_layers * self.lora_rank * sum(sum(io[t]) for t in self.lora_targets)
 
     # ------------------------------------------------------------------ helpers
@@ -183,8 +207,14 @@ class ModelConfig:
     def num_params(self) -> int:
         """Exact parameter count (matches the HF model with the same config)."""
         assert self.head_dim is not None  # __post_init__ derives it from hidden_size // num_heads
-        d, h, kv, dh, i, v = (self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
-                              self.intermediate_size, self.vocab_size)
+        d, h, kv, dh, i, v = (
+            self.hidden_size,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.intermediate_size,
+            self.vocab_size,
+        )
         attn = d * h * dh + 2 * d * kv * dh + h * dh * d
         if self.qkv_bias:
             attn += h * dh + 2 * kv * dh
@@ -203,15 +233,17 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"config.json field `architectures`={archs!r} (model_type={hf.get('model_type')!r}) is not "
-                f"supported; supported architectures: {list(SUPPORTED_ARCHITECTURES)}")
+                f"supported; supported architectures: {list(SUPPORTED_ARCHITECTURES)}"
+            )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json field `hidden_act`={act!r} is not supported (only 'silu')")
         if hf.get("mlp_bias"):
             raise ValueError("config.json field `mlp_bias`=true is not supported")
         if arch != "Qwen2ForCausalLM" and hf.get("attention_bias"):
-            raise ValueError(f"config.json field `attention_bias`=true is not supported for {arch} "
-                             "(it adds an o_proj bias)")
+            raise ValueError(
+                f"config.json field `attention_bias`=true is not supported for {arch} (it adds an o_proj bias)"
+            )
         if hf.get("use_sliding_window"):
             raise ValueError("config.json field `use_sliding_window`=true is not supported")
         if hf.get("pretraining_tp", 1) not in (1, None):
@@ -320,30 +352,120 @@ def _preset(name, **kw):
 
 
 # Shapes from the public config.json of each base checkpoint.
-_preset("qwen2.5-7b", vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
-        intermediate_size=18944, rope_theta=1e6, rms_norm_eps=1e-6, qkv_bias=True,
-        max_position_embeddings=131072, bos_token_id=151643, eos_token_id=151643)
-_preset("qwen2.5-math-7b", vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
-        intermediate_size=18944, rope_theta=1e4, rms_norm_eps=1e-6, qkv_bias=True,
-        max_position_embeddings=4096, bos_token_id=151643, eos_token_id=151643)
-_preset("qwen2.5-14b", vocab_size=152064, hidden_size=5120, num_layers=48, num_heads=40, num_kv_heads=8,
-        intermediate_size=13824, rope_theta=1e6, rms_norm_eps=1e-5, qkv_bias=True,
-        max_position_embeddings=131072, bos_token_id=151643, eos_token_id=151643)
-_preset("qwen2.5-32b", vocab_size=152064, hidden_size=5120, num_layers=64, num_heads=40, num_kv_heads=8,
-        intermediate_size=27648, rope_theta=1e6, rms_norm_eps=1e-5, qkv_bias=True,
-        max_position_embeddings=131072, bos_token_id=151643, eos_token_id=151643)
-_preset("qwen3-8b", vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
-        head_dim=128, intermediate_size=12288, rope_theta=1e6, rms_norm_eps=1e-6, qk_norm=True,
-        max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645)
-_preset("r1-distill-qwen-1.5b", vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
-        num_kv_heads=2, intermediate_size=8960, rope_theta=1e4, rms_norm_eps=1e-6, qkv_bias=True,
-        max_position_embeddings=131072, bos_token_id=151646, eos_token_id=151643)
-_preset("llama-3.2-1b", vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-        head_dim=64, intermediate_size=8192, rope_theta=5e5, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        max_position_embeddings=131072,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        bos_token_id=128000, eos_token_id=128001)
+_preset(
+    "qwen2.5-7b",
+    vocab_size=152064,
+    hidden_size=3584,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    intermediate_size=18944,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+    max_position_embeddings=131072,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
+_preset(
+    "qwen2.5-math-7b",
+    vocab_size=152064,
+    hidden_size=3584,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    intermediate_size=18944,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+    max_position_embeddings=4096,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
+_preset(
+    "qwen2.5-14b",
+    vocab_size=152064,
+    hidden_size=5120,
+    num_layers=48,
+    num_heads=40,
+    num_kv_heads=8,
+    intermediate_size=13824,
+    rope_theta=1e6,
+    rms_norm_eps=1e-5,
+    qkv_bias=True,
+    max_position_embeddings=131072,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
+_preset(
+    "qwen2.5-32b",
+    vocab_size=152064,
+    hidden_size=5120,
+    num_layers=64,
+    num_heads=40,
+    num_kv_heads=8,
+    intermediate_size=27648,
+    rope_theta=1e6,
+    rms_norm_eps=1e-5,
+    qkv_bias=True,
+    max_position_embeddings=131072,
+    bos_token_id=151643,
+    eos_token_id=151643,
+)
+_preset(
+    "qwen3-8b",
+    vocab_size=151936,
+    hidden_size=4096,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    qk_norm=True,
+    max_position_embeddings=40960,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+_preset(
+    "r1-distill-qwen-1.5b",
+    vocab_size=151936,
+    hidden_size=1536,
+    num_layers=28,
+    num_heads=12,
+    num_kv_heads=2,
+    intermediate_size=8960,
+    rope_theta=1e4,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+    max_position_embeddings=131072,
+    bos_token_id=151646,
+    eos_token_id=151643,
+)
+_preset(
+    "llama-3.2-1b",
+    vocab_size=128256,
+    hidden_size=2048,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    intermediate_size=8192,
+    rope_theta=5e5,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=131072,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    bos_token_id=128000,
+    eos_token_id=128001,
+)
 
 
 def get_preset(name: str, **overrides) -> ModelConfig:

@@ -40,7 +40,11 @@ _FORMAT_VERSION = 1
 # llama.cpp pre-tokenizers that split each digit before the GPT-2 byte-level regex.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
 _REQUIRED_FILES = (
-    "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
 )
 
 

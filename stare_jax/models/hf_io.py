@@ -9,6 +9,7 @@ LoRA (ModelConfig.lora_rank > 0): from_pretrained loads the base weights and ini
 `lora_seed`; save_pretrained writes the base weights only (merged=True: W + scale * A B instead), never adapter
 tensors: those go to a PEFT folder (stare_jax.models.lora.write_peft_adapter).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,15 +23,23 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from stare_jax.models.config import ModelConfig
 from stare_jax.models.sharding import state_shardings
 from stare_jax.models.transformer import BASE_PARAMS, LoRAParam, Transformer, init_lora_state
-from jax.experimental import multihost_utils
 
 _ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 _ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 _IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -145,8 +154,10 @@ def hf_name_and_kind(path: tuple) -> tuple[str, str]:
     """Our nnx state path -> (HF tensor name, layout kind)."""
     p = tuple(str(x) for x in path)
     if p[-1] in ("lora_a", "lora_b"):
-        raise ValueError(f"LoRA adapter {'.'.join(p)} has no HF tensor name (adapters are exported as a PEFT "
-                         "folder: stare_jax.models.lora.write_peft_adapter)")
+        raise ValueError(
+            f"LoRA adapter {'.'.join(p)} has no HF tensor name (adapters are exported as a PEFT "
+            "folder: stare_jax.models.lora.write_peft_adapter)"
+        )
     if p == ("embed_tokens",):
         return "model.embed_tokens.weight", "same"
     if p == ("lm_head",):
@@ -169,8 +180,11 @@ def hf_name_and_kind(path: tuple) -> tuple[str, str]:
 
 
 def _norm_slices(index, shape):
-    return tuple(slice(*s.indices(n)) if isinstance(s, slice) else slice(s, s + 1)
-                 for s, n in zip(index, shape)) if index else tuple(slice(0, n) for n in shape)
+    return (
+        tuple(slice(*s.indices(n)) if isinstance(s, slice) else slice(s, s + 1) for s, n in zip(index, shape))
+        if index
+        else tuple(slice(0, n) for n in shape)
+    )
 
 
 def _read_view(ckpt: _Checkpoint, name: str, kind: str, my_shape: tuple, index, np_dtype) -> np.ndarray:
@@ -207,8 +221,9 @@ def _dtype_name(dt) -> str:
     return jnp.dtype(dt).name
 
 
-def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rules=None, lora_seed: int = 0,
-                    **config_overrides) -> Transformer:
+def from_pretrained(
+    path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rules=None, lora_seed: int = 0, **config_overrides
+) -> Transformer:
     """Load a HF Llama/Qwen2/Qwen3 folder (config.json + safetensors) into a Transformer.
 
     dtype: compute dtype; param_dtype: storage dtype (None -> float32 master weights). With `mesh`, each tensor
@@ -222,8 +237,11 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rul
     if not cfg_file.exists():
         raise FileNotFoundError(f"no config.json in {folder}")
     cfg = ModelConfig.from_hf_config(
-        json.loads(cfg_file.read_text()), dtype=_dtype_name(dtype),
-        param_dtype=_dtype_name(param_dtype if param_dtype is not None else jnp.float32), **config_overrides)
+        json.loads(cfg_file.read_text()),
+        dtype=_dtype_name(dtype),
+        param_dtype=_dtype_name(param_dtype if param_dtype is not None else jnp.float32),
+        **config_overrides,
+    )
     ckpt = _Checkpoint(folder)
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -241,19 +259,30 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rul
         hf_shape = _recipe(kind, layer_shape)[0]
         for name in names:
             if not ckpt.has(name):
-                raise ValueError(f"tensor {name!r} (for parameter {'.'.join(map(str, p))}) is missing from the "
-                                 f"checkpoint folder {folder}")
+                raise ValueError(
+                    f"tensor {name!r} (for parameter {'.'.join(map(str, p))}) is missing from the "
+                    f"checkpoint folder {folder}"
+                )
             found = ckpt.shape(name)
             if tuple(found) != tuple(hf_shape):
-                raise ValueError(f"tensor {name!r} in {folder / ckpt.where[name]} has shape {tuple(found)}, "
-                                 f"expected {tuple(hf_shape)} from config.json")
+                raise ValueError(
+                    f"tensor {name!r} in {folder / ckpt.where[name]} has shape {tuple(found)}, "
+                    f"expected {tuple(hf_shape)} from config.json"
+                )
             used.add(name)
         plan.append((p, var, names, kind, shape, layer_shape))
-    extra = sorted(n for n in ckpt.where if n not in used and not n.endswith(_IGNORABLE_SUFFIXES)
-                   and not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+    extra = sorted(
+        n
+        for n in ckpt.where
+        if n not in used
+        and not n.endswith(_IGNORABLE_SUFFIXES)
+        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    )
     if extra:
-        raise ValueError(f"unexpected tensors in {folder} (not used by {cfg.architecture}): "
-                         f"{extra[:10]}{' ...' if len(extra) > 10 else ''} ({len(extra)} in all)")
+        raise ValueError(
+            f"unexpected tensors in {folder} (not used by {cfg.architecture}): "
+            f"{extra[:10]}{' ...' if len(extra) > 10 else ''} ({len(extra)} in all)"
+        )
 
     single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     new_flat = []
@@ -268,8 +297,12 @@ def from_pretrained(path, *, dtype=jnp.float32, param_dtype=None, mesh=None, rul
                 if len(names) == 1 and layer_shape == shape:
                     memo[key] = _read_view(ckpt, names[0], kind, shape, sl, np_dt)
                 else:  # stacked layers: leading axis indexes HF layers
-                    memo[key] = np.stack([_read_view(ckpt, names[i], kind, layer_shape, sl[1:], np_dt)
-                                          for i in range(sl[0].start, sl[0].stop)])
+                    memo[key] = np.stack(
+                        [
+                            _read_view(ckpt, names[i], kind, layer_shape, sl[1:], np_dt)
+                            for i in range(sl[0].start, sl[0].stop)
+                        ]
+                    )
             return memo[key]
 
         arr = jax.make_array_from_callback(shape, sharding, cb)
@@ -331,8 +364,11 @@ _LoraMap = dict[tuple, tuple[nnx.Variable, nnx.Variable, float]]
 
 def _lora_map(model: Transformer) -> _LoraMap:
     flat = dict(nnx.to_flat_state(nnx.state(model, LoRAParam)))
-    return {p[:-1] + ("kernel",): (var, flat[p[:-1] + ("lora_b",)], model.config.lora_scale)
-            for p, var in flat.items() if p[-1] == "lora_a"}
+    return {
+        p[:-1] + ("kernel",): (var, flat[p[:-1] + ("lora_b",)], model.config.lora_scale)
+        for p, var in flat.items()
+        if p[-1] == "lora_a"
+    }
 
 
 def merged_kernel(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
@@ -368,8 +404,9 @@ def hf_state_dict(model: Transformer, dtype=None, *, merged: bool = False) -> di
     return {name: _export_tensor(p, var, np_dt, layer, lora) for name, p, var, layer in _export_plan(model)}
 
 
-def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30,
-                    merged: bool = False) -> pathlib.Path:
+def save_pretrained(
+    model: Transformer, path, *, dtype=None, max_shard_bytes: int = 5 * 2**30, merged: bool = False
+) -> pathlib.Path:
     """Write config.json, generation_config.json and model.safetensors (HF layout) that
     transformers.AutoModelForCausalLM.from_pretrained loads. dtype: saved dtype (default: param dtype).
     Above max_shard_bytes the weights go to model-0000k-of-0000n.safetensors + model.safetensors.index.json;
@@ -383,7 +420,7 @@ def save_pretrained(model: Transformer, path, *, dtype=None, max_shard_bytes: in
     saved_dt = _dtype_name(dtype) if dtype is not None else cfg.param_dtype
     np_dt = _np_dtype(saved_dt)
     plan = _export_plan(model)
-    sizes = [math.prod(var.get_value().shape[layer is not None:]) * np_dt.itemsize for _, _, var, layer in plan]
+    sizes = [math.prod(var.get_value().shape[layer is not None :]) * np_dt.itemsize for _, _, var, layer in plan]
     shards: list[list[_ExportItem]] = []
     cur: list[_ExportItem] = []
     cur_bytes = 0

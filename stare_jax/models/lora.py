@@ -20,6 +20,7 @@ adapter_model.safetensors), hf_io.save_pretrained(model, dir, merged=True) (HF f
 merge_lora(model) (a LoRA-free copy of the model with merged kernels). This module imports models.hf_io, which
 sampling/rewards/tasks may not: they find LoRAParam and BASE_PARAMS in stare_jax.models.transformer.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,16 +36,33 @@ from stare_jax.models import hf_io
 from stare_jax.models.config import LORA_TARGETS, ModelConfig
 from stare_jax.models.transformer import BASE_PARAMS, LoRAParam, Transformer, init_lora_state
 
-__all__ = ["LoRAParam", "LORA_TARGETS", "TRAINABLE", "FROZEN", "split_lora", "lora_param_count",
-           "init_lora_state", "peft_adapter_state_dict", "write_peft_adapter", "merge_lora"]
+__all__ = [
+    "LoRAParam",
+    "LORA_TARGETS",
+    "TRAINABLE",
+    "FROZEN",
+    "split_lora",
+    "lora_param_count",
+    "init_lora_state",
+    "peft_adapter_state_dict",
+    "write_peft_adapter",
+    "merge_lora",
+]
 
 TRAINABLE = LoRAParam  # nnx filter: the adapters
 FROZEN = BASE_PARAMS  # nnx filter: every other nnx.Param (the base weights)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_MODULE_GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                 "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_MODULE_GROUP = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 def split_lora(model: Transformer):
@@ -62,8 +80,7 @@ def _adapters(model: Transformer) -> Iterator[tuple[int, str, jax.Array, jax.Arr
     """(layer index, HF module name, A [in..., r], B [r, out...]) per layer and targeted projection, in HF order
     (only the adapters are read: stacked ones are sliced per layer, base weights are not touched)."""
     cfg = model.config
-    flat = {tuple(str(x) for x in p): v.get_value()
-            for p, v in nnx.to_flat_state(nnx.state(model, LoRAParam))}
+    flat = {tuple(str(x) for x in p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, LoRAParam))}
     for i in range(cfg.num_layers if cfg.lora_rank else 0):
         for name in LORA_TARGETS:
             if name not in cfg.lora_targets:
@@ -137,8 +154,9 @@ def write_peft_adapter(model: Transformer, out_dir, base_model_name_or_path: str
 
 def _merge_one(w, a, b, scale: float, stacked: bool):
     def one(w, a, b):
-        return (w.astype(jnp.float32) + scale * jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), axes=1)
-                ).astype(w.dtype)
+        return (
+            w.astype(jnp.float32) + scale * jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), axes=1)
+        ).astype(w.dtype)
 
     return jax.vmap(one)(w, a, b) if stacked else one(w, a, b)
 

@@ -25,6 +25,7 @@ transformer.py needs no second decode path. Two attention backends (sampling.eng
   picks it only for a bfloat16 pool). Off TPU it runs in Pallas' TPU interpret mode (tests). On a mesh the kernel
   runs under jax.shard_map, each device on its block (its data shard's pool, its kv heads and their q heads).
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu import paged_attention as pallas_paged
 from jax.sharding import PartitionSpec
 
-from stare_jax.models import attention as attn_lib
-from stare_jax.models import sharding as sh
+from stare_jax.models import attention as attn_lib, sharding as sh
 from stare_jax.models.sharding import constrain
 
 TRASH_PAGE = 0  # physical page that absorbs writes of padding tokens and finished rows
@@ -61,17 +61,33 @@ def keys_transposed(attention: str, platform: str, impl: str) -> bool:
     return attention == "gather" and platform == "cpu" and impl in ("xla", "splash")
 
 
-def pool_shape(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-               data_shards: int | None = None, *, transposed: bool = False) -> tuple[int, ...]:
+def pool_shape(
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    data_shards: int | None = None,
+    *,
+    transposed: bool = False,
+) -> tuple[int, ...]:
     """The shape of one layer's k (or v) pool: [K, N, P, Dh] ([K, N, Dh, P] for keys_transposed's key pool); with
     data_shards D, [D, ...] (N pages per shard, the leading axis over the mesh's batch axes)."""
-    shape = (num_kv_heads, num_pages, head_dim, page_size) if transposed else (num_kv_heads, num_pages, page_size,
-                                                                                 head_dim)
+    shape = (
+        (num_kv_heads, num_pages, head_dim, page_size) if transposed else (num_kv_heads, num_pages, page_size, head_dim)
+    )
     return shape if data_shards is None else (data_shards, *shape)
 
 
-def init_pages(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-               dtype=jnp.float32, *, keys_transposed: bool = False) -> list[dict]:
+def init_pages(
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.float32,
+    *,
+    keys_transposed: bool = False,
+) -> list[dict]:
     """Per layer {"k", "v"}: zeros of pool_shape(num_pages, page_size, num_kv_heads, head_dim) (k transposed with
     keys_transposed)."""
     k_shape = pool_shape(num_pages, page_size, num_kv_heads, head_dim, transposed=keys_transposed)
@@ -79,8 +95,9 @@ def init_pages(num_layers: int, num_pages: int, page_size: int, num_kv_heads: in
     return [{"k": jnp.zeros(k_shape, dtype), "v": jnp.zeros(v_shape, dtype)} for _ in range(num_layers)]
 
 
-def write_slots(page_table_BxM: jax.Array, positions_BxT: jax.Array, valid_BxT: jax.Array,
-                page_size: int) -> tuple[jax.Array, jax.Array]:
+def write_slots(
+    page_table_BxM: jax.Array, positions_BxT: jax.Array, valid_BxT: jax.Array, page_size: int
+) -> tuple[jax.Array, jax.Array]:
     """(physical page, offset) [B, T] where each token's k/v go; invalid tokens go to the trash page."""
     logical_BxT = jnp.clip(positions_BxT // page_size, 0, page_table_BxM.shape[1] - 1)
     page_BxT = jnp.take_along_axis(page_table_BxM, logical_BxT, axis=1)
@@ -128,8 +145,9 @@ def _scatter_columns(pages_KxNxDxP, new_KxRxD, page_R, offset_R):
     return pages_KxNxDxP.reshape(k * n, d, p).at[rows, :, cols].set(new_KxRxD.reshape(-1, d)).reshape(k, n, d, p)
 
 
-def write_pages(pages: jax.Array, new_BxTxKxD: jax.Array, page_BxT: jax.Array, offset_BxT: jax.Array, *,
-                transposed: bool = False) -> jax.Array:
+def write_pages(
+    pages: jax.Array, new_BxTxKxD: jax.Array, page_BxT: jax.Array, offset_BxT: jax.Array, *, transposed: bool = False
+) -> jax.Array:
     """Scatter the new tokens' k (or v) into their (page, offset) slots of every kv head (each device its heads);
     pages [K, N, P, Dh], or [K, N, Dh, P] when transposed (keys_transposed's key pool)."""
     k, d = pages.shape[0], new_BxTxKxD.shape[-1]
@@ -156,9 +174,14 @@ def _gather_columns(pages_KxNxDxP, page_table_BxM):
     k, n, d, p = pages_KxNxDxP.shape
     dims = jax.lax.GatherDimensionNumbers(offset_dims=(1, 3), collapsed_slice_dims=(0,), start_index_map=(0,))
     index_BxMx1 = page_table_BxM[..., None].astype(jnp.int32)
-    return jnp.stack([jax.lax.gather(pages_KxNxDxP[h], index_BxMx1, dims, slice_sizes=(1, d, p),
-                                     mode=jax.lax.GatherScatterMode.CLIP)
-                      for h in range(k)]).reshape(k, b, d, m * p)
+    return jnp.stack(
+        [
+            jax.lax.gather(
+                pages_KxNxDxP[h], index_BxMx1, dims, slice_sizes=(1, d, p), mode=jax.lax.GatherScatterMode.CLIP
+            )
+            for h in range(k)
+        ]
+    ).reshape(k, b, d, m * p)
 
 
 def gather_pages(pages: jax.Array, page_table_BxM: jax.Array, *, transposed: bool = False) -> jax.Array:
@@ -166,8 +189,7 @@ def gather_pages(pages: jax.Array, page_table_BxM: jax.Array, *, transposed: boo
     a transposed pool [K, N, Dh, P] gives [K, B, Dh, M*P]. kv heads stay first, as in the pool, so nothing is
     transposed; each device gathers its own kv heads, one gather per head of whole pages (as rows of P*Dh values:
     XLA's CPU gather of those is ~3x faster than one gather of [P, Dh] slices over every kv head)."""
-    return _on_head_blocks(_gather_columns if transposed else _gather_rows, pages, page_table_BxM,
-                           split=(True, False))
+    return _on_head_blocks(_gather_columns if transposed else _gather_rows, pages, page_table_BxM, split=(True, False))
 
 
 def _copy_rows(pages_KxNxPxD, src_C, dst_C):
@@ -176,14 +198,22 @@ def _copy_rows(pages_KxNxPxD, src_C, dst_C):
     k, n, p, d = pages_KxNxPxD.shape
     head_K1 = jnp.arange(k, dtype=jnp.int32)[:, None] * n
     rows_NxR = pages_KxNxPxD.reshape(k * n, p * d)
-    return rows_NxR.at[(head_K1 + dst_C[None]).reshape(-1)].set(rows_NxR[(head_K1 + src_C[None]).reshape(-1)]
-                                                               ).reshape(k, n, p, d)
+    return (
+        rows_NxR.at[(head_K1 + dst_C[None]).reshape(-1)]
+        .set(rows_NxR[(head_K1 + src_C[None]).reshape(-1)])
+        .reshape(k, n, p, d)
+    )
 
 
 def copy_pages(pages_KxNxPxD: jax.Array, src_C: jax.Array, dst_C: jax.Array) -> jax.Array:
     """pages[:, dst] = pages[:, src] (every kv head): copy-on-write of a shared prompt's partial last page."""
-    return _on_head_blocks(_copy_rows, pages_KxNxPxD, jnp.asarray(src_C, jnp.int32), jnp.asarray(dst_C, jnp.int32),
-                           split=(True, False, False))
+    return _on_head_blocks(
+        _copy_rows,
+        pages_KxNxPxD,
+        jnp.asarray(src_C, jnp.int32),
+        jnp.asarray(dst_C, jnp.int32),
+        split=(True, False, False),
+    )
 
 
 def resolve_attention(choice: str, *, platform: str, head_dim: int, cache_dtype) -> str:
@@ -207,9 +237,15 @@ def _pages_per_block(width: int, page_size: int) -> int:
 
 def _kernel(q_BxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, lengths_B, page_table_BxM, *, interpret: bool):
     """The Pallas kernel on one device's block (Pallas' TPU interpret mode off TPU)."""
-    call = functools.partial(pallas_paged.paged_attention, q_BxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, lengths_B,
-                             page_table_BxM, pages_per_compute_block=_pages_per_block(page_table_BxM.shape[1],
-                                                                                      k_pages_KxNxPxD.shape[2]))
+    call = functools.partial(
+        pallas_paged.paged_attention,
+        q_BxHxD,
+        k_pages_KxNxPxD,
+        v_pages_KxNxPxD,
+        lengths_B,
+        page_table_BxM,
+        pages_per_compute_block=_pages_per_block(page_table_BxM.shape[1], k_pages_KxNxPxD.shape[2]),
+    )
     if not interpret:
         return call()
     with pltpu.force_tpu_interpret_mode():
@@ -223,8 +259,9 @@ def _local_blocks(f, lead: int):
     return lambda *xs: jnp.stack([f(*(x[d] for x in xs)) for d in range(xs[0].shape[0])])
 
 
-def _sharded_kernel(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM, *, lead: int, batch_axes: tuple,
-                    interpret: bool):
+def _sharded_kernel(
+    q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM, *, lead: int, batch_axes: tuple, interpret: bool
+):
     """The kernel under jax.shard_map over the ambient mesh (each device on its data shard's pool and its kv heads
     with their q heads); with lead=1 every argument has a leading data-shard axis, split over batch_axes. Without
     a mesh (or its activation rules) the kernel itself."""
@@ -236,8 +273,13 @@ def _sharded_kernel(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM, *, lea
     q_spec = PartitionSpec(*rows, None, heads, None)
     pool_spec = PartitionSpec(*rows, heads, None, None, None)
     row_spec = PartitionSpec(*rows)
-    fn = jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, pool_spec, pool_spec, row_spec, row_spec),
-                       out_specs=q_spec, check_vma=False)
+    fn = jax.shard_map(
+        kernel,
+        mesh=mesh,
+        in_specs=(q_spec, pool_spec, pool_spec, row_spec, row_spec),
+        out_specs=q_spec,
+        check_vma=False,
+    )
     return fn(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM)
 
 
@@ -246,10 +288,12 @@ def _decode_kernel(batch_axes: tuple, interpret: bool):
     """The kernel call of one data shard's rows, as a function whose vmap over the data shards (the engine's
     jax.vmap(spmd_axis_name=batch_axes)) is one shard_map over the batch axes (custom_vmap): XLA cannot partition
     a Pallas call, and the kernel's own batching rule would not keep each shard's pool on its devices."""
+
     @jax.custom_batching.custom_vmap
     def kernel(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM):
-        return _sharded_kernel(q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM, lead=0, batch_axes=(),
-                               interpret=interpret)
+        return _sharded_kernel(
+            q_BxHxD, k_pages, v_pages, lengths_B, page_table_BxM, lead=0, batch_axes=(), interpret=interpret
+        )
 
     @kernel.def_vmap
     def over_shards(axis_size, in_batched, *args):
@@ -259,23 +303,34 @@ def _decode_kernel(batch_axes: tuple, interpret: bool):
     return kernel
 
 
-def pallas_decode_attention(q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT, *,
-                            batch_axes: tuple = ()):
+def pallas_decode_attention(
+    q_BxTxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, page_table_BxM, positions_BxT, *, batch_axes: tuple = ()
+):
     """Decode attention (T = 1) through the TPU Pallas kernel: the query at position t sees keys 0..t of its row's
     pages (lengths t + 1). fp32 logits and softmax; the kernel does not scale q, so q is scaled here in fp32.
     batch_axes: the mesh axes of the engine's data-shard vmap (none for one shard)."""
     b, t, h, d = q_BxTxHxD.shape
     if t != 1:
         raise ValueError(f"the Pallas paged-attention kernel decodes one token per row, got {t} (prefill gathers)")
-    q_BxHxD = q_BxTxHxD[:, 0].astype(jnp.float32) * d ** -0.5
+    q_BxHxD = q_BxTxHxD[:, 0].astype(jnp.float32) * d**-0.5
     lengths_B = (positions_BxT[:, 0] + 1).astype(jnp.int32)
     kernel = _decode_kernel(tuple(batch_axes), attn_lib.target_platform() != "tpu")
     out_BxHxD = kernel(q_BxHxD, k_pages_KxNxPxD, v_pages_KxNxPxD, lengths_B, page_table_BxM.astype(jnp.int32))
     return out_BxHxD[:, None].astype(q_BxTxHxD.dtype)
 
 
-def paged_attention(impl: str, q_BxTxHxD, k_pages, v_pages_KxNxPxD, page_table_BxM, positions_BxT, *,
-                    attention: str = "gather", batch_axes: tuple = (), keys_transposed: bool = False):
+def paged_attention(
+    impl: str,
+    q_BxTxHxD,
+    k_pages,
+    v_pages_KxNxPxD,
+    page_table_BxM,
+    positions_BxT,
+    *,
+    attention: str = "gather",
+    batch_axes: tuple = (),
+    keys_transposed: bool = False,
+):
     """Attention of queries at `positions_BxT` over their row's pages: key s visible iff s <= query position
     (every such key has been written: the prefix before this call plus this call's own tokens). attention="pallas"
     runs decode (one query per row) through the TPU kernel; "gather" (and any prefill) gathers the pages (a decode
@@ -284,14 +339,27 @@ def paged_attention(impl: str, q_BxTxHxD, k_pages, v_pages_KxNxPxD, page_table_B
     if attention == "pallas" and q_BxTxHxD.shape[1] == 1:
         if keys_transposed:
             raise ValueError("the Pallas paged-attention kernel reads [K, N, P, Dh] key pages, not transposed ones")
-        return pallas_decode_attention(q_BxTxHxD, k_pages, v_pages_KxNxPxD, page_table_BxM, positions_BxT,
-                                       batch_axes=batch_axes)
-    attend = functools.partial(_attend_pages, impl, q_BxTxHxD, k_pages, v_pages_KxNxPxD,
-                               positions_BxT=positions_BxT, keys_transposed=keys_transposed)
+        return pallas_decode_attention(
+            q_BxTxHxD, k_pages, v_pages_KxNxPxD, page_table_BxM, positions_BxT, batch_axes=batch_axes
+        )
+    attend = functools.partial(
+        _attend_pages,
+        impl,
+        q_BxTxHxD,
+        k_pages,
+        v_pages_KxNxPxD,
+        positions_BxT=positions_BxT,
+        keys_transposed=keys_transposed,
+    )
     if q_BxTxHxD.shape[1] > 1:
         return attend(page_table_BxM)
-    return over_live_pages(lambda m: attend(page_table_BxM[:, :m]), positions_BxT, page_table_BxM.shape[1],
-                           v_pages_KxNxPxD.shape[2], batch_axes=batch_axes)
+    return over_live_pages(
+        lambda m: attend(page_table_BxM[:, :m]),
+        positions_BxT,
+        page_table_BxM.shape[1],
+        v_pages_KxNxPxD.shape[2],
+        batch_axes=batch_axes,
+    )
 
 
 def decode_page_widths(width: int) -> list[int]:
@@ -315,8 +383,9 @@ def over_live_pages(attend_over, positions_BxT, width: int, page_size: int, *, b
     return jax.lax.switch(index, [functools.partial(attend_over, m) for m in widths])
 
 
-def _attend_pages(impl: str, q_BxTxHxD, k_pages, v_pages_KxNxPxD, page_table_BxM, positions_BxT, *,
-                  keys_transposed: bool = False):
+def _attend_pages(
+    impl: str, q_BxTxHxD, k_pages, v_pages_KxNxPxD, page_table_BxM, positions_BxT, *, keys_transposed: bool = False
+):
     """The gather path: the row's pages gathered by position (v [K, B, M*P, Dh]; k the same, or [K, B, Dh, M*P]
     from a transposed key pool), key s visible iff s <= query position, the model's attention kernel."""
     k_KxBxSxD = gather_pages(k_pages, page_table_BxM, transposed=keys_transposed).astype(q_BxTxHxD.dtype)
@@ -325,18 +394,29 @@ def _attend_pages(impl: str, q_BxTxHxD, k_pages, v_pages_KxNxPxD, page_table_BxM
     mask_BxTxS = s_idx[None, None, :] <= positions_BxT[:, :, None]
     if impl in ("xla", "splash"):  # splash is for full self-attention, not a cache: the xla math, kv-head-major
         if q_BxTxHxD.shape[1] > 1 and v_KxBxSxD.shape[2] > 2 * PREFILL_KEY_BLOCK:
-            return attn_lib.attention_kv_major_blocked(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS,
-                                                       block=PREFILL_KEY_BLOCK, keys_transposed=keys_transposed)
-        return attn_lib.attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS,
-                                           keys_transposed=keys_transposed)
+            return attn_lib.attention_kv_major_blocked(
+                q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS, block=PREFILL_KEY_BLOCK, keys_transposed=keys_transposed
+            )
+        return attn_lib.attention_kv_major(q_BxTxHxD, k_KxBxSxD, v_KxBxSxD, mask_BxTxS, keys_transposed=keys_transposed)
     if keys_transposed:
         raise ValueError(f"attention_impl={impl!r} takes [B, S, K, Dh] keys: a transposed key pool is for xla/splash")
     k, v = (jnp.moveaxis(x, 0, 2) for x in (k_KxBxSxD, v_KxBxSxD))  # the fused kernels take [B, S, K, Dh]
     return attn_lib.attend(impl, q_BxTxHxD, k, v, mask_BxTxS)
 
 
-def paged_forward(model, input_ids_BxT, positions_BxT, valid_BxT, pages: list, page_table_BxM,
-                  page_size: int, *, attention: str = "gather", batch_axes: tuple = (), keys_transposed: bool = False):
+def paged_forward(
+    model,
+    input_ids_BxT,
+    positions_BxT,
+    valid_BxT,
+    pages: list,
+    page_table_BxM,
+    page_size: int,
+    *,
+    attention: str = "gather",
+    batch_axes: tuple = (),
+    keys_transposed: bool = False,
+):
     """Run T tokens per row through `model` (a stare_jax Transformer) against the paged cache: write their k/v
     at their positions (valid tokens only), attend over the row's pages (`paged_attention`'s backends; prefill
     calls, T > 1, always gather). keys_transposed: the key pools are [K, N, Dh, P] (`keys_transposed`). Returns
@@ -353,8 +433,17 @@ def paged_forward(model, input_ids_BxT, positions_BxT, valid_BxT, pages: list, p
         q, k, v = attn.qkv(block.input_layernorm(x), cos, sin)
         kp = constrain(write_pages(layer["k"], k, page_BxT, offset_BxT, transposed=keys_transposed), POOL_AXES)
         vp = constrain(write_pages(layer["v"], v, page_BxT, offset_BxT), POOL_AXES)
-        o = paged_attention(attn.impl, q, kp, vp, page_table_BxM, positions_BxT, attention=attention,
-                            batch_axes=batch_axes, keys_transposed=keys_transposed)
+        o = paged_attention(
+            attn.impl,
+            q,
+            kp,
+            vp,
+            page_table_BxM,
+            positions_BxT,
+            attention=attention,
+            batch_axes=batch_axes,
+            keys_transposed=keys_transposed,
+        )
         x = x + attn.out(o)
         x = x + block.mlp(block.post_attention_layernorm(x))
         new_pages.append({"k": kp, "v": vp})

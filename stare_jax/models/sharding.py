@@ -4,6 +4,7 @@ names onto mesh axes ("data", "fsdp", "tensor"). Changing the parallelism layout
 Parameters are created with `nnx.Param(value, out_sharding=(...), eager_sharding=False)`; flax stores the
 names under the Variable metadata key `out_sharding`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,14 +64,15 @@ def make_mesh(shape: Mapping[str, int], axis_types=None, devices=None) -> jax.sh
     devices = jax.devices() if devices is None else list(devices)
     total = math.prod(shape.values())
     if total != len(devices):
-        raise ValueError(f"mesh shape {shape} has {total} devices but there are {len(devices)} devices "
-                         f"(jax.devices() count={len(devices)})")
+        raise ValueError(
+            f"mesh shape {shape} has {total} devices but there are {len(devices)} devices "
+            f"(jax.devices() count={len(devices)})"
+        )
     if axis_types is None:
         axis_types = jax.sharding.AxisType.Auto
     if not isinstance(axis_types, (tuple, list)):
         axis_types = (axis_types,) * len(shape)
-    return jax.make_mesh(tuple(shape.values()), tuple(shape.keys()), axis_types=tuple(axis_types),
-                         devices=devices)
+    return jax.make_mesh(tuple(shape.values()), tuple(shape.keys()), axis_types=tuple(axis_types), devices=devices)
 
 
 def resolve_mesh(mesh_cfg, num_devices: int) -> dict[str, int]:
@@ -131,8 +133,12 @@ def _mesh_axes_for(name, rules: Rules):
     return rules[name]
 
 
-def logical_to_spec(names: Sequence[str | None], rules: Rules, shape: Sequence[int] | None = None,
-                    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None) -> P:
+def logical_to_spec(
+    names: Sequence[str | None],
+    rules: Rules,
+    shape: Sequence[int] | None = None,
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
+) -> P:
     """PartitionSpec for logical names. With shape+mesh, a dimension that the mesh axes do not divide evenly,
     or a mesh axis already used by an earlier dimension, is replicated instead."""
     out: list[str | tuple[str, ...] | None] = []

@@ -9,6 +9,7 @@ can split heads; HF import/export (hf_io.py) handles the reshapes. Layers run as
 named in lora_targets also hold float32 LoRA adapters (nnx.LoRAParam lora_a / lora_b, see stare_jax/models/lora.py),
 applied by Linear.__call__, the one projection helper every call site (full forward, decode, paged decode) uses.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,8 +50,9 @@ def _param(rngs, init, shape, names, cfg: ModelConfig):
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """[Dh/2] float32 inverse frequencies, computed like transformers' ROPE_INIT_FUNCTIONS (float32)."""
     dh = cfg.head_dim
-    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dh, 2, dtype=np.int64).astype(np.float32)
-                                                  / np.float32(dh)))).astype(np.float32)
+    inv = (
+        1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dh, 2, dtype=np.int64).astype(np.float32) / np.float32(dh)))
+    ).astype(np.float32)
     rt = cfg.rope_type
     if rt == "linear":
         assert cfg.rope_scaling is not None  # rope_type is "default" without it
@@ -106,8 +108,9 @@ class Linear(nnx.Module):
     kernel. They are created as zeros here; Transformer.__init__ (or hf_io.from_pretrained) then gives A PEFT's
     default init (init_lora_state)."""
 
-    def __init__(self, shape, names, cfg, rngs, bias_shape=None, bias_names=None, *, n_in: int = 1,
-                 lora_name: str | None = None):
+    def __init__(
+        self, shape, names, cfg, rngs, bias_shape=None, bias_names=None, *, n_in: int = 1, lora_name: str | None = None
+    ):
         self.kernel = _param(rngs, "normal", shape, names, cfg)
         self.bias = _param(rngs, "zeros", bias_shape, bias_names, cfg) if bias_shape is not None else None
         self.n_in = n_in
@@ -115,10 +118,16 @@ class Linear(nnx.Module):
         self.lora_b: nnx.Variable | None
         if lora_name is not None and cfg.lora_rank > 0 and lora_name in cfg.lora_targets:
             r, shape, names = cfg.lora_rank, tuple(shape), tuple(names)
-            self.lora_a = LoRAParam(jnp.zeros(shape[:n_in] + (r,), jnp.float32),
-                                    out_sharding=names[:n_in] + ("lora_rank",), eager_sharding=False)
-            self.lora_b = LoRAParam(jnp.zeros((r,) + shape[n_in:], jnp.float32),
-                                    out_sharding=("lora_rank",) + names[n_in:], eager_sharding=False)
+            self.lora_a = LoRAParam(
+                jnp.zeros(shape[:n_in] + (r,), jnp.float32),
+                out_sharding=names[:n_in] + ("lora_rank",),
+                eager_sharding=False,
+            )
+            self.lora_b = LoRAParam(
+                jnp.zeros((r,) + shape[n_in:], jnp.float32),
+                out_sharding=("lora_rank",) + names[n_in:],
+                eager_sharding=False,
+            )
             self.lora_scale = cfg.lora_scale
         else:
             self.lora_a = self.lora_b = None
@@ -137,7 +146,7 @@ class Linear(nnx.Module):
 
 def _contract(x, w, n_in: int):
     """Contract x's last n_in axes with w's first n_in axes (the einsum of every projection)."""
-    i, o = _LETTERS[:n_in], _LETTERS[n_in:w.ndim]
+    i, o = _LETTERS[:n_in], _LETTERS[n_in : w.ndim]
     return jnp.einsum(f"...{i},{i}{o}->...{o}", x, w)
 
 
@@ -161,8 +170,7 @@ def init_lora_state(lora_state, key, cfg: ModelConfig):
                 k = jax.random.fold_in(key, zlib.crc32(".".join(p).encode()) & 0x7FFFFFFF)
                 return jax.random.uniform(k, layer_shape, jnp.float32, -bound, bound)
 
-            value = (jnp.stack([draw(("layers", str(i)) + p[1:]) for i in range(shape[0])]) if stacked
-                     else draw(p))
+            value = jnp.stack([draw(("layers", str(i)) + p[1:]) for i in range(shape[0])]) if stacked else draw(p)
         out.append((path, var.replace(value)))
     return nnx.from_flat_state(out)
 
@@ -172,12 +180,33 @@ class Attention(nnx.Module):
         d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         assert dh is not None  # ModelConfig.__post_init__ derives it
         b = cfg.qkv_bias
-        self.q_proj = Linear((d, h, dh), ("embed", "q_heads", "head_dim"), cfg, rngs,
-                             (h, dh) if b else None, ("q_heads", "head_dim"), lora_name="q_proj")
-        self.k_proj = Linear((d, k, dh), ("embed", "kv_heads", "head_dim"), cfg, rngs,
-                             (k, dh) if b else None, ("kv_heads", "head_dim"), lora_name="k_proj")
-        self.v_proj = Linear((d, k, dh), ("embed", "kv_heads", "head_dim"), cfg, rngs,
-                             (k, dh) if b else None, ("kv_heads", "head_dim"), lora_name="v_proj")
+        self.q_proj = Linear(
+            (d, h, dh),
+            ("embed", "q_heads", "head_dim"),
+            cfg,
+            rngs,
+            (h, dh) if b else None,
+            ("q_heads", "head_dim"),
+            lora_name="q_proj",
+        )
+        self.k_proj = Linear(
+            (d, k, dh),
+            ("embed", "kv_heads", "head_dim"),
+            cfg,
+            rngs,
+            (k, dh) if b else None,
+            ("kv_heads", "head_dim"),
+            lora_name="k_proj",
+        )
+        self.v_proj = Linear(
+            (d, k, dh),
+            ("embed", "kv_heads", "head_dim"),
+            cfg,
+            rngs,
+            (k, dh) if b else None,
+            ("kv_heads", "head_dim"),
+            lora_name="v_proj",
+        )
         self.o_proj = Linear((h, dh, d), ("q_heads", "head_dim", "embed"), cfg, rngs, n_in=2, lora_name="o_proj")
         if cfg.qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(dh, cfg, rngs)
@@ -254,8 +283,9 @@ class Block(nnx.Module):
         return constrain(x, ("batch", "seq", "act_embed"))
 
     def decode(self, x, cos, sin, mask_BxTxV, cache, cache_index, prefill_mask_BxT=None):
-        a, cache = self.self_attn.decode(self.input_layernorm(x), cos, sin, mask_BxTxV, cache, cache_index,
-                                         prefill_mask_BxT)
+        a, cache = self.self_attn.decode(
+            self.input_layernorm(x), cos, sin, mask_BxTxV, cache, cache_index, prefill_mask_BxT
+        )
         x = x + a
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
@@ -288,8 +318,10 @@ def _check_shape(name, x, shape):
 
 def _check_ids(input_ids_BxT):
     if input_ids_BxT.ndim != 2 or not jnp.issubdtype(input_ids_BxT.dtype, jnp.integer):
-        raise ValueError(f"input_ids must be an integer [batch, seq] array, got shape {tuple(input_ids_BxT.shape)} "
-                         f"dtype {input_ids_BxT.dtype}")
+        raise ValueError(
+            f"input_ids must be an integer [batch, seq] array, got shape {tuple(input_ids_BxT.shape)} "
+            f"dtype {input_ids_BxT.dtype}"
+        )
 
 
 def default_positions(attention_mask_BxT):
@@ -338,8 +370,7 @@ class Transformer(nnx.Module):
             assert isinstance(self.layers, nnx.List)
             return list(self.layers)
         graphdef, stacked = nnx.split(self.layers)
-        return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))
-                for i in range(self.config.num_layers)]
+        return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(self.config.num_layers)]
 
     @property
     def dtype(self):
@@ -360,8 +391,7 @@ class Transformer(nnx.Module):
         """fp32 logits; fp32 config: exactly hidden.astype(f32) @ unembed.astype(f32).T. With bf16 compute the
         matmul inputs are bf16 with fp32 accumulation."""
         w = self.unembed_matrix().astype(self.dtype)
-        logits = jnp.einsum("btd,vd->btv", hidden_BxTxD.astype(self.dtype), w,
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,vd->btv", hidden_BxTxD.astype(self.dtype), w, preferred_element_type=jnp.float32)
         return constrain(logits, ("batch", "seq", "act_vocab"))
 
     # ------------------------------------------------------------------ full-sequence forward

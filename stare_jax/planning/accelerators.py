@@ -1,5 +1,6 @@
 """The accelerators `stare-jax plan` knows: per-device HBM and bf16 peak FLOP/s of TPU slice types and GPU
 clusters by name, and the one this process runs on (its devices' reported memory limit)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,8 +77,14 @@ def live_accelerator(devices=None) -> Accelerator | None:
     if not limit:
         return None
     d = devices[0]
-    return Accelerator(name=f"{len(devices)}x{d.device_kind}", kind=d.platform, num_devices=len(devices),
-                       hbm_bytes=limit, peak_flops=0.0, num_hosts=len({x.process_index for x in devices}))
+    return Accelerator(
+        name=f"{len(devices)}x{d.device_kind}",
+        kind=d.platform,
+        num_devices=len(devices),
+        hbm_bytes=limit,
+        peak_flops=0.0,
+        num_hosts=len({x.process_index for x in devices}),
+    )
 
 
 def as_accelerator(accelerator: "str | Accelerator") -> Accelerator:

@@ -11,6 +11,7 @@ and the sampler's bytes, the FLOPs, the phase peaks) in stare_jax.planning.phase
 (`estimate`), sizes the engine's decode slots (`max_slots_that_fit`) and prints a plan (`format_plan`). Their
 names are importable from here as before.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,17 +25,44 @@ from flax import nnx
 from stare_jax.models import Transformer, get_preset
 from stare_jax.models.config import ModelConfig
 from stare_jax.models.sharding import batch_shards, resolve_mesh
-from stare_jax.planning.accelerators import (GiB, Accelerator, as_accelerator, live_accelerator,
-                                             parse_accelerator)
-from stare_jax.planning.phases import (HEADROOM, LengthModel, engine_sampling_memory, expected_packing, fits_hbm,
-                                       phase_peaks, static_sampling_memory, step_flops, step_shape, train_memory,
-                                       training_activation_bytes)
+from stare_jax.planning.accelerators import Accelerator, GiB, as_accelerator, live_accelerator, parse_accelerator
+from stare_jax.planning.phases import (
+    HEADROOM,
+    LengthModel,
+    engine_sampling_memory,
+    expected_packing,
+    fits_hbm,
+    phase_peaks,
+    static_sampling_memory,
+    step_flops,
+    step_shape,
+    train_memory,
+    training_activation_bytes,
+)
 from stare_jax.toy import spec as toy_spec
 
-__all__ = ["HEADROOM", "Accelerator", "GiB", "LengthModel", "auto_max_slots", "estimate", "expected_packing",
-           "fits_hbm", "format_plan", "live_accelerator", "max_slots_that_fit", "param_count", "parse_accelerator",
-           "phase_peaks", "resolve_max_slots", "resolve_mesh", "run_generator", "run_model_config",
-           "tool_engine_config", "training_activation_bytes"]
+__all__ = [
+    "HEADROOM",
+    "Accelerator",
+    "GiB",
+    "LengthModel",
+    "auto_max_slots",
+    "estimate",
+    "expected_packing",
+    "fits_hbm",
+    "format_plan",
+    "live_accelerator",
+    "max_slots_that_fit",
+    "param_count",
+    "parse_accelerator",
+    "phase_peaks",
+    "resolve_max_slots",
+    "resolve_mesh",
+    "run_generator",
+    "run_model_config",
+    "tool_engine_config",
+    "training_activation_bytes",
+]
 
 
 def param_count(model_cfg) -> int:
@@ -62,8 +90,14 @@ def run_model_config(cfg):
     return model_cfg.replace(**cfg.model.architecture_overrides())
 
 
-def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params: int | None = None,
-             lengths: LengthModel = LengthModel(), fit_slots: bool = True) -> dict:
+def estimate(
+    cfg,
+    accelerator: "str | Accelerator | None" = None,
+    *,
+    num_params: int | None = None,
+    lengths: LengthModel = LengthModel(),
+    fit_slots: bool = True,
+) -> dict:
     """Per-device memory (bytes) and per-step FLOPs for run config `cfg` on `accelerator` (default: cfg.launch).
 
     rl.packing: micro-batches of micro_batch_tokens // row_tokens rows per device (at least one); the step's
@@ -80,18 +114,25 @@ def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params:
     model_cfg = run_model_config(cfg)
     P = num_params if num_params is not None else param_count(model_cfg)
     dp = batch_shards(mesh)
-    cfg, engine_cfg, generator, slots_fit = _generator(cfg, acc, dp, num_params=P, lengths=lengths,
-                                                       fit_slots=fit_slots)
+    cfg, engine_cfg, generator, slots_fit = _generator(cfg, acc, dp, num_params=P, lengths=lengths, fit_slots=fit_slots)
     shape = step_shape(cfg, model_cfg, dp, lengths)
-    sampling = (engine_sampling_memory(cfg, model_cfg, P, mesh, dp, shape.seq_len, engine_cfg)
-                if generator == "engine" else static_sampling_memory(cfg, model_cfg, P, mesh, dp, shape.seq_len))
-    memory_bytes = {**{f"train/{k}": v for k, v in train_memory(cfg, model_cfg, P, mesh, shape).items()},
-                    **{f"sample/{k}": v for k, v in sampling.items()}}
+    sampling = (
+        engine_sampling_memory(cfg, model_cfg, P, mesh, dp, shape.seq_len, engine_cfg)
+        if generator == "engine"
+        else static_sampling_memory(cfg, model_cfg, P, mesh, dp, shape.seq_len)
+    )
+    memory_bytes = {
+        **{f"train/{k}": v for k, v in train_memory(cfg, model_cfg, P, mesh, shape).items()},
+        **{f"sample/{k}": v for k, v in sampling.items()},
+    }
     offload = cfg.rl.offload.optimizer
     peak = max(phase_peaks({"memory_bytes": memory_bytes, "offload_optimizer": offload}).values())
     fits = fits_hbm(peak, acc.hbm_bytes)
-    peak_offloaded = None if fits or offload else max(
-        phase_peaks({"memory_bytes": memory_bytes, "offload_optimizer": True}).values())
+    peak_offloaded = (
+        None
+        if fits or offload
+        else max(phase_peaks({"memory_bytes": memory_bytes, "offload_optimizer": True}).values())
+    )
     flops = step_flops(cfg, model_cfg, P, shape)
     total_flops = sum(flops.values())
     return {
@@ -101,8 +142,13 @@ def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params:
         "hosts": acc.num_hosts,
         "mesh": mesh,
         "generator": generator,
-        "model": {"params": P, "layers": model_cfg.num_layers, "hidden": model_cfg.hidden_size,
-                  "vocab": model_cfg.vocab_size, "seq_len": shape.seq_len},
+        "model": {
+            "params": P,
+            "layers": model_cfg.num_layers,
+            "hidden": model_cfg.hidden_size,
+            "vocab": model_cfg.vocab_size,
+            "seq_len": shape.seq_len,
+        },
         "memory_bytes": memory_bytes,
         "offload_optimizer": offload,
         "packing": shape.packing,
@@ -112,8 +158,7 @@ def estimate(cfg, accelerator: "str | Accelerator | None" = None, *, num_params:
         **({"peak_with_offload": peak_offloaded} if peak_offloaded is not None else {}),
         "flops_per_step": flops,
         "total_flops_per_step": total_flops,
-        "step_time_s_at_40pct_mfu": total_flops / (acc.num_devices * acc.peak_flops * 0.4) if acc.peak_flops
-        else None,
+        "step_time_s_at_40pct_mfu": total_flops / (acc.num_devices * acc.peak_flops * 0.4) if acc.peak_flops else None,
         "max_slots": engine_cfg.max_slots,
         "warnings": _warnings(model_cfg, acc),
         **({"max_slots_that_fit": slots_fit} if slots_fit is not None and fit_slots else {}),
@@ -134,8 +179,14 @@ def _generator(cfg, acc: Accelerator, dp: int, *, num_params: int, lengths: Leng
     return cfg, engine_cfg, generator, slots_fit
 
 
-def auto_max_slots(cfg, accelerator: "str | Accelerator | None", *, num_params: int | None = None,
-                   lengths: LengthModel = LengthModel(), fit: dict | None = None) -> int:
+def auto_max_slots(
+    cfg,
+    accelerator: "str | Accelerator | None",
+    *,
+    num_params: int | None = None,
+    lengths: LengthModel = LengthModel(),
+    fit: dict | None = None,
+) -> int:
     """The number sampling.engine.max_slots=auto stands for: the largest slot count whose sampling phase fits
     (`max_slots_that_fit` on `accelerator`, or `fit` when the caller has it), or one slot per response of a
     generation batch where there is no accelerator figure (None: a CPU host). A ValueError naming the key when
@@ -145,25 +196,35 @@ def auto_max_slots(cfg, accelerator: "str | Accelerator | None", *, num_params: 
     fit = fit or max_slots_that_fit(cfg, accelerator, num_params=num_params, lengths=lengths)
     if not fit["max_slots"]:
         acc = as_accelerator(accelerator)
-        raise ValueError(f"sampling.engine.max_slots=auto: not even one decode slot per data shard fits in 90% "
-                         f"of {acc.name}'s {acc.hbm_bytes / GiB:.1f} GiB per device (by `stare-jax plan`'s "
-                         f"estimate): a larger slice, more tensor parallelism or a shorter sequence")
+        raise ValueError(
+            f"sampling.engine.max_slots=auto: not even one decode slot per data shard fits in 90% "
+            f"of {acc.name}'s {acc.hbm_bytes / GiB:.1f} GiB per device (by `stare-jax plan`'s "
+            f"estimate): a larger slice, more tensor parallelism or a shorter sequence"
+        )
     return fit["max_slots"]
 
 
-def resolve_max_slots(cfg, accelerator: "str | Accelerator | None", *, num_params: int | None = None,
-                      lengths: LengthModel = LengthModel(), fit: dict | None = None):
+def resolve_max_slots(
+    cfg,
+    accelerator: "str | Accelerator | None",
+    *,
+    num_params: int | None = None,
+    lengths: LengthModel = LengthModel(),
+    fit: dict | None = None,
+):
     """`cfg` with sampling.engine.max_slots=auto replaced by `auto_max_slots`; other values: `cfg` unchanged."""
     engine = cfg.sampling.engine
     if engine.max_slots != "auto":
         return cfg
     slots = auto_max_slots(cfg, accelerator, num_params=num_params, lengths=lengths, fit=fit)
-    return dataclasses.replace(cfg, sampling=dataclasses.replace(
-        cfg.sampling, engine=dataclasses.replace(engine, max_slots=slots)))
+    return dataclasses.replace(
+        cfg, sampling=dataclasses.replace(cfg.sampling, engine=dataclasses.replace(engine, max_slots=slots))
+    )
 
 
-def max_slots_that_fit(cfg, accelerator: "str | Accelerator", *, num_params: int | None = None,
-                       lengths: LengthModel = LengthModel()) -> dict:
+def max_slots_that_fit(
+    cfg, accelerator: "str | Accelerator", *, num_params: int | None = None, lengths: LengthModel = LengthModel()
+) -> dict:
     """The largest sampling.engine.max_slots (a multiple of the data shards, at most one slot per response of a
     generation batch: more never run at once) whose estimated SAMPLING phase stays within 90% of HBM; slots change
     only that phase (the decode batch, and the auto-sized page pool). {"max_slots", "per_shard", "one_per_response",
@@ -186,8 +247,12 @@ def max_slots_that_fit(cfg, accelerator: "str | Accelerator", *, num_params: int
             lo = mid
         else:
             hi = mid - 1
-    return {"max_slots": lo * dp, "per_shard": lo, "one_per_response": -(-responses // dp) * dp,
-            "sampling_peak_bytes": sampling_peak(lo) if lo else None}
+    return {
+        "max_slots": lo * dp,
+        "per_shard": lo,
+        "one_per_response": -(-responses // dp) * dp,
+        "sampling_peak_bytes": sampling_peak(lo) if lo else None,
+    }
 
 
 def tool_engine_config(cfg, hosts: int, data_shards: int):
@@ -201,13 +266,15 @@ def tool_engine_config(cfg, hosts: int, data_shards: int):
     if tool is None or not tool.enabled:
         return engine_cfg
     if engine_cfg.enabled is False:
-        raise ValueError("tool.enabled needs the rollout engine (multi-turn rollouts append tool output and "
-                         "continue): set sampling.engine.enabled to true or auto")
+        raise ValueError(
+            "tool.enabled needs the rollout engine (multi-turn rollouts append tool output and "
+            "continue): set sampling.engine.enabled to true or auto"
+        )
     return dataclasses.replace(engine_cfg, enabled=True)
 
 
 def run_generator(engine_cfg, hosts: int, data_shards: int, max_new_tokens: int) -> str:
-    """"engine" or "static": what sampling.engine.enabled picks for a run on `hosts` processes whose mesh splits
+    """ "engine" or "static": what sampling.engine.enabled picks for a run on `hosts` processes whose mesh splits
     the batch over `data_shards` (the rule of stare_jax.sampling.engine.make_generator: any slice, any mesh)."""
     del hosts, data_shards  # the engine runs on every slice and mesh
     if engine_cfg.enabled is False:
@@ -220,9 +287,11 @@ def _warnings(model_cfg, acc: Accelerator) -> list[str]:
     """What the estimate assumes that the config does not give (found by compiling the programs)."""
     out = []
     if acc.kind == "tpu" and model_cfg.remat_policy != "none" and not model_cfg.scan_layers:
-        out.append("remat through the unrolled layer loop saves little on TPU (XLA schedules the recomputation "
-                   "early; 25.5 GiB train-step temp for the 7B on v5p-64): the activation figure assumes "
-                   "model.scan_layers=true")
+        out.append(
+            "remat through the unrolled layer loop saves little on TPU (XLA schedules the recomputation "
+            "early; 25.5 GiB train-step temp for the 7B on v5p-64): the activation figure assumes "
+            "model.scan_layers=true"
+        )
     return out
 
 
@@ -240,16 +309,19 @@ def format_plan(plan: dict) -> str:
         lines.append(f"  {k:<32} {v / GiB:8.2f} GiB")
     phases = phase_peaks(plan)
     off = "  (optimizer offloaded to host between updates)" if plan.get("offload_optimizer") else ""
-    lines.append(f"  {'phase sampling / training':<32} {phases['sampling'] / GiB:8.2f} / "
-                 f"{phases['training'] / GiB:.2f} GiB{off}")
+    lines.append(
+        f"  {'phase sampling / training':<32} {phases['sampling'] / GiB:8.2f} / {phases['training'] / GiB:.2f} GiB{off}"
+    )
     pk = plan.get("packing")
     if pk:
         share = pk["rows_computed_per_step"] * pk["row_tokens"] / pk["padded_tokens_per_step"]
-        lines.append(f"packing (assumed lengths: responses lognormal median {pk['response_median']:.0f} sigma "
-                     f"{pk['response_sigma']:.2g}, prompts {pk['prompt_tokens']} tokens): "
-                     f"{pk['rows_per_step']:.1f} rows of {pk['row_tokens']} per step, fill {pk['fill_rate']:.1%} "
-                     f"(padded: {pk['padded_fill_rate']:.1%}); {pk['rows_computed_per_step']:.0f} rows computed "
-                     f"(whole micro-batches) = {share:.1%} of the padded tokens")
+        lines.append(
+            f"packing (assumed lengths: responses lognormal median {pk['response_median']:.0f} sigma "
+            f"{pk['response_sigma']:.2g}, prompts {pk['prompt_tokens']} tokens): "
+            f"{pk['rows_per_step']:.1f} rows of {pk['row_tokens']} per step, fill {pk['fill_rate']:.1%} "
+            f"(padded: {pk['padded_fill_rate']:.1%}); {pk['rows_computed_per_step']:.0f} rows computed "
+            f"(whole micro-batches) = {share:.1%} of the padded tokens"
+        )
     verdict = "fits" if plan["fits"] else "DOES NOT FIT"
     lines.append(
         f"  {'peak':<32} {plan['peak_bytes_per_device'] / GiB:8.2f} GiB of {plan['hbm_bytes_per_device'] / GiB:.1f} GiB"
@@ -257,18 +329,24 @@ def format_plan(plan: dict) -> str:
     )
     if plan.get("peak_with_offload") is not None:
         off_fits = fits_hbm(plan["peak_with_offload"], plan["hbm_bytes_per_device"])
-        lines.append(f"  with rl.offload.optimizer=true (AdamW moments in host memory but for the update): "
-                     f"{plan['peak_with_offload'] / GiB:.2f} GiB -> {'fits' if off_fits else 'does not fit either'}")
+        lines.append(
+            f"  with rl.offload.optimizer=true (AdamW moments in host memory but for the update): "
+            f"{plan['peak_with_offload'] / GiB:.2f} GiB -> {'fits' if off_fits else 'does not fit either'}"
+        )
     fit = plan.get("max_slots_that_fit")
     if fit:
         per = f"{fit['per_shard']} per data shard" if fit["max_slots"] else "not one slot per data shard fits"
-        lines.append(f"  largest sampling.engine.max_slots with the sampling phase <= 90% of HBM: {fit['max_slots']} "
-                     f"({per}; one slot per response of a generation batch = {fit['one_per_response']})")
+        lines.append(
+            f"  largest sampling.engine.max_slots with the sampling phase <= 90% of HBM: {fit['max_slots']} "
+            f"({per}; one slot per response of a generation batch = {fit['one_per_response']})"
+        )
     lines.append("FLOPs per RL step:")
     for k, v in plan["flops_per_step"].items():
         lines.append(f"  {k:<32} {v:.3e}")
     step_s = plan.get("step_time_s_at_40pct_mfu")
-    lines.append(f"  {'total':<32} {plan['total_flops_per_step']:.3e}"
-                 + (f"  (~{step_s:.0f} s/step at 40% MFU)" if step_s is not None else ""))
+    lines.append(
+        f"  {'total':<32} {plan['total_flops_per_step']:.3e}"
+        + (f"  (~{step_s:.0f} s/step at 40% MFU)" if step_s is not None else "")
+    )
     lines += [f"WARNING: {w}" for w in plan.get("warnings", [])]
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 (sequence length, micro-batches, packing), the train step's and the sampler's bytes per device, the step's FLOPs,
 and the per-phase peaks and the fit rule that stare_jax.training.aot shares. Closed-form counts, calibrated against
 compiled programs where the comments say so."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,8 +67,9 @@ def training_activation_bytes(model_cfg, seqs: float, seq_len: int, *, tensor: i
     return L * (per_layer_all + scores)
 
 
-def expected_packing(cfg, lengths: LengthModel = LengthModel(), *, shards: int = 1, draws: int = 8,
-                     seed: int = 0) -> dict:
+def expected_packing(
+    cfg, lengths: LengthModel = LengthModel(), *, shards: int = 1, draws: int = 8, seed: int = 0
+) -> dict:
     """The packed layout of one step under `lengths`: each mini-batch's sequences packed first-fit-decreasing into
     rows of rl.packing.row_tokens (0: the padded length), averaged over `draws` random batches: fill rate (real
     tokens / rows' tokens), rows per step, rows computed (whole micro-batches of rl.micro_batch_tokens //
@@ -87,15 +89,22 @@ def expected_packing(cfg, lengths: LengthModel = LengthModel(), *, shards: int =
     for _ in range(draws):
         resp = np.clip(np.round(rng.lognormal(np.log(median), lengths.response_sigma, size=B)), 1, max_new)
         n = (resp + prompt).astype(int)
-        used = [len(first_fit_decreasing(n[j * mini:(j + 1) * mini], row)) for j in range(rl.mini_batches)]
+        used = [len(first_fit_decreasing(n[j * mini : (j + 1) * mini], row)) for j in range(rl.mini_batches)]
         rows += sum(used)
         computed += sum(-(-u // per_micro) * per_micro for u in used)
         real += int(n.sum())
-    return {"row_tokens": row, "response_median": float(median), "response_sigma": lengths.response_sigma,
-            "prompt_tokens": prompt, "rows_per_step": rows / draws, "rows_computed_per_step": computed / draws,
-            "real_tokens_per_step": real / draws,
-            "padded_tokens_per_step": B * seq_len, "fill_rate": real / (rows * row),
-            "padded_fill_rate": real / draws / (B * seq_len)}
+    return {
+        "row_tokens": row,
+        "response_median": float(median),
+        "response_sigma": lengths.response_sigma,
+        "prompt_tokens": prompt,
+        "rows_per_step": rows / draws,
+        "rows_computed_per_step": computed / draws,
+        "real_tokens_per_step": real / draws,
+        "padded_tokens_per_step": B * seq_len,
+        "fill_rate": real / (rows * row),
+        "padded_fill_rate": real / draws / (B * seq_len),
+    }
 
 
 def step_shape(cfg, model_cfg, data_shards: int, lengths: LengthModel) -> StepShape:
@@ -157,8 +166,9 @@ def train_memory(cfg, model_cfg, num_params: int, mesh: dict, shape: StepShape) 
     return mem
 
 
-def engine_sampling_memory(cfg, model_cfg, num_params: int, mesh: dict, data_shards: int, seq_len: int,
-                           engine_cfg) -> dict[str, float]:
+def engine_sampling_memory(
+    cfg, model_cfg, num_params: int, mesh: dict, data_shards: int, seq_len: int, engine_cfg
+) -> dict[str, float]:
     """Bytes per device of the rollout engine's sampling phase.
 
     Each data shard's page pool (allocated once: sampling.engine.num_pages / dp, or auto-sized for its
@@ -173,8 +183,9 @@ def engine_sampling_memory(cfg, model_cfg, num_params: int, mesh: dict, data_sha
     cb, kvb = _BYTES[model_cfg.dtype], _BYTES[cfg.sampling.kv_cache_dtype]
     L, V, kv_heads, dh = model_cfg.num_layers, model_cfg.vocab_size, model_cfg.num_kv_heads, model_cfg.head_dim
     slots = -(-ec.max_slots // dp)
-    pool_pages = -(-ec.num_pages // dp) if ec.num_pages else dataclasses.replace(
-        ec, max_slots=slots).pool_pages(seq_len)
+    pool_pages = (
+        -(-ec.num_pages // dp) if ec.num_pages else dataclasses.replace(ec, max_slots=slots).pool_pages(seq_len)
+    )
     heads_dev = kv_heads / tensor if kv_heads % tensor == 0 else kv_heads
     # the prefill's scores over a long context are one key block wide (attention_kv_major_blocked), but the
     # compiled sampling programs of the 4k-8k configs hold more than the modelled terms (Math-7B, 32B: 15% and 12%
@@ -185,13 +196,19 @@ def engine_sampling_memory(cfg, model_cfg, num_params: int, mesh: dict, data_sha
         "kv_page_pool": 2 * L * pool_pages * ec.page_size * heads_dev * dh * kvb,
         "kv_gathered_pages": 2 * slots * seq_len * heads_dev * dh * cb,
         "sampler_logits": slots * (V / tensor) * 4 * 2,
-        "prefill_attention_scores": 2 * slots * ec.prefill_width(seq_len) * prefill_keys
-        * model_cfg.num_heads / tensor * 4,
+        "prefill_attention_scores": 2
+        * slots
+        * ec.prefill_width(seq_len)
+        * prefill_keys
+        * model_cfg.num_heads
+        / tensor
+        * 4,
     }
 
 
-def static_sampling_memory(cfg, model_cfg, num_params: int, mesh: dict, data_shards: int,
-                           seq_len: int) -> dict[str, float]:
+def static_sampling_memory(
+    cfg, model_cfg, num_params: int, mesh: dict, data_shards: int, seq_len: int
+) -> dict[str, float]:
     """Bytes per device of the static sampler's sampling phase: one sampler call holds
     sampling.max_prompts_per_call prompts (0: the whole generation batch), padded as the sampler pads them
     (Sampler.batch_bucket), G sequences each, with a dense KV cache."""
@@ -244,6 +261,10 @@ def phase_peaks(plan: dict) -> dict[str, float]:
     if off:
         update = mem["train/params"] + mem["train/grads"] + opt + ref
         train = max(train - opt, update)
-    return {"sampling": mem["train/params"] + (0.0 if off else opt) + ref
-            + sum(v for k, v in mem.items() if k.startswith("sample/")),
-            "training": train}
+    return {
+        "sampling": mem["train/params"]
+        + (0.0 if off else opt)
+        + ref
+        + sum(v for k, v in mem.items() if k.startswith("sample/")),
+        "training": train,
+    }

@@ -27,8 +27,16 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["MAX_BITS", "MAX_NESTING", "MAX_TERMS", "MAX_TOTAL_BITS", "expanded_terms", "magnitude_bits",
-           "nesting_depth", "within_budget"]
+__all__ = [
+    "MAX_BITS",
+    "MAX_NESTING",
+    "MAX_TERMS",
+    "MAX_TOTAL_BITS",
+    "expanded_terms",
+    "magnitude_bits",
+    "nesting_depth",
+    "within_budget",
+]
 
 # Largest exact number (in bits; ~30,000 decimal digits) any node may build: big-integer arithmetic at this size
 # takes milliseconds.  2^{2024}, 100!, 10^{1000} are far inside; 9^{9^{9}}, 99999!, 2^{10^{9}} are outside.
@@ -64,7 +72,7 @@ class _OverBudget(Exception):
 
 def _count_bound(bits: float) -> float:
     """Upper bound on |x| for a number with log2 |x| <= bits (inf past what a float holds)."""
-    return _INF if bits > 1000 else 2.0 ** bits
+    return _INF if bits > 1000 else 2.0**bits
 
 
 class _Walker:

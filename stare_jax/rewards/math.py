@@ -449,8 +449,11 @@ def _symbolic_verdict(pred: str, pairs: list[tuple[str, str]], timeout_s: float 
     try:
         return call_with_timeout(lambda: any(_symbolic_equal(p, r) for p, r in pairs), timeout_s)
     except DeadlineExceeded:
-        _log.warning("math reward: symbolic check of answer %r stopped after %s s; scored as not equivalent",
-                     pred[:80] + ("..." if len(pred) > 80 else ""), timeout_s)
+        _log.warning(
+            "math reward: symbolic check of answer %r stopped after %s s; scored as not equivalent",
+            pred[:80] + ("..." if len(pred) > 80 else ""),
+            timeout_s,
+        )
         return False
 
 
@@ -512,8 +515,9 @@ def _relative_difference(gold, target) -> float | None:
     return 0.0 if scale == 0.0 else abs(d) / scale
 
 
-def score(response_text: str, reference_answer: str | Sequence[str], *,
-          timeout_s: float | None = DEFAULT_TIMEOUT_S) -> float:
+def score(
+    response_text: str, reference_answer: str | Sequence[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S
+) -> float:
     """1.0 if the final answer of `response_text` is equivalent to the reference (or any of a list of
     acceptable references), else 0.0.
 

@@ -116,9 +116,7 @@ class _Worker:
 
     def __init__(self, ctx, score_fn, timeout_s: float, memory_mb: int | None):
         parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(
-            target=_worker_main, args=(child_conn, score_fn, timeout_s, memory_mb), daemon=True
-        )
+        self.proc = ctx.Process(target=_worker_main, args=(child_conn, score_fn, timeout_s, memory_mb), daemon=True)
         self.proc.start()
         child_conn.close()  # so the parent sees EOF when the worker dies
         self.conn = parent_conn
@@ -291,9 +289,7 @@ class RewardPool:
         if self._closed:
             raise RuntimeError("RewardPool.score_batch: the pool is closed")
         if len(responses) != len(references):
-            raise ValueError(
-                f"RewardPool.score_batch: {len(responses)} responses but {len(references)} references"
-            )
+            raise ValueError(f"RewardPool.score_batch: {len(responses)} responses but {len(references)} references")
         for j, r in enumerate(responses):
             if not isinstance(r, str):
                 raise ValueError(f"RewardPool.score_batch: responses[{j}] is {type(r).__name__}, not str")

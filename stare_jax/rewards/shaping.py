@@ -40,8 +40,15 @@ def overlong_penalty(length_tokens, max_length: int, buffer_length: int, penalty
     return float(pen) if pen.ndim == 0 else pen
 
 
-def rollout_rewards(correct_PxG, lengths_PxG, *, mode: str = "binary", max_length: int = 0,
-                    overlong_buffer: int = 0, overlong_penalty_factor: float = 1.0) -> np.ndarray:
+def rollout_rewards(
+    correct_PxG,
+    lengths_PxG,
+    *,
+    mode: str = "binary",
+    max_length: int = 0,
+    overlong_buffer: int = 0,
+    overlong_penalty_factor: float = 1.0,
+) -> np.ndarray:
     """float32 rewards of a batch of scored responses (any shape): reward_from_correct in `mode`, plus DAPO's
     overlong_penalty of each response length when overlong_buffer > 0 (max_length: the generation limit)."""
     r = np.asarray(reward_from_correct(correct_PxG, mode), np.float32)

@@ -5,6 +5,7 @@
 - `DynamicSamplingAccumulator`: host-side accumulator that concatenates kept groups from successive generation
   batches until there are >= train_batch_size prompts, then truncates to exactly train_batch_size.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -84,20 +85,21 @@ class DynamicSamplingAccumulator:
         for leaf in leaves:
             if np.shape(leaf)[:1] != keep_P.shape:
                 raise ValueError(
-                    f"every batch leaf needs leading prompt axis {keep_P.shape[0]}, got shape {np.shape(leaf)}")
+                    f"every batch leaf needs leading prompt axis {keep_P.shape[0]}, got shape {np.shape(leaf)}"
+                )
         self.num_gen_batches += 1
         self.num_prompts_seen += keep_P.shape[0]
         idx = np.nonzero(keep_P)[0]
         if idx.size:
             self._parts.append(jax.tree_util.tree_map(lambda x: np.asarray(x)[idx], batch))
             self._num_kept += int(idx.size)
-        if (not self.ready and self.max_num_gen_batches > 0
-                and self.num_gen_batches >= self.max_num_gen_batches):
+        if not self.ready and self.max_num_gen_batches > 0 and self.num_gen_batches >= self.max_num_gen_batches:
             raise DynamicSamplingError(
                 f"dynamic sampling: after max_num_gen_batches={self.max_num_gen_batches} generation batches "
                 f"({self.num_prompts_seen} prompts) only {self._num_kept} prompts were kept (groups with "
                 f"varying accuracy), fewer than train_batch_size={self.train_batch_size}; raise "
-                f"max_num_gen_batches, use a larger generation batch, or check the reward function / data difficulty")
+                f"max_num_gen_batches, use a larger generation batch, or check the reward function / data difficulty"
+            )
         return self.ready
 
     def result(self):
@@ -128,8 +130,9 @@ def w_reinforce_advantages(correct_B, lam: float = 0.1):
     return jnp.where(correct_B > 0, jnp.float32(lam), jnp.float32(-1.0))
 
 
-def outcome_advantages(rewards_PxG, correct_PxG, *, estimator: str = "grpo", norm_by_std: bool = True,
-                       w_reinforce_lambda: float = 0.1):
+def outcome_advantages(
+    rewards_PxG, correct_PxG, *, estimator: str = "grpo", norm_by_std: bool = True, w_reinforce_lambda: float = 0.1
+):
     """Per-response advantages [P, G] of rl.advantage.estimator: "grpo" (grpo_advantages of the shaped rewards) or
     "w_reinforce" (w_reinforce_advantages of the correctness)."""
     if estimator == "grpo":
@@ -152,8 +155,9 @@ def entropy_advantage(advantages_BxT, entropy_BxT, mask_BxT, *, alpha: float = 0
     if adv.shape == ent.shape[:1]:
         adv = jnp.broadcast_to(adv[:, None], ent.shape)
     if adv.shape != ent.shape or jnp.shape(mask_BxT) != ent.shape:
-        raise ValueError(f"advantages, entropy and mask must share shape {ent.shape}, got {adv.shape}, "
-                         f"{jnp.shape(mask_BxT)}")
+        raise ValueError(
+            f"advantages, entropy and mask must share shape {ent.shape}, got {adv.shape}, {jnp.shape(mask_BxT)}"
+        )
     valid = jnp.asarray(mask_BxT) > 0
     bonus = jnp.minimum(alpha * jnp.where(valid, ent, 0.0), jnp.abs(adv) / kappa)
     return jnp.where(valid, adv + bonus, 0.0)

@@ -13,6 +13,7 @@ those of the naive full-logits computation.
 Alignment: hidden[b, t] predicts targets[b, t]; the caller does the shift (train_step uses targets = input_ids[:, 1:]).
 Masked positions (mask == 0) return log-prob 0 and entropy 0 and receive no gradient.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from stare_jax.rl.theory import critical_surprisal_from_stats
 from stare_jax.models.sharding import constrain, shard_count
+from stare_jax.rl.theory import critical_surprisal_from_stats
 
 
 def _constrain(x, names):
@@ -30,6 +31,7 @@ def _constrain(x, names):
     jax.set_mesh + activation_rules (the train step does). Keeps tokens batch-sharded and gathers the unembed
     table over the FSDP axis (vocab stays tensor-parallel) instead of letting XLA reshard the activations."""
     return constrain(x, names)
+
 
 DEFAULT_CHUNK_SIZE = 128
 
@@ -153,9 +155,16 @@ def _lp_ent_bwd(c, vc, theory, res, cts):
 _lp_ent.defvjp(_lp_ent_fwd, _lp_ent_bwd)
 
 
-def token_logprobs_and_entropy(hidden_BxTxD, unembed_VxD, targets_BxT, mask_BxT, *,
-                               chunk_size: int = DEFAULT_CHUNK_SIZE, theory: bool = False,
-                               vocab_chunk_size: int | None = None):
+def token_logprobs_and_entropy(
+    hidden_BxTxD,
+    unembed_VxD,
+    targets_BxT,
+    mask_BxT,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    theory: bool = False,
+    vocab_chunk_size: int | None = None,
+):
     """Returns (logprobs_BxT, entropy_BxT) in float32; with theory=True also a dict {phi, s_star} [B, T]
     (Phi of the target token and the critical surprisal of each position, stop-gradient diagnostics).
     chunk_size: sequence positions per forward chunk; vocab_chunk_size: vocabulary rows per backward chunk

@@ -13,6 +13,7 @@
 Aggregation is stare_jax.rl.losses.aggregate (global `normalizer` when called per micro-batch). A reference-model
 forward does not exist yet: kl_loss / kl_reward_penalty take the reference log-probs as an input.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -35,8 +36,7 @@ def _check_agg(mode: str) -> None:
         raise ValueError(f"loss_agg_mode={mode!r} is not supported; accepted values: {list(AGG_MODES)}")
 
 
-def entropy_bonus(entropy_BxT, mask_BxT, entropy_coeff: float, *, loss_agg_mode: str = "token-mean",
-                  normalizer=None):
+def entropy_bonus(entropy_BxT, mask_BxT, entropy_coeff: float, *, loss_agg_mode: str = "token-mean", normalizer=None):
     """(term to ADD to the loss = -entropy_coeff * H_agg, H_agg) with H_agg = agg_loss(entropy, mask, mode) (verl
     dp_actor). The entropy keeps its gradient (stare_jax's log-prob pass differentiates it)."""
     _check_agg(loss_agg_mode)
@@ -63,8 +63,16 @@ def kl_penalty(logprobs_BxT, ref_logprobs_BxT, kind: str = "low_var_kl"):
     raise ValueError(f"KL estimator {kind!r} is not supported; accepted values: {list(KL_ESTIMATORS)}")
 
 
-def kl_loss(logprobs_BxT, ref_logprobs_BxT, mask_BxT, kl_loss_coef: float, *, kind: str = "low_var_kl",
-            loss_agg_mode: str = "token-mean", normalizer=None):
+def kl_loss(
+    logprobs_BxT,
+    ref_logprobs_BxT,
+    mask_BxT,
+    kl_loss_coef: float,
+    *,
+    kind: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+    normalizer=None,
+):
     """(term to ADD to the loss = kl_loss_coef * KL_agg, KL_agg) with KL_agg = agg_loss(kl_penalty(lp, ref), mask,
     mode) (verl dp_actor use_kl_loss; the reference log-probs carry no gradient)."""
     _check_agg(loss_agg_mode)
@@ -76,8 +84,9 @@ def kl_loss(logprobs_BxT, ref_logprobs_BxT, mask_BxT, kl_loss_coef: float, *, ki
     return float(kl_loss_coef) * kl_agg, kl_agg
 
 
-def kl_reward_penalty(token_scores_BxT, old_logprobs_BxT, ref_logprobs_BxT, mask_BxT, kl_coef: float, *,
-                      kind: str = "kl"):
+def kl_reward_penalty(
+    token_scores_BxT, old_logprobs_BxT, ref_logprobs_BxT, mask_BxT, kl_coef: float, *, kind: str = "kl"
+):
     """(token-level rewards = scores - kl_coef * kl_penalty(old, ref) * mask, current_kl = mean over sequences of
     each sequence's mean KL over its tokens) (verl ray_trainer.apply_kl_penalty, fixed coefficient; the GRPO
     advantage then sums the token rewards per sequence)."""

@@ -35,6 +35,7 @@ Deviations from verl (decisions):
 - Every loss returns the same metric keys (clipfrac, clipfrac_lower, approx_kl = verl's ppo_kl, their *_sum,
   token_count, loss_numerator; 0 where verl reports nothing, e.g. gpg), so the train step reduces them alike.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -69,10 +70,24 @@ LOSS_OPTIONS = {
 }
 COMMON_OPTIONS = ("normalizer",)
 # verl's ActorConfig / PolicyLossConfig defaults (clip_ratio_low / _high fall back to clip_ratio)
-DEFAULTS = {"clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None, "clip_ratio_c": 3.0,
-            "clip_cov_ratio": 0.0002, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002,
-            "ppo_kl_coef": 0.1, "tau_pos": 1.0, "tau_neg": 1.05, "key": None, "scope": "batch",
-            "micro_batch_size": None, "omega_BxT": None, "normalizer": None}
+DEFAULTS = {
+    "clip_ratio": 0.2,
+    "clip_ratio_low": None,
+    "clip_ratio_high": None,
+    "clip_ratio_c": 3.0,
+    "clip_cov_ratio": 0.0002,
+    "clip_cov_lb": 1.0,
+    "clip_cov_ub": 5.0,
+    "kl_cov_ratio": 0.0002,
+    "ppo_kl_coef": 0.1,
+    "tau_pos": 1.0,
+    "tau_neg": 1.05,
+    "key": None,
+    "scope": "batch",
+    "micro_batch_size": None,
+    "omega_BxT": None,
+    "normalizer": None,
+}
 # losses whose aggregation verl fixes regardless of loss_agg_mode ("seq-mean-all": mean over every sequence)
 FIXED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-all"}
 
@@ -148,8 +163,9 @@ def resolve_options(name: str, options: dict) -> dict:
     allowed = LOSS_OPTIONS[name] + COMMON_OPTIONS
     foreign = sorted(k for k in options if k not in allowed)
     if foreign:
-        raise ValueError(f"option(s) {', '.join(foreign)} do not belong to policy loss {name!r}; it accepts: "
-                         f"{', '.join(allowed)}")
+        raise ValueError(
+            f"option(s) {', '.join(foreign)} do not belong to policy loss {name!r}; it accepts: {', '.join(allowed)}"
+        )
     opts: dict[str, Any] = {k: DEFAULTS[k] for k in allowed}
     opts.update(options)
     if "clip_ratio" in opts:
@@ -157,9 +173,11 @@ def resolve_options(name: str, options: dict) -> dict:
             if opts[side] is None:
                 opts[side] = opts["clip_ratio"]
         if not (0.0 <= opts["clip_ratio_low"] < 1.0) or opts["clip_ratio_high"] < 0.0:
-            raise ValueError(f"policy loss {name!r}: clip ranges must satisfy 0 <= clip_ratio_low < 1 and "
-                             f"clip_ratio_high >= 0, got clip_ratio_low={opts['clip_ratio_low']}, "
-                             f"clip_ratio_high={opts['clip_ratio_high']}")
+            raise ValueError(
+                f"policy loss {name!r}: clip ranges must satisfy 0 <= clip_ratio_low < 1 and "
+                f"clip_ratio_high >= 0, got clip_ratio_low={opts['clip_ratio_low']}, "
+                f"clip_ratio_high={opts['clip_ratio_high']}"
+            )
     if "clip_ratio_c" in opts and not opts["clip_ratio_c"] > 1.0:
         raise ValueError(f"policy loss {name!r}: dual-clip constant clip_ratio_c={opts['clip_ratio_c']} must be > 1")
     for k in ("clip_cov_ratio", "kl_cov_ratio"):
@@ -169,11 +187,14 @@ def resolve_options(name: str, options: dict) -> dict:
         if opts["scope"] not in SCOPES:
             raise ValueError(f"policy loss {name!r}: scope={opts['scope']!r} unknown; accepted: {list(SCOPES)}")
         if opts["scope"] == "micro_batch" and not (opts["micro_batch_size"] or 0) >= 1:
-            raise ValueError(f"policy loss {name!r}: scope='micro_batch' needs micro_batch_size >= 1 (sequences "
-                             "per selection group, verl's per-GPU micro-batch)")
+            raise ValueError(
+                f"policy loss {name!r}: scope='micro_batch' needs micro_batch_size >= 1 (sequences "
+                "per selection group, verl's per-GPU micro-batch)"
+            )
     if name == "clip_cov" and opts["key"] is None:
-        raise ValueError("policy loss 'clip_cov' needs key= a jax PRNG key for its random choice "
-                         "(clip_cov_key(seed, step))")
+        raise ValueError(
+            "policy loss 'clip_cov' needs key= a jax PRNG key for its random choice (clip_cov_key(seed, step))"
+        )
     if name == "sapo" and not (opts["tau_pos"] > 0 and opts["tau_neg"] > 0):
         raise ValueError(f"policy loss 'sapo': tau_pos={opts['tau_pos']} and tau_neg={opts['tau_neg']} must be > 0")
     return opts
@@ -202,8 +223,19 @@ def _centred_cov(lp_N, adv_N, valid_N):
     return (adv_N - mean_a) * (lp_N - mean_lp), n
 
 
-def clip_cov_mask(logprobs_BxT, advantages_BxT, valid_BxT, clipped_BxT, *, clip_cov_ratio: float,
-                  clip_cov_lb: float, clip_cov_ub: float, key, scope: str = "batch", micro_batch_size=None):
+def clip_cov_mask(
+    logprobs_BxT,
+    advantages_BxT,
+    valid_BxT,
+    clipped_BxT,
+    *,
+    clip_cov_ratio: float,
+    clip_cov_lb: float,
+    clip_cov_ub: float,
+    key,
+    scope: str = "batch",
+    micro_batch_size=None,
+):
     """bool [B, T]: the tokens clip_cov detaches (verl compute_policy_loss_clip_cov's top_k_idx). Eligible: valid,
     not already clipped by the ratio clip, covariance in (lb, ub); min(max(floor(ratio n), 1), |eligible|) of them
     chosen uniformly at random (the smallest uniform draws of `key`)."""
@@ -220,8 +252,9 @@ def clip_cov_mask(logprobs_BxT, advantages_BxT, valid_BxT, clipped_BxT, *, clip_
     return _grouped(one, scope, micro_batch_size, lp, advantages_BxT, valid_BxT, clipped_BxT, u_BxT)
 
 
-def kl_cov_mask(logprobs_BxT, advantages_BxT, valid_BxT, *, kl_cov_ratio: float, scope: str = "batch",
-                micro_batch_size=None):
+def kl_cov_mask(
+    logprobs_BxT, advantages_BxT, valid_BxT, *, kl_cov_ratio: float, scope: str = "batch", micro_batch_size=None
+):
     """bool [B, T]: the tokens kl_cov penalises (verl compute_policy_loss_kl_cov's large_cov_idxs): the
     max(1, floor(ratio n)) valid tokens of largest covariance (none when there are no valid tokens)."""
     num, den = p_fraction(kl_cov_ratio)
@@ -263,9 +296,18 @@ def _clip_cov(lp, old, adv, valid, o):
     ratio = jnp.exp(neg_kl)
     l1 = -adv * ratio
     l2 = -adv * jnp.clip(ratio, 1.0 - o["clip_ratio_low"], 1.0 + o["clip_ratio_high"])
-    detach = clip_cov_mask(lp, adv, valid, (l2 > l1) & valid, clip_cov_ratio=o["clip_cov_ratio"],
-                           clip_cov_lb=o["clip_cov_lb"], clip_cov_ub=o["clip_cov_ub"], key=o["key"],
-                           scope=o["scope"], micro_batch_size=o["micro_batch_size"])
+    detach = clip_cov_mask(
+        lp,
+        adv,
+        valid,
+        (l2 > l1) & valid,
+        clip_cov_ratio=o["clip_cov_ratio"],
+        clip_cov_lb=o["clip_cov_lb"],
+        clip_cov_ub=o["clip_cov_ub"],
+        key=o["key"],
+        scope=o["scope"],
+        micro_batch_size=o["micro_batch_size"],
+    )
     tok = jnp.where(detach, 0.0, jnp.maximum(l1, l2))
     return {"tok": tok, "clip": detach, "lower": jnp.zeros_like(valid), "kl": -neg_kl}
 
@@ -273,8 +315,9 @@ def _clip_cov(lp, old, adv, valid, o):
 def _kl_cov(lp, old, adv, valid, o):
     neg_kl = lp - old
     l1 = -adv * jnp.exp(neg_kl)
-    sel = kl_cov_mask(lp, adv, valid, kl_cov_ratio=o["kl_cov_ratio"], scope=o["scope"],
-                      micro_batch_size=o["micro_batch_size"])
+    sel = kl_cov_mask(
+        lp, adv, valid, kl_cov_ratio=o["kl_cov_ratio"], scope=o["scope"], micro_batch_size=o["micro_batch_size"]
+    )
     abs_kl = abs_sign_grad(neg_kl)
     tok = jnp.where(sel, l1 + o["ppo_kl_coef"] * abs_kl, l1)
     return {"tok": tok, "clip": jnp.zeros_like(valid), "lower": jnp.zeros_like(valid), "kl": abs_kl}
@@ -326,16 +369,26 @@ def _sapo(lp, old, adv, valid, o):
     return {"tok": -gate * adv, "clip": zeros, "lower": zeros, "kl": -log_ratio}
 
 
-_LOSS_FNS = {"vanilla": _vanilla, "stare": _vanilla, "clip_cov": _clip_cov, "kl_cov": _kl_cov, "gspo": _gspo,
-             "cispo": _cispo, "gpg": _gpg, "geo_mean": _geo_mean, "sapo": _sapo}
+_LOSS_FNS = {
+    "vanilla": _vanilla,
+    "stare": _vanilla,
+    "clip_cov": _clip_cov,
+    "kl_cov": _kl_cov,
+    "gspo": _gspo,
+    "cispo": _cispo,
+    "gpg": _gpg,
+    "geo_mean": _geo_mean,
+    "sapo": _sapo,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Entry point
 
 
-def compute_policy_loss(name, old_logprobs_BxT, logprobs_BxT, advantages_BxT, response_mask_BxT, *,
-                        loss_agg_mode="token-mean", **options):
+def compute_policy_loss(
+    name, old_logprobs_BxT, logprobs_BxT, advantages_BxT, response_mask_BxT, *, loss_agg_mode="token-mean", **options
+):
     """(loss, metrics) of policy loss `name` (see the module docstring; verl's argument order). advantages_BxT:
     token-level [B, T] (verl) or one per sequence [B] (broadcast). options: verl's option names for that loss
     (LOSS_OPTIONS[name]) plus `normalizer` (the global denominator when called per micro-batch).
@@ -382,15 +435,31 @@ def compute_policy_loss(name, old_logprobs_BxT, logprobs_BxT, advantages_BxT, re
     kl_sum = jnp.sum(jnp.where(valid, out["kl"], 0.0))
     safe = jnp.maximum(count, 1.0)
     metrics = {
-        "clipfrac": clip_sum / safe, "clipfrac_lower": lower_sum / safe, "approx_kl": kl_sum / safe,
-        "clipfrac_sum": clip_sum, "clipfrac_lower_sum": lower_sum, "approx_kl_sum": kl_sum,
-        "token_count": count, "loss_numerator": numer,
+        "clipfrac": clip_sum / safe,
+        "clipfrac_lower": lower_sum / safe,
+        "approx_kl": kl_sum / safe,
+        "clipfrac_sum": clip_sum,
+        "clipfrac_lower_sum": lower_sum,
+        "approx_kl_sum": kl_sum,
+        "token_count": count,
+        "loss_numerator": numer,
     }
     return loss, metrics
 
 
-def policy_loss(logprobs_BxT, old_logprobs_BxT, advantages_B, mask_BxT, *, omega_BxT=None, clip_low: float = 0.2,
-                clip_high: float = 0.28, clip_c: float = 10.0, agg: str = "token-mean", normalizer=None):
+def policy_loss(
+    logprobs_BxT,
+    old_logprobs_BxT,
+    advantages_B,
+    mask_BxT,
+    *,
+    omega_BxT=None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    clip_c: float = 10.0,
+    agg: str = "token-mean",
+    normalizer=None,
+):
     """The train step's loss: compute_policy_loss "vanilla" (or "stare" when omega_BxT is given) with the paper's
     clip defaults (0.2 / 0.28 / 10) and one advantage per sequence. Returns (loss, metrics)."""
     if agg not in AGG_MODES:
@@ -399,9 +468,15 @@ def policy_loss(logprobs_BxT, old_logprobs_BxT, advantages_B, mask_BxT, *, omega
         raise ValueError(f"dual-clip constant clip_c={clip_c} must be > 1")
     if jnp.shape(advantages_B) != jnp.shape(logprobs_BxT)[:1]:
         raise ValueError(f"advantages_B must have shape {jnp.shape(logprobs_BxT)[:1]}, got {jnp.shape(advantages_B)}")
-    opts = {"clip_ratio_low": clip_low, "clip_ratio_high": clip_high, "clip_ratio_c": clip_c,
-            "normalizer": normalizer}
+    opts = {"clip_ratio_low": clip_low, "clip_ratio_high": clip_high, "clip_ratio_c": clip_c, "normalizer": normalizer}
     if omega_BxT is not None:
         opts["omega_BxT"] = omega_BxT
-    return compute_policy_loss("vanilla" if omega_BxT is None else "stare", old_logprobs_BxT, logprobs_BxT,
-                               advantages_B, mask_BxT, loss_agg_mode=agg, **opts)
+    return compute_policy_loss(
+        "vanilla" if omega_BxT is None else "stare",
+        old_logprobs_BxT,
+        logprobs_BxT,
+        advantages_B,
+        mask_BxT,
+        loss_agg_mode=agg,
+        **opts,
+    )

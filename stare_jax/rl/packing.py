@@ -34,6 +34,7 @@ Token-budget micro-batches without packing (`trim_padded_batch`): the padded bat
 (powers of two, at least MIN_BUCKET), and the step takes rl.micro_batch_tokens // L sequences per device per
 micro-batch: one program per length bucket.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-PACKED_KEYS = ("input_ids_RxT", "segment_ids_RxT", "response_mask_RxT", "advantages_B", "seq_row_B", "seq_col_B",
-               "seq_len_B")
+PACKED_KEYS = (
+    "input_ids_RxT",
+    "segment_ids_RxT",
+    "response_mask_RxT",
+    "advantages_B",
+    "seq_row_B",
+    "seq_col_B",
+    "seq_len_B",
+)
 SEQUENCE_KEYS = ("advantages_B", "rewards_B")  # per-sequence values pack_batch carries as they are (when present)
 MIN_BUCKET = 16  # shortest padded length bucket of trim_padded_batch
 
@@ -68,7 +76,7 @@ def first_fit_decreasing(lengths, capacity: int) -> list[list[int]]:
         n = int(lengths[i])
         if n == 0:
             continue
-        fits = np.flatnonzero(room[:len(bins)] >= n)
+        fits = np.flatnonzero(room[: len(bins)] >= n)
         k = int(fits[0]) if fits.size else len(bins)
         if k == len(bins):
             bins.append([])
@@ -106,8 +114,10 @@ def sequence_spans(attention_mask_BxT) -> tuple[np.ndarray, np.ndarray]:
     last = np.where(n > 0, m.shape[1] - 1 - m[:, ::-1].argmax(axis=1), -1)
     gaps = np.flatnonzero((n > 0) & (last - first + 1 != n))
     if gaps.size:
-        raise ValueError(f"train batch row {int(gaps[0])}: its real tokens (attention_mask_BxT == 1) are not "
-                         f"contiguous, so it cannot be packed (expected [padding | prompt | response | padding])")
+        raise ValueError(
+            f"train batch row {int(gaps[0])}: its real tokens (attention_mask_BxT == 1) are not "
+            f"contiguous, so it cannot be packed (expected [padding | prompt | response | padding])"
+        )
     return first.astype(np.int64), n.astype(np.int64)
 
 
@@ -125,9 +135,11 @@ def pack_batch(batch: dict, *, row_tokens: int, rows_per_micro: int, num_mini_ba
     start, n = sequence_spans(attn)
     if B and n.max() > row_tokens:
         b = int(np.argmax(n))
-        raise ValueError(f"sequence {b} of the train batch has {int(n[b])} tokens (prompt + response), more than "
-                         f"rl.packing.row_tokens={row_tokens}: a sequence is never split across rows; set "
-                         f"rl.packing.row_tokens >= {int(n.max())} (0 = the padded length)")
+        raise ValueError(
+            f"sequence {b} of the train batch has {int(n[b])} tokens (prompt + response), more than "
+            f"rl.packing.row_tokens={row_tokens}: a sequence is never split across rows; set "
+            f"rl.packing.row_tokens >= {int(n.max())} (0 = the padded length)"
+        )
     mini = B // num_mini_batches
     M = micro_batches_per_mini(mini, rows_per_micro)
     NR = num_mini_batches * M * rows_per_micro
@@ -150,8 +162,15 @@ def pack_batch(batch: dict, *, row_tokens: int, rows_per_micro: int, num_mini_ba
                 row_B[b], col_B[b] = row, col
                 col += n[b]
     per_seq = {k: np.asarray(batch[k], np.float32) for k in SEQUENCE_KEYS if k in batch}
-    return {"input_ids_RxT": out_ids, "segment_ids_RxT": out_seg, "response_mask_RxT": out_resp, **per_seq,
-            "seq_row_B": row_B, "seq_col_B": col_B, "seq_len_B": n.astype(np.int32)}
+    return {
+        "input_ids_RxT": out_ids,
+        "segment_ids_RxT": out_seg,
+        "response_mask_RxT": out_resp,
+        **per_seq,
+        "seq_row_B": row_B,
+        "seq_col_B": col_B,
+        "seq_len_B": n.astype(np.int32),
+    }
 
 
 def packed_stats(packed: dict, rows_per_micro: int) -> dict:
@@ -161,10 +180,15 @@ def packed_stats(packed: dict, rows_per_micro: int) -> dict:
     used_rows = (seg > 0).any(axis=1)
     used_micro = used_rows.reshape(-1, rows_per_micro).any(axis=1)
     tokens = int((seg > 0).sum())
-    return {"tokens": tokens, "rows": int(seg.shape[0]), "rows_used": int(used_rows.sum()),
-            "micro_batches": int(used_micro.size), "micro_batches_used": int(used_micro.sum()),
-            "fill_rate": tokens / max(int(used_rows.sum()) * seg.shape[1], 1),
-            "fill_rate_computed": tokens / max(int(used_micro.sum()) * rows_per_micro * seg.shape[1], 1)}
+    return {
+        "tokens": tokens,
+        "rows": int(seg.shape[0]),
+        "rows_used": int(used_rows.sum()),
+        "micro_batches": int(used_micro.size),
+        "micro_batches_used": int(used_micro.sum()),
+        "fill_rate": tokens / max(int(used_rows.sum()) * seg.shape[1], 1),
+        "fill_rate_computed": tokens / max(int(used_micro.sum()) * rows_per_micro * seg.shape[1], 1),
+    }
 
 
 def trim_padded_batch(batch: dict, minimum: int = MIN_BUCKET) -> dict:
@@ -190,8 +214,12 @@ def host_layout(batch: dict, cfg, shards: int) -> dict:
     shards: the mesh's batch shards (1 without a mesh)."""
     if cfg.packing.enabled:
         rt = int(cfg.packing.row_tokens) or np.shape(batch["input_ids_BxT"])[1]
-        return pack_batch(batch, row_tokens=rt, rows_per_micro=rows_per_micro(cfg.micro_batch_tokens, rt, shards),
-                          num_mini_batches=cfg.num_mini_batches)
+        return pack_batch(
+            batch,
+            row_tokens=rt,
+            rows_per_micro=rows_per_micro(cfg.micro_batch_tokens, rt, shards),
+            num_mini_batches=cfg.num_mini_batches,
+        )
     if cfg.micro_batch_tokens:
         return trim_padded_batch(batch)
     return batch
@@ -204,10 +232,16 @@ def batch_shapes(cfg, num_sequences: int, seq_len: int, shards: int) -> dict:
         rt = int(cfg.packing.row_tokens) or seq_len
         R = rows_per_micro(cfg.micro_batch_tokens, rt, shards)
         rows = cfg.num_mini_batches * micro_batches_per_mini(num_sequences // cfg.num_mini_batches, R) * R
-        return {k: ((num_sequences,), np.float32 if k == "advantages_B" else np.int32) if k.endswith("_B")
-                else ((rows, rt), np.int32) for k in PACKED_KEYS}
-    return {k: ((num_sequences,), np.float32) if k == "advantages_B" else ((num_sequences, seq_len), np.int32)
-            for k in ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT", "advantages_B")}
+        return {
+            k: ((num_sequences,), np.float32 if k == "advantages_B" else np.int32)
+            if k.endswith("_B")
+            else ((rows, rt), np.int32)
+            for k in PACKED_KEYS
+        }
+    return {
+        k: ((num_sequences,), np.float32) if k == "advantages_B" else ((num_sequences, seq_len), np.int32)
+        for k in ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT", "advantages_B")
+    }
 
 
 def padded_micro_batches(mini: int, seq_len: int, micro_batch_tokens: int, shards: int) -> int:
@@ -236,8 +270,10 @@ def split_micro(x, n, mesh, batch_axes):
 def check_packed_batch(batch) -> None:
     missing = [k for k in PACKED_KEYS if k not in batch]
     if missing:
-        raise ValueError(f"packed train batch (rl.packing.enabled) is missing keys {missing}; expected "
-                         f"{list(PACKED_KEYS)} (stare_jax.rl.packing.pack_batch)")
+        raise ValueError(
+            f"packed train batch (rl.packing.enabled) is missing keys {missing}; expected "
+            f"{list(PACKED_KEYS)} (stare_jax.rl.packing.pack_batch)"
+        )
     shape = jnp.shape(batch["input_ids_RxT"])
     if len(shape) != 2 or shape[1] < 2:
         raise ValueError(f"input_ids_RxT must be [rows, row_tokens] with row_tokens >= 2, got {shape}")
@@ -298,13 +334,27 @@ class PackedLayout:
         R = rows_per_micro(micro_batch_tokens, Lr, shards)
         M = micro_batches_per_mini(B // n_mini, R)
         if NR != n_mini * M * R:
-            raise ValueError(f"packed batch has {NR} rows; the layout of {B} sequences in {n_mini} mini-batch(es), "
-                             f"{R} rows per micro-batch has {n_mini * M * R} (pack it with rows_per_micro={R})")
+            raise ValueError(
+                f"packed batch has {NR} rows; the layout of {B} sequences in {n_mini} mini-batch(es), "
+                f"{R} rows per micro-batch has {n_mini * M * R} (pack it with rows_per_micro={R})"
+            )
         same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
         lm_rows = ((resp[:, 1:] > 0) & same).astype(jnp.float32)
-        return cls(ids, seg, ids[:, 1:], lm_rows, jnp.asarray(batch["advantages_B"], jnp.float32),
-                   jnp.asarray(batch["seq_row_B"], jnp.int32), jnp.asarray(batch["seq_col_B"], jnp.int32),
-                   jnp.asarray(batch["seq_len_B"], jnp.int32), R, M, n_mini, mesh, tuple(batch_axes))
+        return cls(
+            ids,
+            seg,
+            ids[:, 1:],
+            lm_rows,
+            jnp.asarray(batch["advantages_B"], jnp.float32),
+            jnp.asarray(batch["seq_row_B"], jnp.int32),
+            jnp.asarray(batch["seq_col_B"], jnp.int32),
+            jnp.asarray(batch["seq_len_B"], jnp.int32),
+            R,
+            M,
+            n_mini,
+            mesh,
+            tuple(batch_axes),
+        )
 
     @property
     def num_sequences(self) -> int:
@@ -348,8 +398,10 @@ class PackedLayout:
         and global micro-batch index, nonempty [M] bool; micro_fn(forward, x) -> (log-probs, entropy, per-sequence
         arrays) on mini-batch j's view, the loss mask (mb_seq[0]) restricted to the micro-batch's sequences."""
         span = self.micro * self.rows
-        rows = tuple(jax.lax.dynamic_slice_in_dim(a, j * span, span, axis=0)
-                     for a in (self.ids, self.seg, self.tgt, self.lm_rows))
+        rows = tuple(
+            jax.lax.dynamic_slice_in_dim(a, j * span, span, axis=0)
+            for a in (self.ids, self.seg, self.tgt, self.lm_rows)
+        )
         xs = self._split(rows, self.micro) + (j * self.micro + jnp.arange(self.micro),)
         mini = self.num_sequences // self.n_mini
         place = tuple(jax.lax.dynamic_slice_in_dim(a, j * mini, mini) for a in (self.row_B, self.col_B, self.len_B))

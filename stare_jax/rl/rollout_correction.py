@@ -23,6 +23,7 @@ high-surprisal tokens STARE selects. With log_ratio = log pi_train - log pi_roll
 Everything here is a pure jnp function over the global [B, T] arrays (jit- and sharding-friendly); the option
 parsing is static (config time: stare_jax.config.rollout_correction). Means over "valid" tokens use the response mask.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,10 +33,20 @@ import jax.numpy as jnp
 
 from stare_jax.config.rollout_correction import IS_LEVELS, RS_OPTIONS, RejectionOption, parse_rejection
 
-__all__ = ["IS_LEVELS", "RS_OPTIONS", "RejectionOption", "SAFETY_BOUND", "is_weights", "offpolicy_metrics",
-           "parse_rejection", "rejection_mask"]
+__all__ = [
+    "IS_LEVELS",
+    "RS_OPTIONS",
+    "RejectionOption",
+    "SAFETY_BOUND",
+    "is_weights",
+    "offpolicy_metrics",
+    "parse_rejection",
+    "rejection_mask",
+]
 
 SAFETY_BOUND = 20.0  # verl's clamp of log-ratios before exp: exp(20) ~ 4.9e8
+
+
 def _float(x):
     """At least float32 (bf16 log-probs are upcast; float64 stays, for the tests' references)."""
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
@@ -95,9 +106,9 @@ def _is_metrics(w_BxT, lr_for_metrics, m, level: str, threshold: float) -> dict:
         out["rollout_is_ratio_fraction_low"] = _masked_mean((w_BxT < lower).astype(jnp.float32), m)
     clamped = jnp.clip(w_BxT, lower, threshold)
     mean_c = _masked_mean(clamped, m)
-    out["rollout_is_std"] = jnp.sqrt(jnp.maximum(_masked_mean(clamped ** 2, m) - mean_c ** 2, 0.0))
+    out["rollout_is_std"] = jnp.sqrt(jnp.maximum(_masked_mean(clamped**2, m) - mean_c**2, 0.0))
     normalized = clamped / (mean_c + 1e-8)
-    out["rollout_is_eff_sample_size"] = 1.0 / _masked_mean(normalized ** 2, m)
+    out["rollout_is_eff_sample_size"] = 1.0 / _masked_mean(normalized**2, m)
     seq_w = _masked_mean(w_BxT, m, axis=-1)
     out["rollout_is_seq_mean"] = jnp.mean(seq_w)
     out["rollout_is_seq_max"] = jnp.max(seq_w)
@@ -110,7 +121,7 @@ def _is_metrics(w_BxT, lr_for_metrics, m, level: str, threshold: float) -> dict:
 
 def _token_divergences(lr):
     safe = jnp.clip(lr, -SAFETY_BOUND, SAFETY_BOUND)
-    return {"k1": -safe, "k2": 0.5 * safe ** 2, "k3": jnp.exp(safe) - 1.0 - safe}
+    return {"k1": -safe, "k2": 0.5 * safe**2, "k3": jnp.exp(safe) - 1.0 - safe}
 
 
 def rejection_mask(log_ratio_BxT, mask_BxT, options: tuple[RejectionOption, ...]):
@@ -139,8 +150,9 @@ def rejection_mask(log_ratio_BxT, mask_BxT, options: tuple[RejectionOption, ...]
         combined = combined * keep
         seq_keep = jnp.all((keep > 0) | (m == 0), axis=-1).astype(jnp.float32)
         metrics[f"rollout_rs_{opt.name}_masked_fraction"] = _masked_mean(1.0 - keep, m)
-        metrics[f"rollout_rs_{opt.name}_seq_masked_fraction"] = (
-            jnp.sum((1.0 - seq_keep) * seq_valid) / jnp.maximum(jnp.sum(seq_valid), 1e-8))
+        metrics[f"rollout_rs_{opt.name}_seq_masked_fraction"] = jnp.sum((1.0 - seq_keep) * seq_valid) / jnp.maximum(
+            jnp.sum(seq_valid), 1e-8
+        )
     metrics["rollout_rs_masked_fraction"] = _masked_mean(1.0 - combined, m)
     seq_has_masked = jnp.any((combined <= 0.5) & (m > 0), axis=-1)
     metrics["rollout_rs_seq_masked_fraction"] = jnp.mean(seq_has_masked.astype(jnp.float32))
@@ -158,14 +170,19 @@ def offpolicy_metrics(train_logp_BxT, rollout_logp_BxT, mask_BxT, subsets: dict 
     mean_roll = _masked_mean(roll, m, axis=-1)
     lr = old - roll
     log_ppl_diff = mean_roll - mean_old
-    out = {"training_ppl": jnp.mean(jnp.exp(-mean_old)), "training_log_ppl": jnp.mean(-mean_old),
-           "rollout_ppl": jnp.mean(jnp.exp(-mean_roll)), "rollout_log_ppl": jnp.mean(-mean_roll),
-           "log_ppl_diff": jnp.mean(log_ppl_diff), "log_ppl_abs_diff": jnp.mean(jnp.abs(log_ppl_diff)),
-           "log_ppl_diff_max": jnp.max(log_ppl_diff), "log_ppl_diff_min": jnp.min(log_ppl_diff),
-           "ppl_ratio": jnp.mean(jnp.exp(log_ppl_diff)),
-           "chi2_seq": jnp.mean(jnp.exp(2.0 * jnp.clip(_masked_sum(lr, m, axis=-1), -SAFETY_BOUND, SAFETY_BOUND)))
-           - 1.0,
-           "max_abs_log_ratio": jnp.max(jnp.where(m > 0, jnp.abs(lr), 0.0))}
+    out = {
+        "training_ppl": jnp.mean(jnp.exp(-mean_old)),
+        "training_log_ppl": jnp.mean(-mean_old),
+        "rollout_ppl": jnp.mean(jnp.exp(-mean_roll)),
+        "rollout_log_ppl": jnp.mean(-mean_roll),
+        "log_ppl_diff": jnp.mean(log_ppl_diff),
+        "log_ppl_abs_diff": jnp.mean(jnp.abs(log_ppl_diff)),
+        "log_ppl_diff_max": jnp.max(log_ppl_diff),
+        "log_ppl_diff_min": jnp.min(log_ppl_diff),
+        "ppl_ratio": jnp.mean(jnp.exp(log_ppl_diff)),
+        "chi2_seq": jnp.mean(jnp.exp(2.0 * jnp.clip(_masked_sum(lr, m, axis=-1), -SAFETY_BOUND, SAFETY_BOUND))) - 1.0,
+        "max_abs_log_ratio": jnp.max(jnp.where(m > 0, jnp.abs(lr), 0.0)),
+    }
     for name, sub in {"": m, **{f"{k}_": v.astype(jnp.float32) * m for k, v in (subsets or {}).items()}}.items():
         out[f"{name}kl"] = _masked_mean(roll - old, sub)
         out[f"{name}k3_kl"] = _masked_mean(jnp.exp(lr) - lr - 1.0, sub)

@@ -51,6 +51,7 @@ Code map: build_step_fn fixes a StepStatics (the config, its step_loss.LossPlan,
 returns a step that runs _train_step: steps 1-3 (_no_grad_pass, _kl_terms, _select_tokens), then a lax.scan of
 _one_update (step 4: accumulate_gradients over step_loss.micro_batch_loss (step 5), then guarded_update (step 6)).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,22 +65,29 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from stare_jax.models.transformer import LoRAParam
-from stare_jax.models.sharding import BATCH_AXES, DEFAULT_RULES, batch_sharding, program_context
 from stare_jax.config.advantage import AdvantageConfig
-from stare_jax.rl.advantages import entropy_advantage, grpo_advantages
 from stare_jax.config.kl import KLConfig
+from stare_jax.config.offload import OffloadConfig
+from stare_jax.config.optimizer import OptimizerConfig
+from stare_jax.config.packing import PackingConfig
+from stare_jax.config.policy_loss import PolicyLossConfig, TokenFilterConfig
+from stare_jax.models.sharding import BATCH_AXES, DEFAULT_RULES, batch_sharding, program_context
+from stare_jax.models.transformer import LoRAParam
+from stare_jax.rl.advantages import entropy_advantage, grpo_advantages
 from stare_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
 from stare_jax.rl.loss_terms import high_entropy_mask, kl_penalty, kl_reward_penalty
 from stare_jax.rl.losses import AGG_MODES, clip_cov_key
-from stare_jax.config.offload import OffloadConfig
-from stare_jax.config.optimizer import OptimizerConfig
 from stare_jax.rl.packing import PACKED_KEYS, PackedLayout, padded_micro_batches, split_micro
-from stare_jax.config.packing import PackingConfig
-from stare_jax.config.policy_loss import PolicyLossConfig, TokenFilterConfig
 from stare_jax.rl.stare import StareConfig, StareState, stare_omega, update_controller
-from stare_jax.rl.step_loss import (LossNormalizers, LossPlan, SequenceArrays, loss_normalizers, loss_plan,
-                                    micro_batch_loss, update_metric_names)
+from stare_jax.rl.step_loss import (
+    LossNormalizers,
+    LossPlan,
+    SequenceArrays,
+    loss_normalizers,
+    loss_plan,
+    micro_batch_loss,
+    update_metric_names,
+)
 from stare_jax.rl.theory import batch_entropy_terms
 
 BATCH_KEYS = ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT", "advantages_B")
@@ -89,6 +97,7 @@ REWARDS_KEY = "rewards_B"  # read by the step only with rl.kl.use_as "reward" (b
 @dataclasses.dataclass(frozen=True)
 class TrainStepConfig:
     """Everything the compiled step depends on (static)."""
+
     optimizer: OptimizerConfig = OptimizerConfig()
     stare: StareConfig = StareConfig()
     clip_low: float = 0.2
@@ -126,19 +135,29 @@ class TrainStepConfig:
         if self.packing.enabled:
             # packed micro-batches hold as many sequences as fit their tokens: a selection ranked per micro-batch
             # group of sequences would rank other groups than the padded layout's
-            grouped = [k for k, on in (
-                ("rl.stare.scope = 'micro_batch'", self.stare.enabled and self.stare.scope == "micro_batch"),
-                ("rl.policy_loss.scope = 'micro_batch'", self.policy_loss.name in ("clip_cov", "kl_cov")
-                 and self.policy_loss.scope == "micro_batch")) if on]
+            grouped = [
+                k
+                for k, on in (
+                    ("rl.stare.scope = 'micro_batch'", self.stare.enabled and self.stare.scope == "micro_batch"),
+                    (
+                        "rl.policy_loss.scope = 'micro_batch'",
+                        self.policy_loss.name in ("clip_cov", "kl_cov") and self.policy_loss.scope == "micro_batch",
+                    ),
+                )
+                if on
+            ]
             if grouped:
-                raise ValueError(f"rl.packing.enabled cannot be combined with {grouped[0]}: packed micro-batches "
-                                 f"are sized by tokens, not by sequences (use scope 'batch')")
+                raise ValueError(
+                    f"rl.packing.enabled cannot be combined with {grouped[0]}: packed micro-batches "
+                    f"are sized by tokens, not by sequences (use scope 'batch')"
+                )
             if self.loss_agg == "seq-mean-token-sum-norm" and self.loss_agg_constant is None:
-                raise ValueError("rl.packing.enabled with loss_agg seq-mean-token-sum-norm needs loss_agg_constant "
-                                 "(the padded layout's default, L - 1, is not a packed row's length)")
+                raise ValueError(
+                    "rl.packing.enabled with loss_agg seq-mean-token-sum-norm needs loss_agg_constant "
+                    "(the padded layout's default, L - 1, is not a packed row's length)"
+                )
         if self.advantage.entropy_adv and self.stare.enabled:
             raise ValueError("advantage.entropy_adv is not combined with STARE (stare.enabled)")
-
 
 
 @jax.tree_util.register_dataclass
@@ -147,6 +166,7 @@ class TrainState:
     """params: the trained state of split_model(model) (every nnx.Param, or the LoRA adapters); rest: the other
     model state (empty, or the frozen base weights of a LoRA run);
     opt_state: optax state; step: int32 count of train-step calls."""
+
     params: Any
     rest: Any
     opt_state: Any
@@ -206,10 +226,17 @@ def opt_state_shardings(tx: optax.GradientTransformation, params, memory_kind: s
     if mesh is None:
         return None
     rep = NamedSharding(mesh, P(), memory_kind=memory_kind)
-    param_sh = jax.tree.map(lambda x: NamedSharding(mesh, x.sharding.spec, memory_kind=memory_kind)
-                            if isinstance(getattr(x, "sharding", None), NamedSharding) else rep, params)
-    return optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_sh,
-                                 transform_non_params=lambda _: rep)
+    param_sh = jax.tree.map(
+        lambda x: (
+            NamedSharding(mesh, x.sharding.spec, memory_kind=memory_kind)
+            if isinstance(getattr(x, "sharding", None), NamedSharding)
+            else rep
+        ),
+        params,
+    )
+    return optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_sh, transform_non_params=lambda _: rep
+    )
 
 
 def _is_abstract(tree) -> bool:
@@ -229,8 +256,11 @@ def init_train_state(model: nnx.Module, cfg: TrainStepConfig):
     step: Any
     if _is_abstract(params):
         abstract = jax.eval_shape(tx.init, params)
-        opt_state = abstract if shardings is None else jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        opt_state = (
+            abstract
+            if shardings is None
+            else jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        )
         mesh = _mesh_of(params)
         step = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()) if mesh is not None else None)
     else:
@@ -268,8 +298,9 @@ def policy_forward(graphdef, params, rest, ids, attn, targets, loss_mask, *, chu
     """Per-token log-probs and entropies [b, L-1] of `targets` under the model (chunked, no [B,T,V] logits)."""
     model = nnx.merge(graphdef, params, rest)
     hidden = model.hidden_states(ids, attention_mask=attn)
-    return token_logprobs_and_entropy(hidden[:, :-1], model.unembed_matrix(), targets, loss_mask,
-                                      chunk_size=chunk_size, theory=theory)
+    return token_logprobs_and_entropy(
+        hidden[:, :-1], model.unembed_matrix(), targets, loss_mask, chunk_size=chunk_size, theory=theory
+    )
 
 
 _split_micro = split_micro
@@ -298,8 +329,10 @@ class PaddedLayout:
 
     def no_grad_pass(self, forward: Callable):
         """forward(ids, attn, tgt, lm) over the whole batch, micro-batched (B / (n_mini * micro) at a time)."""
-        xs = tuple(_split_micro(a, self.n_mini * self.micro, self.mesh, self.batch_axes)
-                   for a in (self.ids, self.attn, self.tgt, self.lm))
+        xs = tuple(
+            _split_micro(a, self.n_mini * self.micro, self.mesh, self.batch_axes)
+            for a in (self.ids, self.attn, self.tgt, self.lm)
+        )
         outs = jax.lax.map(lambda x: forward(*x), xs)
         return jax.tree.map(lambda o: o.reshape((self.num_sequences,) + o.shape[2:]), outs)
 
@@ -308,8 +341,9 @@ class PaddedLayout:
         micro_fn(forward, x) -> (log-probs, entropy, the micro-batch's per-sequence arrays)."""
         mini = self.num_sequences // self.n_mini
         rows = tuple(jax.lax.dynamic_slice_in_dim(a, j * mini, mini, axis=0) for a in (self.ids, self.attn, self.tgt))
-        xs = tuple(None if a is None else _split_micro(a, self.micro, self.mesh, self.batch_axes)
-                   for a in rows + tuple(mb_seq))
+        xs = tuple(
+            None if a is None else _split_micro(a, self.micro, self.mesh, self.batch_axes) for a in rows + tuple(mb_seq)
+        )
 
         def micro_fn(forward, x):
             lp, ent = forward(x[0], x[1], x[2], x[3])
@@ -332,8 +366,9 @@ def accumulate_gradients(loss_and_grad: Callable, params, scan_xs: dict, zeros_a
     def acc(c, xs):
         g_sum, l_sum, a_sum = c
         if "run" in xs:
-            (loss, aux), g = jax.lax.cond(xs["run"], lambda: loss_and_grad(xs),
-                                          lambda: ((jnp.float32(0.0), zeros_aux), zeros_g))
+            (loss, aux), g = jax.lax.cond(
+                xs["run"], lambda: loss_and_grad(xs), lambda: ((jnp.float32(0.0), zeros_aux), zeros_g)
+            )
         else:
             (loss, aux), g = loss_and_grad(xs)
         return (jax.tree.map(jnp.add, g_sum, g), l_sum + loss, jax.tree.map(jnp.add, a_sum, aux)), None
@@ -355,6 +390,7 @@ def guarded_update(tx: optax.GradientTransformation, grads, loss, params, opt_st
     gnorm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
     if offload:
+
         def apply(_):
             updates, new_opt = tx.update(grads, jax.device_put(opt_state, jax.memory.Space.Device), params)
             return optax.apply_updates(params, updates), jax.device_put(new_opt, jax.memory.Space.Host)
@@ -404,8 +440,14 @@ class TokenSelection(NamedTuple):
 
 def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH_AXES) -> Callable:
     """The pure (un-jitted) step function (train_state, batch, stare_state) -> (train_state, stare_state, metrics)."""
-    statics = StepStatics(graphdef=graphdef, cfg=cfg, plan=loss_plan(cfg), tx=make_optimizer(cfg.optimizer),
-                          mesh=mesh, batch_axes=batch_axes)
+    statics = StepStatics(
+        graphdef=graphdef,
+        cfg=cfg,
+        plan=loss_plan(cfg),
+        tx=make_optimizer(cfg.optimizer),
+        mesh=mesh,
+        batch_axes=batch_axes,
+    )
 
     def step_fn(train_state: TrainState, batch, stare_state: StareState, ref_params=None):
         return _train_step(statics, train_state, batch, stare_state, ref_params)
@@ -415,8 +457,9 @@ def build_step_fn(graphdef, cfg: TrainStepConfig, *, mesh=None, batch_axes=BATCH
 
 def _forward(statics: StepStatics, params, rest, ids, attn, tgt, lm, *, theory=False):
     """policy_forward with the step's model graph and log-prob chunk size."""
-    return policy_forward(statics.graphdef, params, rest, ids, attn, tgt, lm,
-                          chunk_size=statics.cfg.logprob_chunk_size, theory=theory)
+    return policy_forward(
+        statics.graphdef, params, rest, ids, attn, tgt, lm, chunk_size=statics.cfg.logprob_chunk_size, theory=theory
+    )
 
 
 def _train_step(statics: StepStatics, train_state: TrainState, batch, stare_state: StareState, ref_params):
@@ -439,26 +482,44 @@ def _train_step(statics: StepStatics, train_state: TrainState, batch, stare_stat
     loss_advantages, advantage_metrics = _loss_advantages(cfg, advantages_B, no_grad.entropy_BxT, loss_mask_BxT)
     metrics.update(advantage_metrics)
     if selection.keep_BxT is not None:
-        metrics["token_filter/frac_kept"] = (jnp.sum(selection.keep_BxT * loss_mask_BxT)
-                                             / jnp.maximum(jnp.sum(loss_mask_BxT), 1.0))
+        metrics["token_filter/frac_kept"] = jnp.sum(selection.keep_BxT * loss_mask_BxT) / jnp.maximum(
+            jnp.sum(loss_mask_BxT), 1.0
+        )
     if no_grad.theory is not None:
         metrics.update(_theory_metrics(no_grad, advantages_B, loss_mask_BxT, selection))
 
     # 4. updates: epochs x mini-batches, each a scan over micro-batches
-    per_sequence = SequenceArrays(loss_mask_BxT=loss_mask_BxT, advantages=loss_advantages,
-                                  old_logprobs_BxT=no_grad.old_logprobs_BxT, omega_BxT=selection.omega_BxT,
-                                  keep_BxT=selection.keep_BxT,
-                                  ref_logprobs_BxT=no_grad.ref_logprobs_BxT if cfg.kl.as_loss else None)
+    per_sequence = SequenceArrays(
+        loss_mask_BxT=loss_mask_BxT,
+        advantages=loss_advantages,
+        old_logprobs_BxT=no_grad.old_logprobs_BxT,
+        omega_BxT=selection.omega_BxT,
+        keep_BxT=selection.keep_BxT,
+        ref_logprobs_BxT=no_grad.ref_logprobs_BxT if cfg.kl.as_loss else None,
+    )
     step_key = clip_cov_key(cfg.seed, train_state.step)
     num_updates = cfg.ppo_epochs * cfg.num_mini_batches
-    update = functools.partial(_one_update, statics=statics, layout=layout, per_sequence=per_sequence, rest=rest,
-                               stare_state=stare_state, step_key=step_key)
+    update = functools.partial(
+        _one_update,
+        statics=statics,
+        layout=layout,
+        per_sequence=per_sequence,
+        rest=rest,
+        stare_state=stare_state,
+        step_key=step_key,
+    )
     (params, opt_state), updates = jax.lax.scan(update, (params, train_state.opt_state), jnp.arange(num_updates))
     metrics.update(_update_metrics(cfg, updates, num_updates))
     if cfg.debug_outputs:
-        metrics.update({"debug/omega": selection.omega_BxT, "debug/old_logprobs": no_grad.old_logprobs_BxT,
-                        "debug/entropy": no_grad.entropy_BxT, "debug/loss_mask": loss_mask_BxT,
-                        "debug/grads": jax.tree.map(lambda g: g[-1], updates["grads"])})
+        metrics.update(
+            {
+                "debug/omega": selection.omega_BxT,
+                "debug/old_logprobs": no_grad.old_logprobs_BxT,
+                "debug/entropy": no_grad.entropy_BxT,
+                "debug/loss_mask": loss_mask_BxT,
+                "debug/grads": jax.tree.map(lambda g: g[-1], updates["grads"]),
+            }
+        )
     new_state = TrainState(params=params, rest=rest, opt_state=opt_state, step=train_state.step + 1)
     return new_state, stare_state, metrics
 
@@ -468,8 +529,9 @@ def _batch_layout(statics: StepStatics, batch):
     cfg, mesh, batch_axes = statics.cfg, statics.mesh, statics.batch_axes
     n_mini = cfg.num_mini_batches
     if cfg.packing.enabled:
-        return PackedLayout.from_batch(batch, n_mini=n_mini, micro_batch_tokens=cfg.micro_batch_tokens,
-                                       mesh=mesh, batch_axes=batch_axes)
+        return PackedLayout.from_batch(
+            batch, n_mini=n_mini, micro_batch_tokens=cfg.micro_batch_tokens, mesh=mesh, batch_axes=batch_axes
+        )
     ids, attn, tgt, lm, adv = shift_batch(batch)
     B, L = ids.shape
     if B % n_mini:
@@ -479,12 +541,13 @@ def _batch_layout(statics: StepStatics, batch):
         shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in batch_axes)
         n_micro = padded_micro_batches(B // n_mini, L, cfg.micro_batch_tokens, shards)
     if B % (n_mini * n_micro):
-        raise ValueError(f"batch size {B} must be divisible by num_mini_batches*num_micro_batches="
-                         f"{n_mini}*{n_micro}")
+        raise ValueError(f"batch size {B} must be divisible by num_mini_batches*num_micro_batches={n_mini}*{n_micro}")
     micro_size = B // n_mini // n_micro
     if statics.plan.omega_per_micro_batch and micro_size % cfg.stare.micro_batch_size:
-        raise ValueError(f"stare scope='micro_batch': micro-batch size {micro_size} must be a multiple of "
-                         f"micro_batch_size={cfg.stare.micro_batch_size}")
+        raise ValueError(
+            f"stare scope='micro_batch': micro-batch size {micro_size} must be a multiple of "
+            f"micro_batch_size={cfg.stare.micro_batch_size}"
+        )
     return PaddedLayout(ids, attn, tgt, lm, adv, n_mini, n_micro, mesh, tuple(batch_axes))
 
 
@@ -494,8 +557,10 @@ def _check_step_inputs(cfg: TrainStepConfig, num_sequences: int, batch, ref_para
     if kl.enabled and ref_params is None:
         raise ValueError("rl.kl.reference is set: the step needs the reference parameters (ref_params)")
     if kl.as_reward and (REWARDS_KEY not in batch or num_sequences % cfg.group_size):
-        raise ValueError(f"rl.kl.use_as='reward' needs batch[{REWARDS_KEY!r}] and a batch of whole groups of "
-                         f"group_size={cfg.group_size} responses (got {num_sequences} responses)")
+        raise ValueError(
+            f"rl.kl.use_as='reward' needs batch[{REWARDS_KEY!r}] and a batch of whole groups of "
+            f"group_size={cfg.group_size} responses (got {num_sequences} responses)"
+        )
 
 
 def _no_grad_pass(statics: StepStatics, layout, params, rest, ref_params) -> NoGradPass:
@@ -511,8 +576,12 @@ def _no_grad_pass(statics: StepStatics, layout, params, rest, ref_params) -> NoG
 
     policy, reference = layout.no_grad_pass(forward)
     ref_logprobs_BxT = jax.lax.stop_gradient(reference) if with_ref else None
-    return NoGradPass(old_logprobs_BxT=jax.lax.stop_gradient(policy[0]), entropy_BxT=jax.lax.stop_gradient(policy[1]),
-                      theory=policy[2] if theory else None, ref_logprobs_BxT=ref_logprobs_BxT)
+    return NoGradPass(
+        old_logprobs_BxT=jax.lax.stop_gradient(policy[0]),
+        entropy_BxT=jax.lax.stop_gradient(policy[1]),
+        theory=policy[2] if theory else None,
+        ref_logprobs_BxT=ref_logprobs_BxT,
+    )
 
 
 def _kl_terms(cfg: TrainStepConfig, no_grad: NoGradPass, loss_mask_BxT, advantages_B, batch):
@@ -527,38 +596,53 @@ def _kl_terms(cfg: TrainStepConfig, no_grad: NoGradPass, loss_mask_BxT, advantag
     metrics["kl"] = _masked_mean(kl_penalty(old_logprobs_BxT, ref_logprobs_BxT, kl.kind), loss_mask_BxT)
     if kl.as_reward:
         token_rewards_BxT, metrics["kl/reward_penalty"] = kl_reward_penalty(
-            jnp.zeros_like(old_logprobs_BxT), old_logprobs_BxT, ref_logprobs_BxT, loss_mask_BxT, kl.coef,
-            kind=kl.kind)
+            jnp.zeros_like(old_logprobs_BxT), old_logprobs_BxT, ref_logprobs_BxT, loss_mask_BxT, kl.coef, kind=kl.kind
+        )
         rewards_B = jnp.asarray(batch[REWARDS_KEY], jnp.float32) + jnp.sum(token_rewards_BxT, axis=1)
         num_sequences = rewards_B.shape[0]
-        advantages_B = grpo_advantages(rewards_B.reshape(-1, cfg.group_size),
-                                       norm_by_std=cfg.norm_adv_by_std).reshape(num_sequences)
+        advantages_B = grpo_advantages(rewards_B.reshape(-1, cfg.group_size), norm_by_std=cfg.norm_adv_by_std).reshape(
+            num_sequences
+        )
     return advantages_B, metrics
 
 
-def _select_tokens(statics: StepStatics, stare_state: StareState, no_grad: NoGradPass, advantages_B,
-                   loss_mask_BxT) -> TokenSelection:
+def _select_tokens(
+    statics: StepStatics, stare_state: StareState, no_grad: NoGradPass, advantages_B, loss_mask_BxT
+) -> TokenSelection:
     """Step 3: STARE's omega over the whole batch (scope batch) from pass 1, times the 80/20 filter's mask (the
     global top-rho entropy tokens of pass 1)."""
     token_filter = statics.cfg.token_filter
     extra_sets = ("pos_high", "neg_high") if no_grad.theory is not None else ()
-    omega_BxT, info = stare_omega(no_grad.old_logprobs_BxT, advantages_B, loss_mask_BxT, stare_state,
-                                  statics.cfg.stare, entropy_BxT=no_grad.entropy_BxT, extra_sets=extra_sets,
-                                  scope="batch")
+    omega_BxT, info = stare_omega(
+        no_grad.old_logprobs_BxT,
+        advantages_B,
+        loss_mask_BxT,
+        stare_state,
+        statics.cfg.stare,
+        entropy_BxT=no_grad.entropy_BxT,
+        extra_sets=extra_sets,
+        scope="batch",
+    )
     if statics.plan.omega_per_micro_batch:
         omega_BxT = jnp.ones_like(omega_BxT)  # recomputed per micro-batch (step_loss.micro_batch_loss)
     keep_BxT = None
     if token_filter.enabled:
-        keep_BxT = high_entropy_mask(no_grad.entropy_BxT, loss_mask_BxT, token_filter.rho,
-                                     rule=token_filter.rule).astype(jnp.float32)
+        keep_BxT = high_entropy_mask(
+            no_grad.entropy_BxT, loss_mask_BxT, token_filter.rho, rule=token_filter.rule
+        ).astype(jnp.float32)
         omega_BxT = omega_BxT * keep_BxT
     return TokenSelection(omega_BxT=omega_BxT, keep_BxT=keep_BxT, stare_info=info)
 
 
 def _selection_metrics(stare_state: StareState, batch_entropy, selection: TokenSelection, loss_mask_BxT) -> dict:
     """The controller's state after step 2 and STARE's selection metrics."""
-    metrics = {"entropy": batch_entropy, "gate_on": stare_state.gate_on.astype(jnp.float32),
-               "stare_w": stare_state.w, "stare_m": stare_state.m, "response_tokens": jnp.sum(loss_mask_BxT)}
+    metrics = {
+        "entropy": batch_entropy,
+        "gate_on": stare_state.gate_on.astype(jnp.float32),
+        "stare_w": stare_state.w,
+        "stare_m": stare_state.m,
+        "response_tokens": jnp.sum(loss_mask_BxT),
+    }
     metrics.update({"stare/" + k: v for k, v in selection.stare_info["metrics"].items()})
     return metrics
 
@@ -568,8 +652,13 @@ def _loss_advantages(cfg: TrainStepConfig, advantages_B, entropy_BxT, loss_mask_
     A + min(alpha sg(H), |A| / kappa) [B, T] with H from pass 1."""
     if not cfg.advantage.entropy_adv:
         return advantages_B, {}
-    advantages_BxT = entropy_advantage(advantages_B, entropy_BxT, loss_mask_BxT,
-                                       alpha=cfg.advantage.entropy_adv_alpha, kappa=cfg.advantage.entropy_adv_kappa)
+    advantages_BxT = entropy_advantage(
+        advantages_B,
+        entropy_BxT,
+        loss_mask_BxT,
+        alpha=cfg.advantage.entropy_adv_alpha,
+        kappa=cfg.advantage.entropy_adv_kappa,
+    )
     bonus = _masked_mean(advantages_BxT - advantages_B[:, None], loss_mask_BxT)
     return advantages_BxT, {"entropy_adv/bonus_mean": bonus}
 
@@ -578,31 +667,54 @@ def _theory_metrics(no_grad: NoGradPass, advantages_B, loss_mask_BxT, selection:
     """stare.theory_diagnostics: the batch entropy terms (Phi, Lambda, Gamma, W*) and where s* falls."""
     theory, sets = no_grad.theory, selection.stare_info["sets"]
     assert theory is not None
-    terms = batch_entropy_terms(theory["phi"], advantages_B, loss_mask_BxT, omega_BxT=selection.omega_BxT,
-                                pos_set_BxT=sets["pos_high"], neg_set_BxT=sets["neg_high"])
+    terms = batch_entropy_terms(
+        theory["phi"],
+        advantages_B,
+        loss_mask_BxT,
+        omega_BxT=selection.omega_BxT,
+        pos_set_BxT=sets["pos_high"],
+        neg_set_BxT=sets["neg_high"],
+    )
     metrics = {"theory/" + k: v for k, v in terms.items()}
     surprisal_BxT = -no_grad.old_logprobs_BxT
     pos_high_BxT = sets["pos_high"]
-    metrics["theory/frac_pos_high_above_sstar"] = (jnp.sum(pos_high_BxT & (surprisal_BxT > theory["s_star"]))
-                                                   / jnp.maximum(jnp.sum(pos_high_BxT), 1))
+    metrics["theory/frac_pos_high_above_sstar"] = jnp.sum(
+        pos_high_BxT & (surprisal_BxT > theory["s_star"])
+    ) / jnp.maximum(jnp.sum(pos_high_BxT), 1)
     metrics["theory/s_star_mean"] = _masked_mean(theory["s_star"], loss_mask_BxT)
     return metrics
 
 
-def _one_update(carry, update_index, *, statics: StepStatics, layout, per_sequence: SequenceArrays, rest,
-                stare_state: StareState, step_key):
+def _one_update(
+    carry,
+    update_index,
+    *,
+    statics: StepStatics,
+    layout,
+    per_sequence: SequenceArrays,
+    rest,
+    stare_state: StareState,
+    step_key,
+):
     """One optimizer update (lax.scan body over epochs x mini-batches): mini-batch update_index % num_mini_batches,
     its gradient accumulated over micro-batches, then guarded_update. carry: (params, optimizer state)."""
     params, opt_state = carry
     cfg, plan = statics.cfg, statics.plan
     mini_index = update_index % cfg.num_mini_batches
     mini_size = layout.num_sequences // cfg.num_mini_batches
-    mini_batch = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, mini_index * mini_size, mini_size, axis=0),
-                              per_sequence)
+    mini_batch = jax.tree.map(
+        lambda a: jax.lax.dynamic_slice_in_dim(a, mini_index * mini_size, mini_size, axis=0), per_sequence
+    )
     normalizers = loss_normalizers(plan, mini_batch.loss_mask_BxT)
     micro_xs, nonempty, micro_fn = layout.micro_batches(mini_index, mini_batch)
-    loss_fn = functools.partial(micro_batch_loss, plan=plan, forward=functools.partial(_forward, statics), rest=rest,
-                                micro_fn=micro_fn, stare_state=stare_state)
+    loss_fn = functools.partial(
+        micro_batch_loss,
+        plan=plan,
+        forward=functools.partial(_forward, statics),
+        rest=rest,
+        micro_fn=micro_fn,
+        stare_state=stare_state,
+    )
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     zero_metrics = {k: jnp.float32(0.0) for k in update_metric_names(plan)}
     scan_xs = {"x": micro_xs}
@@ -610,12 +722,19 @@ def _one_update(carry, update_index, *, statics: StepStatics, layout, per_sequen
         scan_xs["i"] = jnp.arange(layout.micro)
     if nonempty is not None:  # a packed micro-batch left empty costs nothing
         scan_xs["run"] = nonempty
-    loss_and_grad = functools.partial(_micro_loss_and_grad, grad_fn=grad_fn, params=params, normalizers=normalizers,
-                                      step_key=step_key if plan.micro_batch_key else None,
-                                      update_index=update_index, num_micro=layout.micro)
+    loss_and_grad = functools.partial(
+        _micro_loss_and_grad,
+        grad_fn=grad_fn,
+        params=params,
+        normalizers=normalizers,
+        step_key=step_key if plan.micro_batch_key else None,
+        update_index=update_index,
+        num_micro=layout.micro,
+    )
     grads, loss, metric_sums = accumulate_gradients(loss_and_grad, params, scan_xs, zero_metrics)
-    new_params, new_opt_state, grad_norm, finite = guarded_update(statics.tx, grads, loss, params, opt_state,
-                                                                  offload=cfg.offload.optimizer)
+    new_params, new_opt_state, grad_norm, finite = guarded_update(
+        statics.tx, grads, loss, params, opt_state, offload=cfg.offload.optimizer
+    )
     out = dict(metric_sums, loss=loss, grad_norm=grad_norm, skipped=(~finite).astype(jnp.float32))
     if cfg.debug_outputs:
         out["grads"] = grads
@@ -633,12 +752,14 @@ def _update_metrics(cfg: TrainStepConfig, updates: dict, num_updates: int) -> di
     """The metrics of the updates' scan: means over updates, token-weighted fractions, skipped updates."""
     count = jnp.maximum(jnp.sum(updates["token_count"]), 1.0)
     metrics = {
-        "loss": jnp.mean(updates["loss"]), "grad_norm": jnp.mean(updates["grad_norm"]),
+        "loss": jnp.mean(updates["loss"]),
+        "grad_norm": jnp.mean(updates["grad_norm"]),
         "clipfrac": jnp.sum(updates["clipfrac_sum"]) / count,
         "clipfrac_lower": jnp.sum(updates["clipfrac_lower_sum"]) / count,
         "approx_kl": jnp.sum(updates["approx_kl_sum"]) / count,
         "omega_mean_used": jnp.sum(updates["omega_sum"]) / count,
-        "skipped_updates": jnp.sum(updates["skipped"]), "num_updates": jnp.float32(num_updates),
+        "skipped_updates": jnp.sum(updates["skipped"]),
+        "num_updates": jnp.float32(num_updates),
     }
     if cfg.kl.as_loss:
         metrics["kl_loss"] = jnp.mean(updates["kl_agg"])  # agg(kl(lp, ref_lp)) before kl.coef (verl actor/kl_loss)
@@ -674,20 +795,45 @@ def batch_shardings(mesh, batch_axes=BATCH_AXES, keys=BATCH_KEYS):
     return {k: batch_sharding(mesh, batch_axes) for k in keys}
 
 
-def make_train_step(graphdef, cfg: TrainStepConfig, *, mesh=None, train_state: TrainState | None = None,
-                    rules=None, batch_axes=BATCH_AXES, donate: bool = True) -> Callable:
+def make_train_step(
+    graphdef,
+    cfg: TrainStepConfig,
+    *,
+    mesh=None,
+    train_state: TrainState | None = None,
+    rules=None,
+    batch_axes=BATCH_AXES,
+    donate: bool = True,
+) -> Callable:
     """jax.jit-compiled step (jit_step). With a mesh: in/out shardings = the train_state's current shardings (pass
     the initialised train_state), batch sharded over batch_axes on its leading axis, controller state and metrics
     replicated, reference parameters (cfg.kl.enabled) sharded like the params and not donated; the model's
     activation constraints use `rules` (default: stare_jax.models.sharding rules)."""
     step_fn = build_step_fn(graphdef, cfg, mesh=mesh, batch_axes=batch_axes if mesh is not None else ())
-    return jit_step(step_fn, mesh=mesh, train_state=train_state, keys=batch_keys(cfg), with_ref=cfg.kl.enabled,
-                    rules=rules, batch_axes=batch_axes, donate=donate)
+    return jit_step(
+        step_fn,
+        mesh=mesh,
+        train_state=train_state,
+        keys=batch_keys(cfg),
+        with_ref=cfg.kl.enabled,
+        rules=rules,
+        batch_axes=batch_axes,
+        donate=donate,
+    )
 
 
-def jit_step(step_fn: Callable, *, mesh=None, train_state: TrainState | None = None, keys: tuple = BATCH_KEYS,
-             state_args: int = 1, with_ref: bool = False, rules=None, batch_axes=BATCH_AXES,
-             donate: bool = True) -> Callable:
+def jit_step(
+    step_fn: Callable,
+    *,
+    mesh=None,
+    train_state: TrainState | None = None,
+    keys: tuple = BATCH_KEYS,
+    state_args: int = 1,
+    with_ref: bool = False,
+    rules=None,
+    batch_axes=BATCH_AXES,
+    donate: bool = True,
+) -> Callable:
     """step_fn(train_state, batch, *state [, ref_params]) -> (train_state, *state, metrics), jitted with the train
     state donated: plain jax.jit without a mesh; on a mesh a ShardedStep whose train state keeps its current
     shardings (pass the initialised train_state), batch keys sharded over batch_axes, the `state_args` state
@@ -701,8 +847,11 @@ def jit_step(step_fn: Callable, *, mesh=None, train_state: TrainState | None = N
     rules = DEFAULT_RULES if rules is None else rules
     rep = NamedSharding(mesh, P())
     state_sh = train_state_shardings(train_state, mesh)
-    in_sh = ((state_sh, batch_shardings(mesh, batch_axes, keys)) + (rep,) * state_args
-             + ((state_sh.params,) if with_ref else ()))
+    in_sh = (
+        (state_sh, batch_shardings(mesh, batch_axes, keys))
+        + (rep,) * state_args
+        + ((state_sh.params,) if with_ref else ())
+    )
     out_sh = (state_sh,) + (rep,) * (state_args + 1)
     jitted = jax.jit(step_fn, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate_argnums)
     return ShardedStep(jitted, mesh, rules, tuple(batch_axes), tuple(keys), with_ref, state_args)
@@ -732,7 +881,7 @@ class ShardedStep:
 
     def __call__(self, train_state, batch, *args):
         """step(train_state, batch, *state [, ref_params]): the RL step's state is its controller state."""
-        state, extra = args[:self.state_args], args[self.state_args:]
+        state, extra = args[: self.state_args], args[self.state_args :]
         ref_params = extra[0] if extra else None
         missing = [k for k in self.keys if k not in batch]
         if missing:
@@ -743,8 +892,10 @@ class ShardedStep:
         shards = math.prod(self.mesh.shape[a] for a in self.batch_axes)
         for k, v in batch.items():
             if jnp.shape(v)[0] % shards:
-                raise ValueError(f"batch[{k!r}] has {jnp.shape(v)[0]} rows, not divisible by the {shards} devices "
-                                 f"of mesh axes {self.batch_axes}")
+                raise ValueError(
+                    f"batch[{k!r}] has {jnp.shape(v)[0]} rows, not divisible by the {shards} devices "
+                    f"of mesh axes {self.batch_axes}"
+                )
         with self.context():
             return self.jitted(train_state, batch, *state, *((ref_params,) if self.with_ref else ()))
 

@@ -4,6 +4,7 @@ The plan is decided once from the static TrainStepConfig (loss_plan): which poli
 STARE's omega / the 80/20 filter weight it, whether omega is recomputed per micro-batch, the entropy bonus and the
 KL loss. The traced code (micro_batch_loss) then reads named decisions instead of re-deriving them from the config.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +55,13 @@ def loss_plan(cfg: TrainStepConfig) -> LossPlan:
     """The LossPlan of a TrainStepConfig; ValueError when omega must weight a loss that has no per-token weights."""
     stare, token_filter, kl = cfg.stare, cfg.token_filter, cfg.kl
     requested = cfg.policy_loss.name
-    plain = (requested in PLAIN_LOSSES and cfg.entropy_coeff == 0.0 and not token_filter.enabled and not kl.as_loss
-             and not cfg.advantage.entropy_adv)
+    plain = (
+        requested in PLAIN_LOSSES
+        and cfg.entropy_coeff == 0.0
+        and not token_filter.enabled
+        and not kl.as_loss
+        and not cfg.advantage.entropy_adv
+    )
     omega_weighted = stare.enabled or token_filter.enabled
     name = ("stare" if omega_weighted else "vanilla") if requested in PLAIN_LOSSES else requested
     if omega_weighted and "omega_BxT" not in LOSS_OPTIONS[name]:
@@ -64,13 +70,25 @@ def loss_plan(cfg: TrainStepConfig) -> LossPlan:
     clip = {"clip_ratio_low": cfg.clip_low, "clip_ratio_high": cfg.clip_high, "clip_ratio_c": cfg.clip_c}
     options.update({k: v for k, v in clip.items() if k in LOSS_OPTIONS[name]})
     return LossPlan(
-        name=name, options=tuple(options.items()), plain=plain, omega_weighted=omega_weighted,
+        name=name,
+        options=tuple(options.items()),
+        plain=plain,
+        omega_weighted=omega_weighted,
         omega_per_micro_batch=stare.enabled and stare.scope == "micro_batch",
         on_policy=cfg.num_mini_batches == 1 and cfg.ppo_epochs == 1,
-        micro_batch_key=not plain and name == "clip_cov", token_filter=token_filter.enabled,
-        agg=cfg.loss_agg, agg_constant=cfg.loss_agg_constant, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-        clip_c=cfg.clip_c, entropy_coeff=cfg.entropy_coeff, kl_loss=kl.as_loss, kl_coef=kl.coef, kl_kind=kl.kind,
-        stare=stare)
+        micro_batch_key=not plain and name == "clip_cov",
+        token_filter=token_filter.enabled,
+        agg=cfg.loss_agg,
+        agg_constant=cfg.loss_agg_constant,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        clip_c=cfg.clip_c,
+        entropy_coeff=cfg.entropy_coeff,
+        kl_loss=kl.as_loss,
+        kl_coef=kl.coef,
+        kl_kind=kl.kind,
+        stare=stare,
+    )
 
 
 class SequenceArrays(NamedTuple):
@@ -102,8 +120,9 @@ def loss_normalizers(plan: LossPlan, loss_mask_BxT) -> LossNormalizers:
         token_terms = loss_normalizer(loss_mask_BxT, plan.agg)
     if plan.plain or plan.name not in VERL_NORMALIZED_LOSSES:
         return LossNormalizers(policy_loss=token_terms, token_terms=token_terms)
-    return LossNormalizers(policy_loss=policy_loss_normalizer(plan.name, loss_mask_BxT, plan.agg),
-                           token_terms=token_terms)
+    return LossNormalizers(
+        policy_loss=policy_loss_normalizer(plan.name, loss_mask_BxT, plan.agg), token_terms=token_terms
+    )
 
 
 def update_metric_names(plan: LossPlan) -> tuple[str, ...]:
@@ -111,8 +130,18 @@ def update_metric_names(plan: LossPlan) -> tuple[str, ...]:
     return UPDATE_SUM_METRICS + ("omega_sum",) + (("kl_agg",) if plan.kl_loss else ())
 
 
-def micro_batch_loss(params, x, normalizers: LossNormalizers, key, *, plan: LossPlan, forward: Callable, rest,
-                     micro_fn: Callable, stare_state: StareState):
+def micro_batch_loss(
+    params,
+    x,
+    normalizers: LossNormalizers,
+    key,
+    *,
+    plan: LossPlan,
+    forward: Callable,
+    rest,
+    micro_fn: Callable,
+    stare_state: StareState,
+):
     """(loss, metrics) of one micro-batch x under params (the step differentiates it): forward(params, rest,
     *inputs) -> (log-probs, entropy) is the model; micro_fn(model, x) -> (log-probs, entropy, SequenceArrays as a
     tuple) the layout's view of the micro-batch; key: clip_cov's (plan.micro_batch_key, else None)."""
@@ -120,15 +149,30 @@ def micro_batch_loss(params, x, normalizers: LossNormalizers, key, *, plan: Loss
     seq = SequenceArrays(*arrays)
     omega_BxT = seq.omega_BxT
     if plan.omega_per_micro_batch:
-        omega_BxT, _ = stare_omega(jax.lax.stop_gradient(logprobs_BxT), seq.advantages, seq.loss_mask_BxT,
-                                   stare_state, plan.stare, entropy_BxT=jax.lax.stop_gradient(entropy_BxT),
-                                   scope="micro_batch")
+        omega_BxT, _ = stare_omega(
+            jax.lax.stop_gradient(logprobs_BxT),
+            seq.advantages,
+            seq.loss_mask_BxT,
+            stare_state,
+            plan.stare,
+            entropy_BxT=jax.lax.stop_gradient(entropy_BxT),
+            scope="micro_batch",
+        )
         omega_BxT = omega_BxT * seq.keep_BxT if plan.token_filter else omega_BxT
     kl_agg = None
     if plan.plain:
-        loss, terms = policy_loss(logprobs_BxT, seq.old_logprobs_BxT, seq.advantages, seq.loss_mask_BxT,
-                                  omega_BxT=omega_BxT, clip_low=plan.clip_low, clip_high=plan.clip_high,
-                                  clip_c=plan.clip_c, agg=plan.agg, normalizer=normalizers.policy_loss)
+        loss, terms = policy_loss(
+            logprobs_BxT,
+            seq.old_logprobs_BxT,
+            seq.advantages,
+            seq.loss_mask_BxT,
+            omega_BxT=omega_BxT,
+            clip_low=plan.clip_low,
+            clip_high=plan.clip_high,
+            clip_c=plan.clip_c,
+            agg=plan.agg,
+            normalizer=normalizers.policy_loss,
+        )
     else:
         loss, terms, kl_agg = _composite_loss(plan, logprobs_BxT, entropy_BxT, seq, omega_BxT, normalizers, key)
     metrics = {k: terms[k] for k in UPDATE_SUM_METRICS}
@@ -138,8 +182,9 @@ def micro_batch_loss(params, x, normalizers: LossNormalizers, key, *, plan: Loss
     return loss, metrics
 
 
-def _composite_loss(plan: LossPlan, logprobs_BxT, entropy_BxT, seq: SequenceArrays, omega_BxT,
-                    normalizers: LossNormalizers, key):
+def _composite_loss(
+    plan: LossPlan, logprobs_BxT, entropy_BxT, seq: SequenceArrays, omega_BxT, normalizers: LossNormalizers, key
+):
     """(loss, the policy loss's terms, the KL loss's aggregate or None) outside the plain path:
     compute_policy_loss(plan.name), minus the entropy bonus, plus the KL loss (verl use_kl_loss)."""
     old_logprobs_BxT = seq.old_logprobs_BxT
@@ -150,14 +195,30 @@ def _composite_loss(plan: LossPlan, logprobs_BxT, entropy_BxT, seq: SequenceArra
         options["omega_BxT"] = omega_BxT
     if plan.micro_batch_key:
         options["key"] = key
-    loss, terms = compute_policy_loss(plan.name, old_logprobs_BxT, logprobs_BxT, seq.advantages, seq.loss_mask_BxT,
-                                      loss_agg_mode=plan.agg, **options)
+    loss, terms = compute_policy_loss(
+        plan.name, old_logprobs_BxT, logprobs_BxT, seq.advantages, seq.loss_mask_BxT, loss_agg_mode=plan.agg, **options
+    )
     if plan.entropy_coeff:
-        loss = loss + entropy_bonus(entropy_BxT, seq.loss_mask_BxT, plan.entropy_coeff, loss_agg_mode=plan.agg,
-                                    normalizer=normalizers.token_terms)[0]
+        loss = (
+            loss
+            + entropy_bonus(
+                entropy_BxT,
+                seq.loss_mask_BxT,
+                plan.entropy_coeff,
+                loss_agg_mode=plan.agg,
+                normalizer=normalizers.token_terms,
+            )[0]
+        )
     kl_agg = None
     if plan.kl_loss:  # verl use_kl_loss: + kl_loss_coef * agg_loss(kl_penalty(lp, ref_lp), loss_agg_mode)
-        kl_term, kl_agg = kl_loss(logprobs_BxT, seq.ref_logprobs_BxT, seq.loss_mask_BxT, plan.kl_coef,
-                                  kind=plan.kl_kind, loss_agg_mode=plan.agg, normalizer=normalizers.token_terms)
+        kl_term, kl_agg = kl_loss(
+            logprobs_BxT,
+            seq.ref_logprobs_BxT,
+            seq.loss_mask_BxT,
+            plan.kl_coef,
+            kind=plan.kl_kind,
+            loss_agg_mode=plan.agg,
+            normalizer=normalizers.token_terms,
+        )
         loss = loss + kl_term
     return loss, terms, kl_agg

@@ -6,6 +6,7 @@ Theorem 3.1: under dz_v = eta A (delta_va - pi_v), dH/deta|0 = -A Phi(p_a).  The
 Proposition 3.2: unique p* in (e^-H, 1) with Phi(p*) = 0, Phi > 0 iff p > p*; critical surprisal s* = -ln p*.
 Because Phi depends on pi only through (H, S2), s* is a scalar bisection per position (cheap inside a chunked pass).
 """
+
 from __future__ import annotations
 
 import jax
@@ -23,7 +24,7 @@ def entropy_and_s2(probs_V):
     probs_V = jnp.asarray(probs_V, jnp.float32)
     h = -jnp.sum(_xlogx(probs_V), axis=-1)
     logp = jnp.log(jnp.where(probs_V > 0, probs_V, 1.0))
-    s2 = jnp.sum(jnp.where(probs_V > 0, probs_V ** 2 * (logp + h[..., None]), 0.0), axis=-1)
+    s2 = jnp.sum(jnp.where(probs_V > 0, probs_V**2 * (logp + h[..., None]), 0.0), axis=-1)
     return h, s2
 
 
@@ -78,8 +79,7 @@ def critical_surprisal(probs_V):
     return critical_surprisal_from_stats(h, s2)
 
 
-def batch_entropy_terms(phi_BxT, advantages_B, mask_BxT, *, omega_BxT=None, pos_set_BxT=None,
-                        neg_set_BxT=None):
+def batch_entropy_terms(phi_BxT, advantages_B, mask_BxT, *, omega_BxT=None, pos_set_BxT=None, neg_set_BxT=None):
     """Batch quantities of Section 3.3/4.2 with signs kept (the quantile proxy set need not be exact):
     Lambda = sum A Phi; Gamma+ = -sum_{L+} A Phi; Gamma- = sum_{L-} A Phi; W* = 1 + Lambda / Gamma+ (NaN when
     Gamma+ <= 0); predicted first-order entropy change per unit step, -(1/N) sum omega A Phi (omega = 1 if None);
@@ -92,5 +92,11 @@ def batch_entropy_terms(phi_BxT, advantages_B, mask_BxT, *, omega_BxT=None, pos_
     gamma_neg = jnp.sum(jnp.where(neg_set_BxT, a_phi, 0.0)) if neg_set_BxT is not None else jnp.float32(0.0)
     w_star = jnp.where(gamma_pos > 0, 1.0 + lam / jnp.where(gamma_pos > 0, gamma_pos, 1.0), jnp.nan)
     omega = jnp.ones_like(a_phi) if omega_BxT is None else jnp.asarray(omega_BxT, jnp.float32)
-    return {"lambda": lam, "gamma_pos": gamma_pos, "gamma_neg": gamma_neg, "w_star": w_star,
-            "predicted_dH": -jnp.sum(omega * a_phi) / n, "grpo_predicted_dH": -lam / n}
+    return {
+        "lambda": lam,
+        "gamma_pos": gamma_pos,
+        "gamma_neg": gamma_neg,
+        "w_star": w_star,
+        "predicted_dH": -jnp.sum(omega * a_phi) / n,
+        "grpo_predicted_dH": -lam / n,
+    }

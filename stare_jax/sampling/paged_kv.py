@@ -6,6 +6,7 @@ physical page holds which tokens. Page 0 is reserved as the trash page (never al
 count is the number of owners (sequences, or a prompt's prefix entry while its samples are being admitted);
 only full pages of a prompt prefix are ever shared, so no two sequences write to the same page.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,8 +45,9 @@ class PagePool:
     def alloc(self, n: int) -> list[int]:
         """n fresh pages with one reference each; PagesExhausted (nothing allocated) if fewer are free."""
         if n > len(self._free):
-            raise PagesExhausted(f"{n} pages needed, {len(self._free)} free of {self.num_pages - 1}: raise "
-                                 f"sampling.engine.num_pages")
+            raise PagesExhausted(
+                f"{n} pages needed, {len(self._free)} free of {self.num_pages - 1}: raise sampling.engine.num_pages"
+            )
         out = [self._free.pop() for _ in range(n)]
         self.refs_N[out] = 1
         self.peak_used = max(self.peak_used, self.num_used)
@@ -78,7 +80,7 @@ def page_table(rows: list[list[int]], width: int) -> np.ndarray:
     for r, pages in enumerate(rows):
         if len(pages) > width:
             raise ValueError(f"row {r} has {len(pages)} pages, more than the table width {width}")
-        out[r, :len(pages)] = pages
+        out[r, : len(pages)] = pages
     return out
 
 

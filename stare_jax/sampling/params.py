@@ -8,6 +8,7 @@ are per call, and a multi-turn rollout changes them turn by turn). It validates 
 `program_inputs` turns it into the traced scalars both samplers' programs take after the key, so the two build
 them the same way. No jax here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,15 +60,22 @@ class SamplingParams:
     def program_inputs(self, model_config: Any) -> ProgramInputs:
         """The traced draw inputs of a sampling program for a model (its ModelConfig: vocab_size, eos_token_id)."""
         t = self.temperature
-        return ProgramInputs(np.asarray(t == 0, np.bool_), np.asarray(t if t > 0 else 1.0, np.float32),
-                             np.asarray(min(int(self.top_k), int(model_config.vocab_size)), np.int32),
-                             np.asarray(self.top_p, np.float32), eos_array(self.eos_ids, model_config))
+        return ProgramInputs(
+            np.asarray(t == 0, np.bool_),
+            np.asarray(t if t > 0 else 1.0, np.float32),
+            np.asarray(min(int(self.top_k), int(model_config.vocab_size)), np.int32),
+            np.asarray(self.top_p, np.float32),
+            eos_array(self.eos_ids, model_config),
+        )
 
 
 def check_draw_options(temperature: Any, top_p: Any, top_k: Any) -> None:
     """ValueError naming the first draw option out of range."""
-    if not isinstance(temperature, (int, float, np.floating, np.integer)) or not np.isfinite(temperature) \
-            or temperature < 0:
+    if (
+        not isinstance(temperature, (int, float, np.floating, np.integer))
+        or not np.isfinite(temperature)
+        or temperature < 0
+    ):
         raise ValueError(f"temperature must be a finite float >= 0 (0 = greedy), got {temperature!r}")
     if not isinstance(top_p, (int, float, np.floating, np.integer)) or not (0.0 < float(top_p) <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")

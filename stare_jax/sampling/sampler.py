@@ -25,6 +25,7 @@ Layout and choices (why):
 - Returned per sequence: tokens (without the prompt; EOS included if produced), the temperature-1 full
   vocabulary log-prob of each token, the length and whether it finished on an EOS (else on length).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from stare_jax import distributed
 from stare_jax.models import sharding as model_sharding
-from stare_jax.sampling import selection
-from stare_jax.sampling import sharding as sampling_sharding
+from stare_jax.sampling import selection, sharding as sampling_sharding
 from stare_jax.sampling.params import SamplingParams, check_counts
 
 
@@ -134,8 +134,13 @@ def _constrain(tree, sharding: NamedSharding | None, batch: int):
     if sharding is None:
         return tree
     return jax.tree.map(
-        lambda x: jax.lax.with_sharding_constraint(x, sharding)
-        if hasattr(x, "ndim") and x.ndim >= 1 and x.shape[0] == batch else x, tree)
+        lambda x: (
+            jax.lax.with_sharding_constraint(x, sharding)
+            if hasattr(x, "ndim") and x.ndim >= 1 and x.shape[0] == batch
+            else x
+        ),
+        tree,
+    )
 
 
 def _sequence_keys(key: jax.Array, prompt_index_P: jax.Array, num_samples: int) -> jax.Array:
@@ -145,8 +150,23 @@ def _sequence_keys(key: jax.Array, prompt_index_P: jax.Array, num_samples: int) 
     return jax.vmap(lambda p, g: jax.random.fold_in(jax.random.fold_in(key, p), g))(prompt_index_B, g_B)
 
 
-def _generate_core(graphdef, state, prompt_ids_PxT, prompt_mask_PxT, prompt_index_P, active_P, key,
-                   max_new_tokens, greedy, temperature, top_k, top_p, eos_E, *, spec: _LoopSpec) -> SampleArrays:
+def _generate_core(
+    graphdef,
+    state,
+    prompt_ids_PxT,
+    prompt_mask_PxT,
+    prompt_index_P,
+    active_P,
+    key,
+    max_new_tokens,
+    greedy,
+    temperature,
+    top_k,
+    top_p,
+    eos_E,
+    *,
+    spec: _LoopSpec,
+) -> SampleArrays:
     """The jitted sampling program (see module docstring)."""
     model = nnx.merge(graphdef, state)
     P, T = prompt_ids_PxT.shape
@@ -180,24 +200,35 @@ def _generate_core(graphdef, state, prompt_ids_PxT, prompt_mask_PxT, prompt_inde
     def emit(c: _Carry, logits_BxV) -> _Carry:
         """Choose token c.i for every unfinished row and record it."""
         uniform_B = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, c.i)))(keys_B)
-        tok_B, lp_B = selection.select_tokens(logits_BxV, uniform_B, greedy=greedy, temperature=temperature,
-                                              top_k=top_k, top_p=top_p)
+        tok_B, lp_B = selection.select_tokens(
+            logits_BxV, uniform_B, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p
+        )
         tok_B = jnp.where(c.done_B, spec.pad_id, tok_B)
         lp_B = jnp.where(c.done_B, 0.0, lp_B)
         hit_eos_B = jnp.any(tok_B[:, None] == eos_E[None, :], axis=-1) & ~c.done_B
         return c._replace(
-            i=c.i + 1, last_B=tok_B, pos_B=c.pos_B + 1,
+            i=c.i + 1,
+            last_B=tok_B,
+            pos_B=c.pos_B + 1,
             done_B=c.done_B | hit_eos_B | (c.i + 1 >= max_new_tokens),
             eos_B=c.eos_B | hit_eos_B,
             lengths_B=c.lengths_B + (~c.done_B).astype(jnp.int32),
             tokens_BxN=jax.lax.dynamic_update_slice(c.tokens_BxN, tok_B[:, None], (0, c.i)),
-            logprobs_BxN=jax.lax.dynamic_update_slice(c.logprobs_BxN, lp_B[:, None], (0, c.i)))
+            logprobs_BxN=jax.lax.dynamic_update_slice(c.logprobs_BxN, lp_B[:, None], (0, c.i)),
+        )
 
     carry = _Carry(
-        i=jnp.int32(0), last_B=jnp.zeros((B,), jnp.int32), pos_B=prompt_len_B - 1,
-        done_B=~rep(active_P), eos_B=jnp.zeros((B,), bool), lengths_B=jnp.zeros((B,), jnp.int32),
-        tokens_BxN=jnp.full((B, N), spec.pad_id, jnp.int32), logprobs_BxN=jnp.zeros((B, N), jnp.float32),
-        kv_mask_BxS=kv_mask_BxS, cache=cache)
+        i=jnp.int32(0),
+        last_B=jnp.zeros((B,), jnp.int32),
+        pos_B=prompt_len_B - 1,
+        done_B=~rep(active_P),
+        eos_B=jnp.zeros((B,), bool),
+        lengths_B=jnp.zeros((B,), jnp.int32),
+        tokens_BxN=jnp.full((B, N), spec.pad_id, jnp.int32),
+        logprobs_BxN=jnp.zeros((B, N), jnp.float32),
+        kv_mask_BxS=kv_mask_BxS,
+        cache=cache,
+    )
     carry = emit(carry, logits_BxV)
 
     def grow(c: _Carry, slots: int) -> _Carry:
@@ -237,6 +268,7 @@ def compiled_programs() -> int:
 
 # ----------------------------------------------------------------------------------------------- the sampler
 
+
 class Sampler:
     """Holds the model split into (graphdef, sampler-layout state) and runs the jitted sampling program.
 
@@ -255,10 +287,19 @@ class Sampler:
     pad_id: token written after a sequence's end (default: config pad_token_id, else 0).
     """
 
-    def __init__(self, model: nnx.Module, *, mesh: Mesh | None = None, cache_dtype=jnp.float32,
-                 min_prompt_bucket: int = 16, min_new_bucket: int = 16, min_batch_bucket: int = 1,
-                 decode_phases: int = 1, min_phase_tokens: int = 32,
-                 pad_id: int | None = None):
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        mesh: Mesh | None = None,
+        cache_dtype=jnp.float32,
+        min_prompt_bucket: int = 16,
+        min_new_bucket: int = 16,
+        min_batch_bucket: int = 1,
+        decode_phases: int = 1,
+        min_phase_tokens: int = 32,
+        pad_id: int | None = None,
+    ):
         self.config = model_config(model)
         self.mesh = mesh
         self.cache_dtype = jnp.dtype(cache_dtype).name
@@ -321,8 +362,14 @@ class Sampler:
         return tuple(new_bucket * (k + 1) // n for k in range(n))
 
     def _spec(self, num_samples, new_bucket) -> _LoopSpec:
-        return _LoopSpec(num_samples=int(num_samples), new_bucket=int(new_bucket), cache_dtype=self.cache_dtype,
-                         pad_id=self.pad_id, batch_sharding=self._batch_sharding, phases=self.phases(new_bucket))
+        return _LoopSpec(
+            num_samples=int(num_samples),
+            new_bucket=int(new_bucket),
+            cache_dtype=self.cache_dtype,
+            pad_id=self.pad_id,
+            batch_sharding=self._batch_sharding,
+            phases=self.phases(new_bucket),
+        )
 
     def _put_batch(self, x):
         if self.abstract:
@@ -333,9 +380,17 @@ class Sampler:
             return distributed.global_batch({"x": x}, self.mesh, model_sharding.batch_axes(self.mesh))["x"]
         return jax.device_put(x, self._batch_sharding)
 
-    def generate_arrays(self, prompt_ids_PxT, prompt_mask_PxT, *, max_new_tokens: int, num_samples: int = 1,
-                        sampling: SamplingParams = SamplingParams(), prompt_index_P=None,
-                        active_P=None) -> SampleArrays:
+    def generate_arrays(
+        self,
+        prompt_ids_PxT,
+        prompt_mask_PxT,
+        *,
+        max_new_tokens: int,
+        num_samples: int = 1,
+        sampling: SamplingParams = SamplingParams(),
+        prompt_index_P=None,
+        active_P=None,
+    ) -> SampleArrays:
         """Array API for the training loop: LEFT-padded prompt ids/mask [P, T] (device or host arrays) ->
         SampleArrays with B = P * num_samples rows (prompt-major) and N = max_new_tokens columns.
 
@@ -354,8 +409,9 @@ class Sampler:
             raise ValueError(f"empty prompt batch: prompt_ids_PxT has shape {(P, T)}")
         max_pos = getattr(self.config, "max_position_embeddings", None)
         if max_pos is not None and max_new_tokens >= max_pos:
-            raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's "
-                             f"context {max_pos}")
+            raise ValueError(
+                f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's context {max_pos}"
+            )
         if self.state is None:
             raise RuntimeError("the sampler's weights were released: call update_params(params) first")
         new_bucket = new_token_bucket(max_new_tokens, self.min_new_bucket)
@@ -370,9 +426,17 @@ class Sampler:
             mask = jnp.pad(mask, ((0, P_pad - P), (T_pad - T, 0))).at[P:, -1].set(1)  # pad rows: 1 real token
             index = jnp.pad(index, (0, P_pad - P))
             active = jnp.pad(active, (0, P_pad - P))
-        args = (self.graphdef, self.state, self._put_batch(ids), self._put_batch(mask), self._put_batch(index),
-                self._put_batch(active), jax.random.key(sampling.seed), jnp.int32(max_new_tokens),
-                *(jnp.asarray(x) for x in sampling.program_inputs(self.config)))
+        args = (
+            self.graphdef,
+            self.state,
+            self._put_batch(ids),
+            self._put_batch(mask),
+            self._put_batch(index),
+            self._put_batch(active),
+            jax.random.key(sampling.seed),
+            jnp.int32(max_new_tokens),
+            *(jnp.asarray(x) for x in sampling.program_inputs(self.config)),
+        )
         if self.abstract:
             rep = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
             args = args[:6] + tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep) for a in args[6:])
@@ -382,12 +446,22 @@ class Sampler:
             out = _generate_jit(*args, spec=spec)
         B = P * num_samples
         if new_bucket != max_new_tokens or P_pad != P:
-            out = SampleArrays(out.tokens_BxN[:B, :max_new_tokens], out.logprobs_BxN[:B, :max_new_tokens],
-                               out.lengths_B[:B], out.finished_B[:B])
+            out = SampleArrays(
+                out.tokens_BxN[:B, :max_new_tokens],
+                out.logprobs_BxN[:B, :max_new_tokens],
+                out.lengths_B[:B],
+                out.finished_B[:B],
+            )
         return out
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
-                 sampling: SamplingParams = SamplingParams()) -> SampleOutput:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        num_samples: int = 1,
+        sampling: SamplingParams = SamplingParams(),
+    ) -> SampleOutput:
         """List API: see `generate`."""
         check_counts(max_new_tokens, num_samples)
         prompts = _check_prompts(prompt_ids, self.config, max_new_tokens)
@@ -397,20 +471,28 @@ class Sampler:
         ids = np.zeros((P_pad, T), np.int32)
         mask = np.zeros((P_pad, T), np.int32)
         for r, p in enumerate(prompts):
-            ids[r, T - len(p):] = p
-            mask[r, T - len(p):] = 1
+            ids[r, T - len(p) :] = p
+            mask[r, T - len(p) :] = 1
         mask[P:, -1] = 1  # padding rows: one real token, so no row attends to nothing
-        out = self.generate_arrays(ids, mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                                   sampling=sampling, prompt_index_P=np.arange(P_pad, dtype=np.int32),
-                                   active_P=np.arange(P_pad) < P)
+        out = self.generate_arrays(
+            ids,
+            mask,
+            max_new_tokens=max_new_tokens,
+            num_samples=num_samples,
+            sampling=sampling,
+            prompt_index_P=np.arange(P_pad, dtype=np.int32),
+            active_P=np.arange(P_pad) < P,
+        )
         B = P * num_samples
-        tokens, logprobs, lengths, finished = (x[:B] for x in jax.device_get(
-            (out.tokens_BxN, out.logprobs_BxN, out.lengths_B, out.finished_B)))
+        tokens, logprobs, lengths, finished = (
+            x[:B] for x in jax.device_get((out.tokens_BxN, out.logprobs_BxN, out.lengths_B, out.finished_B))
+        )
         return SampleOutput(
-            tokens=[tokens[b, :lengths[b]].tolist() for b in range(B)],
-            logprobs=[logprobs[b, :lengths[b]].tolist() for b in range(B)],
+            tokens=[tokens[b, : lengths[b]].tolist() for b in range(B)],
+            logprobs=[logprobs[b, : lengths[b]].tolist() for b in range(B)],
             finish_reasons=["eos" if finished[b] else "length" for b in range(B)],
-            lengths=[int(n) for n in lengths])
+            lengths=[int(n) for n in lengths],
+        )
 
 
 def _check_prompts(prompt_ids, cfg, max_new_tokens: int) -> list[list[int]]:
@@ -432,18 +514,27 @@ def _check_prompts(prompt_ids, cfg, max_new_tokens: int) -> list[list[int]]:
         if max_pos is not None and len(p) > max_pos:
             raise ValueError(f"prompt {i} has {len(p)} tokens, more than the model's context {max_pos}")
         if max_pos is not None and len(p) + max_new_tokens > max_pos:
-            raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
-                             f"context {max_pos}")
+            raise ValueError(
+                f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceeds the model's context {max_pos}"
+            )
         prompts.append(p)
     return prompts
 
 
-def generate(model: nnx.Module, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
-             sampling: SamplingParams = SamplingParams(), mesh: Mesh | None = None,
-             cache_dtype=jnp.float32) -> SampleOutput:
+def generate(
+    model: nnx.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    num_samples: int = 1,
+    sampling: SamplingParams = SamplingParams(),
+    mesh: Mesh | None = None,
+    cache_dtype=jnp.float32,
+) -> SampleOutput:
     """Sample `num_samples` continuations of every prompt (token-id lists) from `model` with the draw options
     `sampling` (SamplingParams: temperature 0 = greedy; top_k 0 / top_p 1 = off; eos_ids None = the model config's
     eos_token_id, () = never stop early). Results are prompt-major: index p * num_samples + g.
     """
     return Sampler(model, mesh=mesh, cache_dtype=cache_dtype).generate(
-        prompt_ids, max_new_tokens=max_new_tokens, num_samples=num_samples, sampling=sampling)
+        prompt_ids, max_new_tokens=max_new_tokens, num_samples=num_samples, sampling=sampling
+    )

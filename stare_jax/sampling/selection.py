@@ -15,6 +15,7 @@ Design choices (CPU/GPU cost matters: these run once per generated token on [B, 
   and changing it never recompiles.
 - Order of warpers as in transformers: temperature, then top-k, then top-p (on the renormalised top-k set).
 """
+
 from __future__ import annotations
 
 import jax
@@ -28,8 +29,7 @@ def _blocks(logits_BxV: jax.Array, fill) -> jax.Array:
     """[B, V] -> [B, ceil(V / _BLOCK), _BLOCK], the tail block padded with `fill`."""
     B, V = logits_BxV.shape
     n_blocks = -(-V // _BLOCK)
-    return jnp.pad(logits_BxV, ((0, 0), (0, n_blocks * _BLOCK - V)), constant_values=fill).reshape(
-        B, n_blocks, _BLOCK)
+    return jnp.pad(logits_BxV, ((0, 0), (0, n_blocks * _BLOCK - V)), constant_values=fill).reshape(B, n_blocks, _BLOCK)
 
 
 def block_max(logits_BxV: jax.Array) -> jax.Array:
@@ -164,13 +164,13 @@ def warp_scores(logits_BxV: jax.Array, temperature, top_k, top_p) -> jax.Array:
     scores_BxV = (logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True)) / jnp.asarray(temperature, jnp.float32)
     k = jnp.asarray(top_k, jnp.int32)
     p = jnp.asarray(top_p, jnp.float32)
-    scores_BxV = jax.lax.cond((k > 0) & (k < scores_BxV.shape[-1]), lambda s: top_k_mask(s, k), lambda s: s,
-                              scores_BxV)
+    scores_BxV = jax.lax.cond((k > 0) & (k < scores_BxV.shape[-1]), lambda s: top_k_mask(s, k), lambda s: s, scores_BxV)
     return jax.lax.cond(p < 1.0, lambda s: top_p_mask(s, p), lambda s: s, scores_BxV)
 
 
-def select_tokens(logits_BxV: jax.Array, uniform_B: jax.Array, *, greedy, temperature, top_k,
-                  top_p) -> tuple[jax.Array, jax.Array]:
+def select_tokens(
+    logits_BxV: jax.Array, uniform_B: jax.Array, *, greedy, temperature, top_k, top_p
+) -> tuple[jax.Array, jax.Array]:
     """(tokens_B int32, logprobs_B f32): the chosen tokens and their temperature-1 full-vocab log-probs.
 
     greedy (bool, may be traced) picks the argmax and ignores temperature/top-k/top-p."""

@@ -6,6 +6,7 @@ data axes and only sharded over "tensor" (tensor parallel, if the mesh has such 
 `reshard_for_sampling` does that with one jitted program (cast to the compute dtype + the new NamedShardings):
 device to device, no host round trip.
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
 
 PARAM_KEEP_AXES = ("tensor",)  # parameter axes the sampler keeps (everything else is replicated)
 

@@ -8,6 +8,7 @@ deliberately imperfect (some answer digits are replaced by random ones) so RL ha
 
 The reference 'answer' stored with a row is the spec `4:258`; the verifier only reads it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -52,12 +53,21 @@ def score(response: str, answer: str) -> float:
 
 
 def all_specs(k_range: tuple[int, int], set_size: int) -> list[tuple[int, str]]:
-    return [(k, "".join(c)) for k in range(k_range[0], k_range[1] + 1)
-            for c in itertools.combinations("0123456789", set_size)]
+    return [
+        (k, "".join(c))
+        for k in range(k_range[0], k_range[1] + 1)
+        for c in itertools.combinations("0123456789", set_size)
+    ]
 
 
-def make_rows(n: int, *, seed: int, k_range: tuple[int, int] = (3, 5), set_size: int = 3,
-              specs: list[tuple[int, str]] | None = None) -> list[dict]:
+def make_rows(
+    n: int,
+    *,
+    seed: int,
+    k_range: tuple[int, int] = (3, 5),
+    set_size: int = 3,
+    specs: list[tuple[int, str]] | None = None,
+) -> list[dict]:
     """n prompt rows {id, problem, answer}, drawn uniformly from `specs` (default: all (k, set) pairs)."""
     rng = random.Random(seed)
     specs = specs if specs is not None else all_specs(k_range, set_size)

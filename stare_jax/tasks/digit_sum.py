@@ -7,6 +7,7 @@ a row is the spec `4:17`, which the verifier reads; nothing from the response is
 
 Uniform sampling of valid answers (for the warm-start SFT corpus) uses exact counts from a small DP table.
 """
+
 from __future__ import annotations
 
 import functools

@@ -22,6 +22,7 @@ The reference stored with a row is the spec `37:5:2458` (m:k:digits). The verifi
 digits after its last closing tag (</interpreter> or </code>: the tool-disabled ablation has no observation), never
 evaluates model text, and checks answer % m == 0 and answer // m has exactly k digits, all from the set.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -48,10 +49,17 @@ def parse_spec(answer: str) -> tuple[int, int, str]:
         m, k = int(m_text), int(k_text)
     except ValueError:
         raise ValueError(f"tool-mul answer spec must look like 'M:K:DIGITS', got {answer!r}") from None
-    if m < 2 or m % 10 == 0 or k < 1 or not digits or not all(c in SET_DIGITS for c in digits) \
-            or len(set(digits)) != len(digits):
-        raise ValueError(f"tool-mul spec {answer!r}: need m >= 2 not a multiple of 10, k >= 1 and distinct digits "
-                         f"from 1-9")
+    if (
+        m < 2
+        or m % 10 == 0
+        or k < 1
+        or not digits
+        or not all(c in SET_DIGITS for c in digits)
+        or len(set(digits)) != len(digits)
+    ):
+        raise ValueError(
+            f"tool-mul spec {answer!r}: need m >= 2 not a multiple of 10, k >= 1 and distinct digits from 1-9"
+        )
     return m, k, digits
 
 
@@ -90,5 +98,10 @@ def score(response: str, answer: str) -> float:
 
 def all_specs(m_range: tuple[int, int], k_range: tuple[int, int], set_size: int) -> list[tuple[int, int, str]]:
     """Every (m, k, digits) with m in m_range (multiples of 10 left out), k in k_range and a set of set_size digits."""
-    return [(m, k, "".join(c)) for m in range(m_range[0], m_range[1] + 1) if m % 10
-            for k in range(k_range[0], k_range[1] + 1) for c in itertools.combinations(SET_DIGITS, set_size)]
+    return [
+        (m, k, "".join(c))
+        for m in range(m_range[0], m_range[1] + 1)
+        if m % 10
+        for k in range(k_range[0], k_range[1] + 1)
+        for c in itertools.combinations(SET_DIGITS, set_size)
+    ]

@@ -32,6 +32,7 @@ rather than json (which imports re), os.uname rather than platform, _signal rath
 leaves by os._exit (no interpreter finalisation). It is imported by `-c` (not run as a script) so its bytecode is
 cached in __pycache__ instead of compiled on every call.
 """
+
 from __future__ import annotations
 
 import _signal as signal  # type: ignore[import-not-found]  # C module; `signal` imports enum, functools, ...
@@ -52,8 +53,12 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 # statvfs f_flag bit -> the mount flag that keeps it (in a user namespace the source's flags are locked: a
 # remount must repeat them)
-_KEEP = ((os.ST_NOEXEC, MS_NOEXEC), (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME),
-         (os.ST_RELATIME, MS_RELATIME))
+_KEEP = (
+    (os.ST_NOEXEC, MS_NOEXEC),
+    (os.ST_NOATIME, MS_NOATIME),
+    (os.ST_NODIRATIME, MS_NODIRATIME),
+    (os.ST_RELATIME, MS_RELATIME),
+)
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
@@ -73,8 +78,10 @@ def _b(s: str | None):
 
 
 def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(_libc.mount(_b(source), _b(target), _b(fstype), ctypes.c_ulong(flags), _b(data)),
-           f"mount({source!r}, {target!r}, {fstype!r}, {flags:#x}, {data!r})")
+    _check(
+        _libc.mount(_b(source), _b(target), _b(fstype), ctypes.c_ulong(flags), _b(data)),
+        f"mount({source!r}, {target!r}, {fstype!r}, {flags:#x}, {data!r})",
+    )
 
 
 def unshare(flags: int) -> None:
@@ -82,8 +89,10 @@ def unshare(flags: int) -> None:
 
 
 def prctl(option: int, arg: int) -> None:
-    _check(_libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                       ctypes.c_ulong(0)), f"prctl({option})")
+    _check(
+        _libc.prctl(ctypes.c_int(option), ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)),
+        f"prctl({option})",
+    )
 
 
 def pivot_root(new_root: str, put_old: str) -> None:
@@ -148,8 +157,12 @@ def build_root(spec: dict) -> None:
     for name in DEVICES:
         open(f"{dev}/{name}", "w").close()
         mount(f"/dev/{name}", f"{dev}/{name}", None, MS_BIND)
-    for name, link in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                       ("stderr", "/proc/self/fd/2")):
+    for name, link in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(link, f"{dev}/{name}")
     os.makedirs(dev + "/shm")
     mount("tmpfs", dev + "/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={mb}m,mode=1777")
@@ -177,9 +190,14 @@ def exec_user(spec: dict, status_fd: int) -> None:
     fallback the uid sweep, catches it then)."""
     try:
         lim = spec["limits"]
-        for name, value in (("RLIMIT_CPU", lim["cpu_s"]), ("RLIMIT_AS", lim["as_bytes"]),
-                            ("RLIMIT_FSIZE", lim["fsize_bytes"]), ("RLIMIT_NPROC", lim["nproc"]),
-                            ("RLIMIT_NOFILE", lim["nofile"]), ("RLIMIT_CORE", 0)):
+        for name, value in (
+            ("RLIMIT_CPU", lim["cpu_s"]),
+            ("RLIMIT_AS", lim["as_bytes"]),
+            ("RLIMIT_FSIZE", lim["fsize_bytes"]),
+            ("RLIMIT_NPROC", lim["nproc"]),
+            ("RLIMIT_NOFILE", lim["nofile"]),
+            ("RLIMIT_CORE", 0),
+        ):
             hard = value + 1 if name == "RLIMIT_CPU" else value  # SIGXCPU at the soft limit, SIGKILL 1 s later
             resource.setrlimit(getattr(resource, name), (value, hard))
         prctl(PR_SET_NO_NEW_PRIVS, 1)  # no setuid binary can give privileges back

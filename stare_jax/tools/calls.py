@@ -23,6 +23,7 @@ exception: invalid JSON, an unknown tool name, missing or non-string code, empty
 each get a CallStatus (counted by `status_counts`) and an observation text saying what was wrong; the code is then
 not run. Model text is only parsed here, never evaluated.
 """
+
 from __future__ import annotations
 
 import enum
@@ -34,10 +35,26 @@ from typing import Any, Literal
 
 from stare_jax.tools.sandbox import ExecResult
 
-__all__ = ["CallFormat", "CallStatus", "ToolCall", "ObservationFormat", "HERMES_QWEN25", "RETOOL", "call_tags",
-           "ends_inside_call", "stop_strings",
-           "ends_with_call", "parse_call", "result_status", "observation", "observation_content",
-           "observation_format_from_template", "status_counts", "CODE_TOOL", "CODE_TOOL_SCHEMA"]
+__all__ = [
+    "CallFormat",
+    "CallStatus",
+    "ToolCall",
+    "ObservationFormat",
+    "HERMES_QWEN25",
+    "RETOOL",
+    "call_tags",
+    "ends_inside_call",
+    "stop_strings",
+    "ends_with_call",
+    "parse_call",
+    "result_status",
+    "observation",
+    "observation_content",
+    "observation_format_from_template",
+    "status_counts",
+    "CODE_TOOL",
+    "CODE_TOOL_SCHEMA",
+]
 
 CallFormat = Literal["hermes", "retool"]
 CODE_TOOL = "code_interpreter"
@@ -45,11 +62,20 @@ _TAGS = {"hermes": ("<tool_call>", "</tool_call>"), "retool": ("<code>", "</code
 _FENCE = re.compile(r"\A\s*```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)\n?[ \t]*```\s*\Z", re.DOTALL | re.IGNORECASE)
 
 
-CODE_TOOL_SCHEMA = {"type": "function", "function": {
-    "name": CODE_TOOL, "description": "Runs Python code in a sandbox and returns what it prints (stdout, then stderr).",
-    "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "The Python code to "
-                                                                     "run; print what you need to see."}},
-                   "required": ["code"]}}}
+CODE_TOOL_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": CODE_TOOL,
+        "description": "Runs Python code in a sandbox and returns what it prints (stdout, then stderr).",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "description": "The Python code to run; print what you need to see."}
+            },
+            "required": ["code"],
+        },
+    },
+}
 
 
 class CallStatus(str, enum.Enum):
@@ -95,8 +121,9 @@ class ObservationFormat:
         return self.prefix + content + self.suffix
 
 
-HERMES_QWEN25 = ObservationFormat("<|im_end|>\n<|im_start|>user\n<tool_response>\n",
-                                  "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+HERMES_QWEN25 = ObservationFormat(
+    "<|im_end|>\n<|im_start|>user\n<tool_response>\n", "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+)
 RETOOL = ObservationFormat("\n<interpreter>\n", "\n</interpreter>\n")
 _DEFAULT_FORMATS = {"hermes": HERMES_QWEN25, "retool": RETOOL}
 
@@ -158,8 +185,12 @@ def _parse_hermes(body: str, tools: Sequence[str]) -> tuple[CallStatus, str | No
             pass
     code = args.get("code") if isinstance(args, dict) else None
     if not isinstance(code, str):
-        return (CallStatus.BAD_ARGUMENTS, name, None,
-                f'the {name} call needs "arguments": {{"code": "<python source>"}}')
+        return (
+            CallStatus.BAD_ARGUMENTS,
+            name,
+            None,
+            f'the {name} call needs "arguments": {{"code": "<python source>"}}',
+        )
     return CallStatus.OK, name, code, None
 
 
@@ -168,8 +199,9 @@ def _strip_fences(body: str) -> str:
     return m.group(1) if m else body.strip("\n")
 
 
-def parse_call(text: str, fmt: CallFormat, *, calls_so_far: int, max_turns: int,
-               tools: Sequence[str] = (CODE_TOOL,)) -> ToolCall | None:
+def parse_call(
+    text: str, fmt: CallFormat, *, calls_so_far: int, max_turns: int, tools: Sequence[str] = (CODE_TOOL,)
+) -> ToolCall | None:
     """The call `text` ends with (None when it ends with none). `calls_so_far`: calls this response already made
     (parsed ones, good or bad); at max_turns or more the call is refused (MAX_TURNS) whatever it holds."""
     span = _last_call_span(text, fmt)
@@ -178,9 +210,14 @@ def parse_call(text: str, fmt: CallFormat, *, calls_so_far: int, max_turns: int,
     start, body_start, body_end, end = span
     body = text[body_start:body_end]
     if calls_so_far >= max_turns:
-        return ToolCall(CallStatus.MAX_TURNS, None, None,
-                        f"the limit of {max_turns} tool calls per response is reached; the code was not run", start,
-                        end)
+        return ToolCall(
+            CallStatus.MAX_TURNS,
+            None,
+            None,
+            f"the limit of {max_turns} tool calls per response is reached; the code was not run",
+            start,
+            end,
+        )
     if fmt == "hermes":
         status, name, code, problem = _parse_hermes(body, tools)
     else:
@@ -199,8 +236,9 @@ def result_status(result: ExecResult) -> CallStatus:
     return CallStatus.OK if result.exit_code == 0 else CallStatus.ERROR
 
 
-def observation_content(call: ToolCall, result: ExecResult | None = None, *, empty: str = "(no output)",
-                        timeout_s: float | None = None) -> str:
+def observation_content(
+    call: ToolCall, result: ExecResult | None = None, *, empty: str = "(no output)", timeout_s: float | None = None
+) -> str:
     """What the interpreter says back, before wrapping: the output (stdout, then stderr), with a line for a
     timeout, a cut output or a sandbox failure; for a refused call, the problem."""
     if call.status is not CallStatus.OK:
@@ -214,8 +252,11 @@ def observation_content(call: ToolCall, result: ExecResult | None = None, *, emp
         notes.append("[output truncated]")
     if result.timed_out:
         limit = f" after {timeout_s:g} s" if timeout_s is not None else ""
-        notes.append(f"[timed out{limit}: the code was stopped]"
-                     if result.killed_by != "cpu_limit" else "[CPU time limit reached: the code was stopped]")
+        notes.append(
+            f"[timed out{limit}: the code was stopped]"
+            if result.killed_by != "cpu_limit"
+            else "[CPU time limit reached: the code was stopped]"
+        )
     elif result.killed_by == "output_limit":
         notes.append("[too much output: the code was stopped]")
     if result.error is not None:
@@ -224,13 +265,18 @@ def observation_content(call: ToolCall, result: ExecResult | None = None, *, emp
     return text or empty
 
 
-def observation(call: ToolCall, result: ExecResult | None, fmt: CallFormat, *,
-                wrapper: ObservationFormat | None = None, empty: str = "(no output)",
-                timeout_s: float | None = None) -> str:
+def observation(
+    call: ToolCall,
+    result: ExecResult | None,
+    fmt: CallFormat,
+    *,
+    wrapper: ObservationFormat | None = None,
+    empty: str = "(no output)",
+    timeout_s: float | None = None,
+) -> str:
     """The observation text appended after the call: the content wrapped for the format (hermes: the default
     Qwen2.5 tool turn, or `wrapper` from observation_format_from_template; retool: <interpreter> tags)."""
-    return (wrapper or _DEFAULT_FORMATS[fmt]).wrap(observation_content(call, result, empty=empty,
-                                                                      timeout_s=timeout_s))
+    return (wrapper or _DEFAULT_FORMATS[fmt]).wrap(observation_content(call, result, empty=empty, timeout_s=timeout_s))
 
 
 def observation_format_from_template(render: Callable[[list[dict[str, Any]], bool], str]) -> ObservationFormat:
@@ -238,13 +284,20 @@ def observation_format_from_template(render: Callable[[list[dict[str, Any]], boo
     call) and the next assistant turn: `render(messages, add_generation_prompt)` renders a conversation with the
     model's own template (e.g. `lambda m, g: tokenizer.apply_chat_template(m, add_generation_prompt=g)`)."""
     reply, tool = "\x00assistant-sentinel\x00", "\x00tool-sentinel\x00"
-    text = render([{"role": "user", "content": "question"}, {"role": "assistant", "content": reply},
-                   {"role": "tool", "content": tool}], True)
+    text = render(
+        [
+            {"role": "user", "content": "question"},
+            {"role": "assistant", "content": reply},
+            {"role": "tool", "content": tool},
+        ],
+        True,
+    )
     i, j = text.find(reply), text.find(tool)
     if i < 0 or j < i:
-        raise ValueError("observation_format_from_template: the template did not render the assistant and tool "
-                         "messages in order")
-    return ObservationFormat(text[i + len(reply):j], text[j + len(tool):])
+        raise ValueError(
+            "observation_format_from_template: the template did not render the assistant and tool messages in order"
+        )
+    return ObservationFormat(text[i + len(reply) : j], text[j + len(tool) :])
 
 
 def status_counts(statuses: Iterable[CallStatus | str]) -> dict[str, int]:

@@ -8,6 +8,7 @@ A thread pool (threads only wait: each call is its own process, see sandbox.run_
 once. A call that crashes, hangs, floods or breaks the backend comes back as an ExecResult (`error`, `timed_out`,
 `killed_by`): the model's failed tool call, never an exception in the trainer. `stats()` counts them.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,17 +33,32 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, *, timeout_s: float = 5.0, memory_mb: int = 1024, max_output_bytes: int = 16384,
-                 max_file_mb: int = 16, max_processes: int = 32, python: str | None = None,
-                 isolation: Isolation = "auto"):
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 5.0,
+        memory_mb: int = 1024,
+        max_output_bytes: int = 16384,
+        max_file_mb: int = 16,
+        max_processes: int = 32,
+        python: str | None = None,
+        isolation: Isolation = "auto",
+    ):
         self.timeout_s, self.memory_mb, self.max_output_bytes = timeout_s, memory_mb, max_output_bytes
         self.max_file_mb, self.max_processes = max_file_mb, max_processes
         self.python, self.isolation = python, isolation
 
     def run(self, code: str) -> ExecResult:
-        return run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
-                          max_output_bytes=self.max_output_bytes, max_file_mb=self.max_file_mb,
-                          max_processes=self.max_processes, python=self.python, isolation=self.isolation)
+        return run_python(
+            code,
+            timeout_s=self.timeout_s,
+            memory_mb=self.memory_mb,
+            max_output_bytes=self.max_output_bytes,
+            max_file_mb=self.max_file_mb,
+            max_processes=self.max_processes,
+            python=self.python,
+            isolation=self.isolation,
+        )
 
 
 class SandboxPool:
@@ -57,8 +73,9 @@ class SandboxPool:
         self.max_workers = max_workers
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="sandbox")
         self._lock = threading.Lock()
-        self._stats = dict(n_calls=0, n_ok=0, n_failed=0, n_timeout=0, n_output_limit=0, n_truncated=0,
-                           n_sandbox_error=0)
+        self._stats = dict(
+            n_calls=0, n_ok=0, n_failed=0, n_timeout=0, n_output_limit=0, n_truncated=0, n_sandbox_error=0
+        )
         self._closed = False
 
     def _run_one(self, code: str) -> ExecResult:
@@ -66,8 +83,15 @@ class SandboxPool:
         try:
             res = self.backend.run(code)
         except BaseException as e:  # noqa: BLE001 - a backend bug is the call's failure, not the trainer's
-            res = ExecResult("", "", None, False, False, error=f"sandbox backend: {type(e).__name__}: {e}",
-                             wall_s=time.monotonic() - t0)
+            res = ExecResult(
+                "",
+                "",
+                None,
+                False,
+                False,
+                error=f"sandbox backend: {type(e).__name__}: {e}",
+                wall_s=time.monotonic() - t0,
+            )
         with self._lock:
             s = self._stats
             s["n_calls"] += 1

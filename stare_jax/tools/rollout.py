@@ -35,6 +35,7 @@ replicated), lock-step (which call finishes first differs between hosts, so the 
 a turn's sandbox calls run on process 0 only and their results are broadcast to the others
 (`run_on_process0`), so every process appends the same observation tokens.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,9 +49,19 @@ import numpy as np
 
 from stare_jax import distributed
 from stare_jax.sampling.params import SamplingParams
-from stare_jax.tools.calls import (CallFormat, CallStatus, ObservationFormat, ToolCall, ends_inside_call, observation,
-                                   observation_format_from_template, parse_call, result_status, status_counts,
-                                   stop_strings)
+from stare_jax.tools.calls import (
+    CallFormat,
+    CallStatus,
+    ObservationFormat,
+    ToolCall,
+    ends_inside_call,
+    observation,
+    observation_format_from_template,
+    parse_call,
+    result_status,
+    status_counts,
+    stop_strings,
+)
 from stare_jax.tools.config import ToolConfig
 from stare_jax.tools.pool import SandboxPool
 from stare_jax.tools.sandbox import ExecResult
@@ -58,11 +69,27 @@ from stare_jax.tools.sandbox import ExecResult
 if TYPE_CHECKING:
     from stare_jax.sampling.engine import Conversation
 
-__all__ = ["MALFORMED", "ToolRow", "call_stop_ids", "final_text", "observation_wrapper", "rows_to_arrays",
-           "run_on_process0", "tool_counts", "tool_metrics", "tool_reward_shaping", "tool_rollouts"]
+__all__ = [
+    "MALFORMED",
+    "ToolRow",
+    "call_stop_ids",
+    "final_text",
+    "observation_wrapper",
+    "rows_to_arrays",
+    "run_on_process0",
+    "tool_counts",
+    "tool_metrics",
+    "tool_reward_shaping",
+    "tool_rollouts",
+]
 
-MALFORMED = (CallStatus.INVALID_JSON, CallStatus.UNKNOWN_TOOL, CallStatus.BAD_ARGUMENTS, CallStatus.EMPTY_CODE,
-             CallStatus.MAX_TURNS)
+MALFORMED = (
+    CallStatus.INVALID_JSON,
+    CallStatus.UNKNOWN_TOOL,
+    CallStatus.BAD_ARGUMENTS,
+    CallStatus.EMPTY_CODE,
+    CallStatus.MAX_TURNS,
+)
 
 
 @dataclasses.dataclass
@@ -145,7 +172,7 @@ def _turn_end(c: Conversation, end_ids: Sequence[int], call_ids: Sequence[int]) 
 def _segment_text(tokenizer, c: Conversation, st: _RowState) -> str:
     """The model's text since the last observation (after the prompt's open call, if any), special tokens kept
     (the tags may be special tokens)."""
-    return st.lead + tokenizer.decode(c.response_tokens[st.seg_start:], skip_special_tokens=False)
+    return st.lead + tokenizer.decode(c.response_tokens[st.seg_start :], skip_special_tokens=False)
 
 
 def _prompt_lead(tokenizer, prompt: Sequence[int], fmt: CallFormat) -> str:
@@ -154,8 +181,9 @@ def _prompt_lead(tokenizer, prompt: Sequence[int], fmt: CallFormat) -> str:
     return text if ends_inside_call(text, fmt) else ""
 
 
-def _observation_ids(tokenizer, call: ToolCall, result: ExecResult | None, cfg: ToolConfig,
-                     wrapper: ObservationFormat | None) -> list[int]:
+def _observation_ids(
+    tokenizer, call: ToolCall, result: ExecResult | None, cfg: ToolConfig, wrapper: ObservationFormat | None
+) -> list[int]:
     text = observation(call, result, cfg.format, wrapper=wrapper, timeout_s=cfg.timeout_s)
     return [int(t) for t in tokenizer.encode(text, add_bos=False)]
 
@@ -179,11 +207,16 @@ class _Protocol:
         if how != "call" or c.step >= self.max_new_tokens:
             st.end = "eos" if how == "eos" else "length"
             return False, None
-        return True, parse_call(_segment_text(self.tokenizer, c, st), self.cfg.format,
-                                calls_so_far=len(st.statuses), max_turns=self.cfg.max_turns)
+        return True, parse_call(
+            _segment_text(self.tokenizer, c, st),
+            self.cfg.format,
+            calls_so_far=len(st.statuses),
+            max_turns=self.cfg.max_turns,
+        )
 
-    def observe(self, c: Conversation, st: _RowState, call: ToolCall | None,
-                result: ExecResult | None) -> list[int] | None:
+    def observe(
+        self, c: Conversation, st: _RowState, call: ToolCall | None, result: ExecResult | None
+    ) -> list[int] | None:
         """Record the call's outcome and render its observation: the tokens to append before the next turn, or
         None when the observation leaves no room for one more sampled token (the response ends cut inside it)."""
         obs: list[int] = []
@@ -199,10 +232,20 @@ class _Protocol:
         return obs
 
 
-def tool_rollouts(engine, prompts: Sequence[Sequence[int]], *, group_size: int, tool_cfg: ToolConfig, tokenizer,
-                  pool: SandboxPool, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-                  prompt_index: Sequence[int] | None = None, wrapper: ObservationFormat | None = None,
-                  overlap: bool = True) -> list[ToolRow]:
+def tool_rollouts(
+    engine,
+    prompts: Sequence[Sequence[int]],
+    *,
+    group_size: int,
+    tool_cfg: ToolConfig,
+    tokenizer,
+    pool: SandboxPool,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    prompt_index: Sequence[int] | None = None,
+    wrapper: ObservationFormat | None = None,
+    overlap: bool = True,
+) -> list[ToolRow]:
     """G multi-turn responses per prompt (prompt-major, row p * G + g) with the code interpreter (module doc).
 
     engine: a rollout Engine (start / advance / extend / close); max_new_tokens: the token budget of a whole
@@ -216,8 +259,15 @@ def tool_rollouts(engine, prompts: Sequence[Sequence[int]], *, group_size: int, 
     call_ids = tuple(t for t in call_stop_ids(tokenizer, tool_cfg.format) if t not in end_ids)
     proto = _Protocol(tokenizer, tool_cfg, max_new_tokens, end_ids, call_ids, wrapper)
     sampling = sampling.replace(eos_ids=end_ids + call_ids)
-    convs = engine.start(prompts, max_new_tokens=max_new_tokens, num_samples=group_size, sampling=sampling,
-                         keep=True, prompt_index=prompt_index, wait=False)
+    convs = engine.start(
+        prompts,
+        max_new_tokens=max_new_tokens,
+        num_samples=group_size,
+        sampling=sampling,
+        keep=True,
+        prompt_index=prompt_index,
+        wait=False,
+    )
     leads = [_prompt_lead(tokenizer, p, tool_cfg.format) for p in prompts]
     states = [_RowState(lead=leads[c.index // group_size]) for c in convs]
     inflight: dict[Future[ExecResult], tuple[int, ToolCall]] = {}
@@ -271,26 +321,37 @@ def _continue_rows(engine, convs, states, answered, proto: _Protocol, sampling: 
 
 def _finish_row(c: Conversation, st: _RowState, group_size: int) -> ToolRow:
     nan = float("nan")
-    return ToolRow(prompt_pos=c.index // group_size, sample=c.sample,
-                   tokens=c.response_tokens + st.cut,
-                   model_mask=c.response_mask + [1] * len(c.turn_tokens) + [0] * len(st.cut),
-                   logprobs=c.response_logprobs + list(c.turn_logprobs) + [nan] * len(st.cut),
-                   statuses=list(st.statuses), turns=st.turns, final_start=st.seg_start, end=st.end)
+    return ToolRow(
+        prompt_pos=c.index // group_size,
+        sample=c.sample,
+        tokens=c.response_tokens + st.cut,
+        model_mask=c.response_mask + [1] * len(c.turn_tokens) + [0] * len(st.cut),
+        logprobs=c.response_logprobs + list(c.turn_logprobs) + [nan] * len(st.cut),
+        statuses=list(st.statuses),
+        turns=st.turns,
+        final_start=st.seg_start,
+        end=st.end,
+    )
 
 
 def final_text(tokenizer, row: ToolRow) -> str:
     """The text after the last observation: what the verifier scores."""
-    return tokenizer.decode(row.tokens[row.final_start:])
+    return tokenizer.decode(row.tokens[row.final_start :])
 
 
-def rows_to_arrays(rows: Sequence[ToolRow], num_prompts: int, group_size: int, width: int,
-                   pad_id: int) -> dict[str, np.ndarray]:
+def rows_to_arrays(
+    rows: Sequence[ToolRow], num_prompts: int, group_size: int, width: int, pad_id: int
+) -> dict[str, np.ndarray]:
     """Rows laid out prompt-major: tokens_PxGxN (pad_id after the end), model_mask_PxGxN, logprobs_PxGxN (NaN on
     observations and padding), lengths_PxG (all response tokens) and model_lengths_PxG (sampled ones)."""
     P, G, N = num_prompts, group_size, width
-    out = dict(tokens_PxGxN=np.full((P, G, N), pad_id, np.int32), model_mask_PxGxN=np.zeros((P, G, N), np.int32),
-               logprobs_PxGxN=np.full((P, G, N), np.nan, np.float32), lengths_PxG=np.zeros((P, G), np.int32),
-               model_lengths_PxG=np.zeros((P, G), np.int32))
+    out = dict(
+        tokens_PxGxN=np.full((P, G, N), pad_id, np.int32),
+        model_mask_PxGxN=np.zeros((P, G, N), np.int32),
+        logprobs_PxGxN=np.full((P, G, N), np.nan, np.float32),
+        lengths_PxG=np.zeros((P, G), np.int32),
+        model_lengths_PxG=np.zeros((P, G), np.int32),
+    )
     for r in rows:
         n = len(r.tokens)
         if n > N:
@@ -308,14 +369,18 @@ def tool_counts(rows: Sequence[ToolRow], correct: Sequence[float]) -> dict[str, 
     statuses = [s for r in rows for s in r.statuses]
     with_tool = [bool(r.used_tool) for r in rows]
     ok = [bool(x > 0) for x in correct]
-    return {"n_responses": len(rows), **status_counts(statuses),
-            "turns": sum(r.turns for r in rows),
-            "observation_tokens": sum(r.observation_tokens for r in rows),
-            "model_tokens": sum(r.model_tokens for r in rows),
-            "n_budget_cut": sum(r.end == "budget" for r in rows),
-            "n_with_tool": sum(with_tool), "n_correct_with_tool": sum(w and o for w, o in zip(with_tool, ok)),
-            "n_without_tool": sum(not w for w in with_tool),
-            "n_correct_without_tool": sum(o and not w for w, o in zip(with_tool, ok))}
+    return {
+        "n_responses": len(rows),
+        **status_counts(statuses),
+        "turns": sum(r.turns for r in rows),
+        "observation_tokens": sum(r.observation_tokens for r in rows),
+        "model_tokens": sum(r.model_tokens for r in rows),
+        "n_budget_cut": sum(r.end == "budget" for r in rows),
+        "n_with_tool": sum(with_tool),
+        "n_correct_with_tool": sum(w and o for w, o in zip(with_tool, ok)),
+        "n_without_tool": sum(not w for w in with_tool),
+        "n_correct_without_tool": sum(o and not w for w, o in zip(with_tool, ok)),
+    }
 
 
 def _rate(num: float, den: float) -> float:
@@ -330,21 +395,28 @@ def tool_metrics(counts: dict[str, int]) -> dict[str, float]:
     n, calls = counts["n_responses"], counts["tool_calls"]
     errored = counts["tool_calls_error"] + counts["tool_calls_sandbox_error"]
     malformed = sum(counts[f"tool_calls_{s.value}"] for s in MALFORMED)
-    return {"tool/calls_per_response": _rate(calls, n), "tool/turns_per_response": _rate(counts["turns"], n),
-            "tool/errored_call_frac": _rate(errored, calls), "tool/timeout_call_frac": _rate(
-                counts["tool_calls_timeout"], calls), "tool/malformed_call_frac": _rate(malformed, calls),
-            "tool/observation_token_frac": _rate(counts["observation_tokens"],
-                                                 counts["observation_tokens"] + counts["model_tokens"]),
-            "tool/budget_cut_frac": _rate(counts["n_budget_cut"], n),
-            "tool/with_tool_frac": _rate(counts["n_with_tool"], n),
-            "tool/accuracy_with_tool": _rate(counts["n_correct_with_tool"], counts["n_with_tool"]),
-            "tool/accuracy_without_tool": _rate(counts["n_correct_without_tool"], counts["n_without_tool"]),
-            "tool/calls": float(calls), "tool/errored_calls": float(errored),
-            "tool/timeout_calls": float(counts["tool_calls_timeout"])}
+    return {
+        "tool/calls_per_response": _rate(calls, n),
+        "tool/turns_per_response": _rate(counts["turns"], n),
+        "tool/errored_call_frac": _rate(errored, calls),
+        "tool/timeout_call_frac": _rate(counts["tool_calls_timeout"], calls),
+        "tool/malformed_call_frac": _rate(malformed, calls),
+        "tool/observation_token_frac": _rate(
+            counts["observation_tokens"], counts["observation_tokens"] + counts["model_tokens"]
+        ),
+        "tool/budget_cut_frac": _rate(counts["n_budget_cut"], n),
+        "tool/with_tool_frac": _rate(counts["n_with_tool"], n),
+        "tool/accuracy_with_tool": _rate(counts["n_correct_with_tool"], counts["n_with_tool"]),
+        "tool/accuracy_without_tool": _rate(counts["n_correct_without_tool"], counts["n_without_tool"]),
+        "tool/calls": float(calls),
+        "tool/errored_calls": float(errored),
+        "tool/timeout_calls": float(counts["tool_calls_timeout"]),
+    }
 
 
-def tool_reward_shaping(rows: Sequence[ToolRow], correct: Sequence[float], *, tool_bonus: float,
-                        format_penalty: float) -> np.ndarray:
+def tool_reward_shaping(
+    rows: Sequence[ToolRow], correct: Sequence[float], *, tool_bonus: float, format_penalty: float
+) -> np.ndarray:
     """ReTool-style reward addends per row: +tool_bonus for a correct answer that used the tool (a call whose
     code ran), -format_penalty for a response with a malformed or refused call (MALFORMED). Zero when both are 0."""
     bonus = np.asarray([tool_bonus * float(c > 0 and r.used_tool) for r, c in zip(rows, correct)], np.float32)
@@ -363,6 +435,8 @@ def run_on_process0(pool: SandboxPool, codes: Sequence[str]) -> list[ExecResult]
     results = pool.map(codes) if jax.process_index() == 0 else []
     payload = distributed.broadcast_from_process0([dataclasses.asdict(r) for r in results])
     if len(payload) != len(codes):
-        raise RuntimeError(f"run_on_process0: process 0 returned {len(payload)} results for {len(codes)} calls "
-                           "(the processes' tool rounds diverged)")
+        raise RuntimeError(
+            f"run_on_process0: process 0 returned {len(payload)} results for {len(codes)} calls "
+            "(the processes' tool rounds diverged)"
+        )
     return [ExecResult(**r) for r in payload]

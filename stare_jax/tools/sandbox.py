@@ -27,6 +27,7 @@ Isolation (`sandbox_capabilities()` says which applies on this machine; the READ
 Every failure of the code (exception, timeout, memory, output flood, crash, killed) and of the sandbox itself
 (could not start) is an ExecResult, never an exception: it is the model's failed tool call, not the trainer's.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,13 @@ from typing import Literal
 __all__ = ["ExecResult", "run_python", "sandbox_capabilities", "default_python", "SANDBOX_UID_RANGE"]
 
 # the launcher (_sandbox_init.py) is imported by -c, not run as a script, so its bytecode comes from __pycache__
-_LAUNCH = ["-I", "-S", "-c", f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-           "import _sandbox_init; _sandbox_init.main()"]
+_LAUNCH = [
+    "-I",
+    "-S",
+    "-c",
+    f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+    "import _sandbox_init; _sandbox_init.main()",
+]
 Isolation = Literal["auto", "namespaces", "rlimits"]
 
 # Each in-flight call runs under a uid of its own from this range (unused by any account), so RLIMIT_NPROC (a
@@ -129,9 +135,20 @@ def default_python() -> str:
 def _interpreter_binds(python: str) -> list[str]:
     """Host paths the sandbox's root needs to run `python`: the system directories, /etc and the interpreter's
     prefixes (venv and base), outermost first, none inside another."""
-    out = subprocess.run([python, "-E", "-s", "-c", "import json, sys; print(json.dumps([sys.prefix, "
-                          "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]))"],
-                         capture_output=True, text=True, timeout=30, env=_base_env(python), stdin=subprocess.DEVNULL)
+    out = subprocess.run(
+        [
+            python,
+            "-E",
+            "-s",
+            "-c",
+            "import json, sys; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=_base_env(python),
+        stdin=subprocess.DEVNULL,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{python} did not report its prefixes: {out.stderr.strip()[-300:]}")
     prefixes = [os.path.realpath(p) for p in json.loads(out.stdout)]
@@ -148,9 +165,18 @@ def _interpreter_binds(python: str) -> list[str]:
 def _base_env(python: str) -> dict[str, str]:
     """The scrubbed environment: nothing of the trainer's (no tokens, no keys), one thread per numeric library."""
     path = ":".join(dict.fromkeys([os.path.dirname(python), "/usr/local/bin", "/usr/bin", "/bin"]))
-    return {"PATH": path, "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1",
-            "MPLBACKEND": "Agg"}
+    return {
+        "PATH": path,
+        "HOME": "/tmp",
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "NUMEXPR_NUM_THREADS": "1",
+        "MPLBACKEND": "Agg",
+    }
 
 
 # ---------------------------------------------------------------------------------------------- capabilities
@@ -182,15 +208,19 @@ _USERNS_BLOCKS = [
     "capabilities",
 ]
 _DOES_NOT_BLOCK = {
-    "namespaces": ["kernel attack surface: same kernel, no seccomp filter (this is not a VM)",
-                   "reads of the mounted system directories, /etc and the interpreter's installed packages"],
-    "rlimits": ["network: the code can open sockets (TCP to localhost and beyond, unix sockets)",
-                "reads of any file its uid may read (the repository and data when world-readable)",
-                "writes to world-writable places (/tmp, /dev/shm, /var/tmp) and, without a uid of its own, to "
-                "everything the trainer's user may write",
-                "processes: it sees the host's processes in /proc; without a uid of its own it may signal the "
-                "trainer (same user) and read its /proc/<pid>/environ",
-                "leftovers that left the process group, when it has no uid of its own"],
+    "namespaces": [
+        "kernel attack surface: same kernel, no seccomp filter (this is not a VM)",
+        "reads of the mounted system directories, /etc and the interpreter's installed packages",
+    ],
+    "rlimits": [
+        "network: the code can open sockets (TCP to localhost and beyond, unix sockets)",
+        "reads of any file its uid may read (the repository and data when world-readable)",
+        "writes to world-writable places (/tmp, /dev/shm, /var/tmp) and, without a uid of its own, to "
+        "everything the trainer's user may write",
+        "processes: it sees the host's processes in /proc; without a uid of its own it may signal the "
+        "trainer (same user) and read its /proc/<pid>/environ",
+        "leftovers that left the process group, when it has no uid of its own",
+    ],
 }
 
 
@@ -216,8 +246,18 @@ def sandbox_capabilities(python: str | None = None, refresh: bool = False) -> di
 
 def _probe_run(python: str, mode: str, binds: list[str], uid_drop: bool) -> tuple[bool, str]:
     """Run a real call in `mode`; True when it ran under the expected uid (a sandbox uid when uid_drop, else ours)."""
-    res = _run("import os; print(os.getuid())", timeout_s=20.0, memory_mb=1024, max_output_bytes=4096, max_file_mb=8,
-               max_processes=16, python=python, mode=mode, uid_drop=uid_drop, binds=binds)
+    res = _run(
+        "import os; print(os.getuid())",
+        timeout_s=20.0,
+        memory_mb=1024,
+        max_output_bytes=4096,
+        max_file_mb=8,
+        max_processes=16,
+        python=python,
+        mode=mode,
+        uid_drop=uid_drop,
+        binds=binds,
+    )
     uid = int(res.stdout) if res.ok and res.stdout.strip().isdigit() else None
     ok = uid is not None and (uid in SANDBOX_UID_RANGE if uid_drop else uid == os.getuid())
     return ok, (res.error or res.stderr.strip()[-300:] or f"exit code {res.exit_code}, uid {uid}")
@@ -242,22 +282,43 @@ def _probe(python: str) -> dict:
     if root:
         fallback_uid_drop, why = _probe_run(python, "rlimits", [], uid_drop=True)
         if not fallback_uid_drop:
-            reasons.append(f"rlimits: the sandbox uid cannot run {python} outside a namespace ({why}); as root the "
-                           f"fallback is refused")
+            reasons.append(
+                f"rlimits: the sandbox uid cannot run {python} outside a namespace ({why}); as root the "
+                f"fallback is refused"
+            )
     mode = "namespaces" if ns_ok else "rlimits" if (fallback_uid_drop or not root) else "refused"
     blocks = list(_BLOCKS.get(mode, []))
     if mode == "namespaces" and not root:
         blocks = [b for b in blocks if not b.startswith(("signals", "privilege"))] + _USERNS_BLOCKS
-    return {"isolation": mode, "root": root, "user_namespace": ns_ok and not root, "uid_drop": ns_ok and root,
-            "fallback_uid_drop": fallback_uid_drop, "pid_namespace": ns_ok, "net_namespace": ns_ok,
-            "mount_namespace": ns_ok, "python": python, "binds": binds, "blocks": blocks,
-            "does_not_block": list(_DOES_NOT_BLOCK.get(mode, [])), "reasons": reasons}
+    return {
+        "isolation": mode,
+        "root": root,
+        "user_namespace": ns_ok and not root,
+        "uid_drop": ns_ok and root,
+        "fallback_uid_drop": fallback_uid_drop,
+        "pid_namespace": ns_ok,
+        "net_namespace": ns_ok,
+        "mount_namespace": ns_ok,
+        "python": python,
+        "binds": binds,
+        "blocks": blocks,
+        "does_not_block": list(_DOES_NOT_BLOCK.get(mode, [])),
+        "reasons": reasons,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- running
-def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 1024, max_output_bytes: int = 16384,
-               max_file_mb: int = 16, max_processes: int = 32, python: str | None = None,
-               isolation: Isolation = "auto") -> ExecResult:
+def run_python(
+    code: str,
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: int = 1024,
+    max_output_bytes: int = 16384,
+    max_file_mb: int = 16,
+    max_processes: int = 32,
+    python: str | None = None,
+    isolation: Isolation = "auto",
+) -> ExecResult:
     """Run `code` as a Python program in a fresh sandboxed process and return what happened (never raises for
     anything the code does).
 
@@ -274,27 +335,54 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 1024, max_
     if not isinstance(code, str):
         raise TypeError(f"run_python: code must be str, got {type(code).__name__}")
     if not timeout_s > 0 or memory_mb < 16 or max_output_bytes < 0 or max_file_mb < 1 or max_processes < 1:
-        raise ValueError(f"run_python: bad limits timeout_s={timeout_s}, memory_mb={memory_mb}, max_output_bytes="
-                         f"{max_output_bytes}, max_file_mb={max_file_mb}, max_processes={max_processes}")
+        raise ValueError(
+            f"run_python: bad limits timeout_s={timeout_s}, memory_mb={memory_mb}, max_output_bytes="
+            f"{max_output_bytes}, max_file_mb={max_file_mb}, max_processes={max_processes}"
+        )
     python = python or default_python()
     caps = sandbox_capabilities(python)
     mode = caps["isolation"] if isolation == "auto" else isolation
     if mode == "namespaces" and not caps["mount_namespace"]:
-        return _failed("sandbox: isolation='namespaces' was asked for but this machine does not allow it: "
-                       + "; ".join(caps["reasons"]))
+        return _failed(
+            "sandbox: isolation='namespaces' was asked for but this machine does not allow it: "
+            + "; ".join(caps["reasons"])
+        )
     if mode != "namespaces" and caps["root"] and not caps["fallback_uid_drop"]:
-        return _failed("sandbox: refusing to run untrusted code as root without namespaces: "
-                       + "; ".join(caps["reasons"]), isolation="refused")
+        return _failed(
+            "sandbox: refusing to run untrusted code as root without namespaces: " + "; ".join(caps["reasons"]),
+            isolation="refused",
+        )
     if len(code.encode("utf-8", "surrogatepass")) > max_file_mb * 1024 * 1024 // 2:
-        return _failed(f"sandbox: code of {len(code)} characters is larger than half of max_file_mb={max_file_mb}",
-                       isolation=mode)
-    return _run(code, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
-                max_file_mb=max_file_mb, max_processes=max_processes, python=python, mode=mode,
-                uid_drop=caps["uid_drop"] if mode == "namespaces" else caps["fallback_uid_drop"], binds=caps["binds"])
+        return _failed(
+            f"sandbox: code of {len(code)} characters is larger than half of max_file_mb={max_file_mb}", isolation=mode
+        )
+    return _run(
+        code,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        max_output_bytes=max_output_bytes,
+        max_file_mb=max_file_mb,
+        max_processes=max_processes,
+        python=python,
+        mode=mode,
+        uid_drop=caps["uid_drop"] if mode == "namespaces" else caps["fallback_uid_drop"],
+        binds=caps["binds"],
+    )
 
 
-def _run(code: str, *, timeout_s: float, memory_mb: int, max_output_bytes: int, max_file_mb: int,
-         max_processes: int, python: str, mode: str, uid_drop: bool, binds: list[str]) -> ExecResult:
+def _run(
+    code: str,
+    *,
+    timeout_s: float,
+    memory_mb: int,
+    max_output_bytes: int,
+    max_file_mb: int,
+    max_processes: int,
+    python: str,
+    mode: str,
+    uid_drop: bool,
+    binds: list[str],
+) -> ExecResult:
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     uid = _UIDS.acquire() if uid_drop else None
@@ -321,18 +409,37 @@ def _run(code: str, *, timeout_s: float, memory_mb: int, max_output_bytes: int, 
             env.update(HOME=cwd, TMPDIR=cwd)
         status_r, status_w = os.pipe()
         spec = {
-            "mode": mode, "userns": os.geteuid() != 0, "host_dir": host_dir, "cwd": cwd, "status_fd": status_w,
+            "mode": mode,
+            "userns": os.geteuid() != 0,
+            "host_dir": host_dir,
+            "cwd": cwd,
+            "status_fd": status_w,
             "binds": binds,
-            "tmpfs_mb": max_file_mb, "uid": uid, "gid": uid, "deadline_s": timeout_s + 1.0, "env": env,
+            "tmpfs_mb": max_file_mb,
+            "uid": uid,
+            "gid": uid,
+            "deadline_s": timeout_s + 1.0,
+            "env": env,
             "argv": [python, "-E", "-s", "-u", "-X", "utf8", "-B", "/tmp/main.py" if mode == "namespaces" else script],
-            "limits": {"cpu_s": int(timeout_s) + 1, "as_bytes": int(memory_mb) * 1024 * 1024,
-                       "fsize_bytes": int(max_file_mb) * 1024 * 1024, "nproc": int(max_processes), "nofile": 256},
+            "limits": {
+                "cpu_s": int(timeout_s) + 1,
+                "as_bytes": int(memory_mb) * 1024 * 1024,
+                "fsize_bytes": int(max_file_mb) * 1024 * 1024,
+                "nproc": int(max_processes),
+                "nofile": 256,
+            },
         }
         try:
-            proc = subprocess.Popen([sys.executable, *_LAUNCH, _encode(spec)], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
-                                    start_new_session=True, env={"PATH": env["PATH"], "LANG": "C.UTF-8"},
-                                    cwd=host_dir)
+            proc = subprocess.Popen(
+                [sys.executable, *_LAUNCH, _encode(spec)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(status_w,),
+                start_new_session=True,
+                env={"PATH": env["PATH"], "LANG": "C.UTF-8"},
+                cwd=host_dir,
+            )
         finally:
             os.close(status_w)
         out = _collect(proc, status_r, deadline, max_output_bytes)
@@ -431,8 +538,13 @@ def _collect(proc: subprocess.Popen, status_r: int, deadline: float, cap: int) -
         sel.close()
     if killed_by or proc.poll() is None:
         _kill_group(proc)
-    return {"stdout": bytes(kept["stdout"]), "stderr": bytes(kept["stderr"]), "status": bytes(kept["status"]),
-            "truncated": seen["stdout"] > cap or seen["stderr"] > cap, "killed_by": killed_by}
+    return {
+        "stdout": bytes(kept["stdout"]),
+        "stderr": bytes(kept["stderr"]),
+        "status": bytes(kept["status"]),
+        "truncated": seen["stdout"] > cap or seen["stderr"] > cap,
+        "killed_by": killed_by,
+    }
 
 
 def _result(out: dict, mode: str, wall_s: float) -> ExecResult:
@@ -457,5 +569,14 @@ def _result(out: dict, mode: str, wall_s: float) -> ExecResult:
         exit_code = None
     stdout = out["stdout"].decode("utf-8", "replace")
     stderr = out["stderr"].decode("utf-8", "replace")
-    return ExecResult(stdout, stderr, exit_code, killed_by in ("timeout", "cpu_limit"), bool(out["truncated"]),
-                      error=error, killed_by=killed_by, wall_s=wall_s, isolation=mode)
+    return ExecResult(
+        stdout,
+        stderr,
+        exit_code,
+        killed_by in ("timeout", "cpu_limit"),
+        bool(out["truncated"]),
+        error=error,
+        killed_by=killed_by,
+        wall_s=wall_s,
+        isolation=mode,
+    )

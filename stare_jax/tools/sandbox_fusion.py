@@ -15,6 +15,7 @@ installs from PyPI but brings requests, pydantic, aiohttp and tenacity for what 
 failure (connection refused, HTTP error, timeout, a body that is not that JSON, SandboxError) is an ExecResult
 with `error`, never an exception.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,16 @@ class SandboxFusionBackend:
 
     name = "sandbox_fusion"
 
-    def __init__(self, url: str, *, timeout_s: float = 5.0, memory_mb: int = 1024, max_output_bytes: int = 16384,
-                 request_timeout_s: float | None = None, language: str = "python"):
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 5.0,
+        memory_mb: int = 1024,
+        max_output_bytes: int = 16384,
+        request_timeout_s: float | None = None,
+        language: str = "python",
+    ):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"SandboxFusionBackend: url must be http(s)://..., got {url!r}")
         base = url.rstrip("/")
@@ -53,19 +62,38 @@ class SandboxFusionBackend:
         self.language = language
 
     def payload(self, code: str) -> dict:
-        return {"code": code, "language": self.language, "run_timeout": self.timeout_s,
-                "compile_timeout": self.timeout_s, "memory_limit_MB": self.memory_mb, "stdin": "", "files": {},
-                "fetch_files": []}
+        return {
+            "code": code,
+            "language": self.language,
+            "run_timeout": self.timeout_s,
+            "compile_timeout": self.timeout_s,
+            "memory_limit_MB": self.memory_mb,
+            "stdin": "",
+            "files": {},
+            "fetch_files": [],
+        }
 
     def run(self, code: str) -> ExecResult:
         t0 = time.monotonic()
 
         def failed(msg: str) -> ExecResult:
-            return ExecResult("", "", None, False, False, error=f"sandbox_fusion: {msg}",
-                              wall_s=time.monotonic() - t0, isolation=self.name)
+            return ExecResult(
+                "",
+                "",
+                None,
+                False,
+                False,
+                error=f"sandbox_fusion: {msg}",
+                wall_s=time.monotonic() - t0,
+                isolation=self.name,
+            )
 
-        req = urllib.request.Request(self.endpoint, data=json.dumps(self.payload(code)).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(
+            self.endpoint,
+            data=json.dumps(self.payload(code)).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.request_timeout_s) as resp:
                 body = resp.read(64 * 1024 * 1024 + 1)
@@ -89,6 +117,14 @@ class SandboxFusionBackend:
         code_ = run.get("return_code")
         exit_code = int(code_) if isinstance(code_, int) else (-9 if timed_out else None)
         error = None if exit_code is not None else f"sandbox_fusion: run status {run['status']} without a return code"
-        return ExecResult(stdout, stderr, exit_code, timed_out, cut_out or cut_err, error=error,
-                          killed_by="timeout" if timed_out else None, wall_s=time.monotonic() - t0,
-                          isolation=self.name)
+        return ExecResult(
+            stdout,
+            stderr,
+            exit_code,
+            timed_out,
+            cut_out or cut_err,
+            error=error,
+            killed_by="timeout" if timed_out else None,
+            wall_s=time.monotonic() - t0,
+            isolation=self.name,
+        )

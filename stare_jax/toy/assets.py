@@ -1,5 +1,6 @@
 """Builds the embedded toy's assets (tokenizer, {id, problem, answer} data, SFT warm start; cached by config hash)
 and turns a run config with `toy.enabled` into the run's inputs for the training loop (see stare_jax.toy)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from stare_jax import distributed as dist
-from stare_jax import models
+from stare_jax import distributed as dist, models
 from stare_jax.config.loader import Config
 from stare_jax.data.tokenizer import load_tokenizer, train_sentencepiece
 from stare_jax.tasks import TASKS, digit_set, digit_sum, tool_mul
@@ -23,6 +23,7 @@ from stare_jax.tools.calls import RETOOL, call_tags
 from stare_jax.toy.spec import MAX_POSITIONS, TOOL_MUL_M_RANGE, ToyAssetConfig, asset_config, model_config
 from stare_jax.training.setup import RunInputs, resolve_inputs
 from stare_jax.training.sft import SFTConfig, pack_examples, pack_masked, sft_train
+
 
 @dataclasses.dataclass(frozen=True)
 class ToyAssets:
@@ -43,8 +44,9 @@ def _specs(cfg: ToyAssetConfig) -> list[tuple]:
         return digit_set.all_specs((cfg.k_min, cfg.k_max), cfg.set_size)
     if cfg.task == "tool_mul":
         return tool_mul.all_specs(TOOL_MUL_M_RANGE, (cfg.k_min, cfg.k_max), cfg.set_size)
-    return [(k, s) for k in range(cfg.k_min, cfg.k_max + 1) for s in range(9 * k + 1)
-            if digit_sum.count_strings(k, s) >= 10]
+    return [
+        (k, s) for k in range(cfg.k_min, cfg.k_max + 1) for s in range(9 * k + 1) if digit_sum.count_strings(k, s) >= 10
+    ]
 
 
 def make_splits(cfg: ToyAssetConfig) -> tuple[list[dict], list[dict]]:
@@ -71,8 +73,10 @@ def _tokenizer_corpus(cfg: ToyAssetConfig) -> list[str]:
     task = TASKS[cfg.task]
     rng = random.Random(cfg.seed + 1)
     if cfg.task == "tool_mul":
-        return [task.prompt_text(*sp) + " " + "".join(text for text, _ in tool_transcript(cfg, sp, rng))
-                for sp in _specs(cfg)]
+        return [
+            task.prompt_text(*sp) + " " + "".join(text for text, _ in tool_transcript(cfg, sp, rng))
+            for sp in _specs(cfg)
+        ]
     return [task.prompt_text(*sp) + " " + task.sample_answer(*sp, rng) for sp in _specs(cfg)]
 
 
@@ -91,9 +95,16 @@ def train_tokenizer(cfg: ToyAssetConfig, prefix: pathlib.Path) -> pathlib.Path:
     """The toy's SentencePiece model (BPE, digits split) trained on its task's text; returns the .model path.
     tool_mul: its user symbols, and no dummy-prefix "▁" piece at the start of each segment (call, observation,
     answer)."""
-    return train_sentencepiece(_tokenizer_corpus(cfg), cfg.vocab_size, prefix, byte_fallback=False,
-                               model_type="bpe", seed=cfg.seed, user_defined_symbols=_user_symbols(cfg),
-                               add_dummy_prefix=cfg.task != "tool_mul")
+    return train_sentencepiece(
+        _tokenizer_corpus(cfg),
+        cfg.vocab_size,
+        prefix,
+        byte_fallback=False,
+        model_type="bpe",
+        seed=cfg.seed,
+        user_defined_symbols=_user_symbols(cfg),
+        add_dummy_prefix=cfg.task != "tool_mul",
+    )
 
 
 def tool_transcript(cfg: ToyAssetConfig, sp: tuple, rng: random.Random) -> list[tuple[str, int]]:
@@ -103,9 +114,10 @@ def tool_transcript(cfg: ToyAssetConfig, sp: tuple, rng: random.Random) -> list[
     m, k, digits = sp
     if rng.random() < cfg.sft_direct_frac:
         n = len(tool_mul.sample_answer(m, k, digits, rng))
-        return [(str(rng.randrange(10 ** (n - 1), 10 ** n)), 1)]
-    factor = "".join(str(rng.randrange(1, 10)) if rng.random() < cfg.sft_noise else c
-                     for c in tool_mul.sample_factor(k, digits, rng))
+        return [(str(rng.randrange(10 ** (n - 1), 10**n)), 1)]
+    factor = "".join(
+        str(rng.randrange(1, 10)) if rng.random() < cfg.sft_noise else c for c in tool_mul.sample_factor(k, digits, rng)
+    )
     product = str(m * int(factor))
     return [(tool_mul.call_text(m, factor), 1), (RETOOL.wrap(product), 0), (product, 1)]
 
@@ -141,7 +153,6 @@ def encode_answer(tok, answer_text: str) -> list[int]:
 def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", log=print) -> ToyAssets:
     """Build (or reuse) the toy assets for `cfg`; returns their paths."""
 
-
     root = pathlib.Path(cache_dir) / cfg.key()
     assets = ToyAssets(root, root / "train.jsonl", root / "eval.jsonl", root / "model")
     if (root / "DONE").is_file():
@@ -163,8 +174,9 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
     tok = load_tokenizer(model_dir / "tokenizer.model")
     log(f"toy: tokenizer with {tok.vocab_size} pieces trained in {time.time() - t0:.1f}s")
 
-    mcfg = model_config(cfg, vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                        pad_token_id=tok.pad_id)
+    mcfg = model_config(
+        cfg, vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id
+    )
     model = models.init_model(mcfg, seed=cfg.seed)
     task = TASKS[cfg.task]
     prompts = [(encode_example(tok, r["problem"]), task.parse_spec(r["answer"])) for r in train]
@@ -179,9 +191,16 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
     def sample_batch(rng: np.random.Generator, batch_size: int):
         picks = rng.integers(0, len(prompts), size=batch_size)
         if cfg.task == "tool_mul":
-            return pack_masked([encode_transcript(tok, tool_rows[int(i)][0],
-                                                  tool_transcript(cfg, tool_rows[int(i)][1], rng_answers))
-                                for i in picks], pad_id, length=longest)
+            return pack_masked(
+                [
+                    encode_transcript(
+                        tok, tool_rows[int(i)][0], tool_transcript(cfg, tool_rows[int(i)][1], rng_answers)
+                    )
+                    for i in picks
+                ],
+                pad_id,
+                length=longest,
+            )
         examples = []
         for i in picks:
             p, sp = prompts[int(i)]
@@ -193,12 +212,17 @@ def prepare(cfg: ToyAssetConfig, cache_dir: str | pathlib.Path = ".cache/toy", l
     def log_sft_step(i: int, loss: float) -> None:
         sft_log.write(json.dumps({"sft_step": i, "loss": loss}) + "\n")
 
-    losses = sft_train(model, sample_batch,
-                       SFTConfig(steps=cfg.sft_steps, batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, seed=cfg.seed),
-                       log=log_sft_step)
+    losses = sft_train(
+        model,
+        sample_batch,
+        SFTConfig(steps=cfg.sft_steps, batch_size=cfg.sft_batch_size, lr=cfg.sft_lr, seed=cfg.seed),
+        log=log_sft_step,
+    )
     sft_log.close()
-    log(f"toy: warm start ({cfg.sft_steps} SFT steps) loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-        f"{time.time() - t0:.1f}s so far")
+    log(
+        f"toy: warm start ({cfg.sft_steps} SFT steps) loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+        f"{time.time() - t0:.1f}s so far"
+    )
     models.save_pretrained(model, model_dir)
     (tmp / "DONE").write_text(json.dumps({"config": dataclasses.asdict(cfg), "build_s": time.time() - t0}))
     tmp.rename(root)
@@ -220,5 +244,6 @@ def run_inputs(cfg: Config, log: Callable[[str], None] = print) -> tuple[Config,
     if jax.process_index() != 0:
         assets = prepare(asset_config(t), t.cache_dir, log=log)
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task=t.task, prompt_template="raw"))
-    return cfg, RunInputs(assets.model_dir, assets.model_dir / "tokenizer.model", assets.train_path,
-                          {"heldout": str(assets.eval_path)})
+    return cfg, RunInputs(
+        assets.model_dir, assets.model_dir / "tokenizer.model", assets.train_path, {"heldout": str(assets.eval_path)}
+    )

@@ -1,5 +1,6 @@
 """The embedded toy's configuration and model architecture: plain data (no training code), so the planner and the
 ahead-of-time compile can size a toy run without building it (stare_jax.toy.assets builds it)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,8 +50,18 @@ def asset_config(run_toy) -> ToyAssetConfig:
 def model_config(cfg: ToyAssetConfig, **token_ids):
     """The toy's Qwen2-shaped ModelConfig (vocab_size and special token ids from its tokenizer when given)."""
 
-    fields = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
-                  num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, intermediate_size=cfg.intermediate_size,
-                  max_position_embeddings=MAX_POSITIONS, rope_theta=10000.0, qkv_bias=True,
-                  architecture="Qwen2ForCausalLM", tie_word_embeddings=True, initializer_range=0.05)
+    fields = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_theta=10000.0,
+        qkv_bias=True,
+        architecture="Qwen2ForCausalLM",
+        tie_word_embeddings=True,
+        initializer_range=0.05,
+    )
     return models.ModelConfig(**{**fields, **token_ids})

@@ -24,6 +24,7 @@ Nothing here is a copy of a program: the run's own code paths are given abstract
   (its arguments are the train state, the batch and the reference; the sampler's copy is released before it, see
   Sampler.release).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,17 +46,27 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from stare_jax import models
 from stare_jax.models.sharding import batch_shards, make_mesh, mesh_for_config
-from stare_jax.planning.estimate import (HEADROOM, Accelerator, GiB, estimate, fits_hbm, parse_accelerator, phase_peaks,
-                            resolve_max_slots, run_generator, run_model_config, tool_engine_config)
+from stare_jax.planning.estimate import (
+    HEADROOM,
+    Accelerator,
+    GiB,
+    estimate,
+    fits_hbm,
+    parse_accelerator,
+    phase_peaks,
+    resolve_max_slots,
+    run_generator,
+    run_model_config,
+    tool_engine_config,
+)
 from stare_jax.rl.packing import batch_shapes
 from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.step import ShardedStep, init_train_state, make_train_step
-from stare_jax.training.setup import train_step_config
 from stare_jax.sampling import Sampler, next_bucket
 from stare_jax.sampling.engine import Engine
 from stare_jax.sampling.sharding import reshard_program, sampler_param_sharding
+from stare_jax.training.setup import train_step_config
 from stare_jax.training.sft import SFT_KEYS, init_sft_state, make_sft_step
-
 
 
 class CompileError(ValueError):
@@ -64,6 +75,7 @@ class CompileError(ValueError):
 
 # ------------------------------------------------------------------------------------------------ topologies
 
+
 def topology_for(accelerator: str) -> str:
     """The libtpu topology name of a Cloud TPU type: v5p-64 (32 chips) -> 'v5p:2x4x4', v6e-16 -> 'v6e:4x4'.
 
@@ -71,14 +83,17 @@ def topology_for(accelerator: str) -> str:
     and are 2-D."""
     acc = parse_accelerator(accelerator)
     if acc.kind != "tpu":
-        raise CompileError(f"accelerator {accelerator!r} is a GPU type: --compile targets TPU topologies only "
-                           f"(see BUILD.md for what the compiler can say about CUDA without a GPU)")
+        raise CompileError(
+            f"accelerator {accelerator!r} is a GPU type: --compile targets TPU topologies only "
+            f"(see BUILD.md for what the compiler can say about CUDA without a GPU)"
+        )
     family = accelerator.split("-")[0].replace("v5litepod", "v5e")
     chips = acc.num_devices
     k = int(math.log2(chips)) if chips > 0 else -1
-    if chips <= 0 or 2 ** k != chips:
-        raise CompileError(f"accelerator {accelerator!r}: {chips} chips is not a Cloud TPU slice shape "
-                           f"(a power of two)")
+    if chips <= 0 or 2**k != chips:
+        raise CompileError(
+            f"accelerator {accelerator!r}: {chips} chips is not a Cloud TPU slice shape (a power of two)"
+        )
     if family in ("v4", "v5p"):  # 3-D: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, 4x4x8, ...
         if chips < 8:
             dims = {1: [1, 1, 1], 2: [1, 2, 1], 4: [2, 2, 1]}[chips]
@@ -86,7 +101,7 @@ def topology_for(accelerator: str) -> str:
             e = [k // 3] * 3
             for i in range(k % 3):
                 e[2 - i] += 1
-            dims = [2 ** x for x in e]
+            dims = [2**x for x in e]
     else:  # 2-D: 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, ...
         dims = [2 ** (k // 2), chips // 2 ** (k // 2)]
     return f"{family}:{'x'.join(map(str, dims))}"
@@ -97,9 +112,10 @@ def get_topology(name: str):
     try:
         import libtpu  # noqa: F401  (only to say what to install when it is missing)
     except ImportError:
-        raise CompileError(f"--compile needs libtpu: pip install \"jax[tpu]=={jax.__version__}\" "
-                           f"(in this checkout: .venv/bin/pip install -r requirements-test.txt -c constraints.txt)"
-                           ) from None
+        raise CompileError(
+            f'--compile needs libtpu: pip install "jax[tpu]=={jax.__version__}" '
+            f"(in this checkout: .venv/bin/pip install -r requirements-test.txt -c constraints.txt)"
+        ) from None
 
     # compile-only use: never take libtpu's one-process-per-host lock (a run, a test or another plan may hold it)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -135,8 +151,21 @@ def hbm_bytes_per_device(topology_name: str, devices) -> int | None:
 
 # ------------------------------------------------------------------------------------------------ analysis
 
-_DT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
-             "s64": 8, "u64": 8, "f64": 8}
+_DT_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+}
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
 
@@ -151,7 +180,7 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
             continue
         shapes = re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", m.group(1))
         if m.group(3) and len(shapes) > 1:  # async start: (operands..., outputs...) -> the output half
-            shapes = shapes[len(shapes) // 2:]
+            shapes = shapes[len(shapes) // 2 :]
         nbytes = sum(_DT_BYTES.get(dt, 4) * math.prod(int(d) for d in dims.split(",") if d) for dt, dims in shapes)
         out[m.group(2)]["count"] += 1
         out[m.group(2)]["bytes"] += nbytes
@@ -160,7 +189,7 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
 def _sub_jaxprs(params: dict):
     for v in params.values():
-        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+        for x in v if isinstance(v, (tuple, list)) else (v,):
             if isinstance(x, jax.extend.core.ClosedJaxpr):
                 yield x.jaxpr
             elif isinstance(x, jax.extend.core.Jaxpr):
@@ -262,21 +291,36 @@ class Program:
         # compile on a 95.74 GiB chip with peak_memory_in_bytes 120 GiB: benchmarks/tpu_peak_memory.py), so they
         # are taken out of the device peak and reported as host_bytes.
         resident = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
-        host = (ma.host_argument_size_in_bytes + ma.host_output_size_in_bytes - ma.host_alias_size_in_bytes
-                + ma.host_temp_size_in_bytes)
+        host = (
+            ma.host_argument_size_in_bytes
+            + ma.host_output_size_in_bytes
+            - ma.host_alias_size_in_bytes
+            + ma.host_temp_size_in_bytes
+        )
         xla_peak = int(getattr(ma, "peak_memory_in_bytes", 0) or 0)
         temp = max(0, xla_peak - host - resident) if xla_peak else ma.temp_size_in_bytes
         peak = resident + temp + ma.generated_code_size_in_bytes
-        return cls(name=name, argument_bytes=ma.argument_size_in_bytes, output_bytes=ma.output_size_in_bytes,
-                   alias_bytes=ma.alias_size_in_bytes, temp_bytes=int(temp), xla_temp_bytes=ma.temp_size_in_bytes,
-                   generated_code_bytes=ma.generated_code_size_in_bytes, peak_bytes=int(peak),
-                   flops_per_step=flops, xla_flops_body_once=xla_flops,
-                   optimal_seconds=float(cost.get("optimal_seconds", 0.0)) * scale,
-                   collectives=collectives(hlo), mosaic_kernels=hlo.count('custom_call_target="tpu_custom_call"'),
-                   compile_s=compile_s, host_bytes=int(host))
+        return cls(
+            name=name,
+            argument_bytes=ma.argument_size_in_bytes,
+            output_bytes=ma.output_size_in_bytes,
+            alias_bytes=ma.alias_size_in_bytes,
+            temp_bytes=int(temp),
+            xla_temp_bytes=ma.temp_size_in_bytes,
+            generated_code_bytes=ma.generated_code_size_in_bytes,
+            peak_bytes=int(peak),
+            flops_per_step=flops,
+            xla_flops_body_once=xla_flops,
+            optimal_seconds=float(cost.get("optimal_seconds", 0.0)) * scale,
+            collectives=collectives(hlo),
+            mosaic_kernels=hlo.count('custom_call_target="tpu_custom_call"'),
+            compile_s=compile_s,
+            host_bytes=int(host),
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the run's programs
+
 
 def _abstract(x, sharding):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
@@ -285,8 +329,9 @@ def _abstract(x, sharding):
 def train_batch_shape(cfg) -> tuple[int, int]:
     """[B, L] of the train step's batch as the loop builds it: train_batch_size x G responses of the prompt
     bucket (power of two of data.max_prompt_len, the worst case) + max_new_tokens."""
-    return cfg.rl.train_batch_size * cfg.rl.group_size, next_bucket(cfg.data.max_prompt_len, 16) + \
-        cfg.sampling.max_new_tokens
+    return cfg.rl.train_batch_size * cfg.rl.group_size, next_bucket(
+        cfg.data.max_prompt_len, 16
+    ) + cfg.sampling.max_new_tokens
 
 
 def sampler_call_prompts(cfg) -> int:
@@ -304,8 +349,11 @@ def compile_train_step(cfg, tcfg, model, mesh) -> tuple[Any, Program]:
     B, L = train_batch_shape(cfg)
     shapes = batch_shapes(tcfg, B, L, batch_shards(mesh))
     shapes.update({k: ((B,), jnp.float32) for k in step.keys if k not in shapes})  # rewards_B (rl.kl reward)
-    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=step.batch_shardings[k])
-             for k, (shape, dtype) in shapes.items() if k in step.keys}
+    batch = {
+        k: jax.ShapeDtypeStruct(shape, dtype, sharding=step.batch_shardings[k])
+        for k, (shape, dtype) in shapes.items()
+        if k in step.keys
+    }
     stare_state = jax.tree.map(lambda x: _abstract(x, rep), jax.eval_shape(lambda: init_stare_state(tcfg.stare)))
     # the frozen reference policy (rl.kl): abstract parameters with the policy's shapes, dtypes and shardings
     ref = (train_state.params,) if step.with_ref else ()
@@ -319,10 +367,16 @@ def sampler_key(cfg, topology: str, model_cfg=None) -> str:
     (e.g. the GRPO-ds / STARE arms of one setting, which differ only under rl.stare) compile the very same
     sampler and reshard programs."""
     model_cfg = model_cfg or run_model_config(cfg)
-    key = {"model": dataclasses.asdict(model_cfg), "mesh": dataclasses.asdict(cfg.mesh),
-           "sampling": dataclasses.asdict(cfg.sampling), "max_prompt_len": cfg.data.max_prompt_len,
-           "call_prompts": sampler_call_prompts(cfg), "gen_batch_size": cfg.rl.gen_batch_size,
-           "group_size": cfg.rl.group_size, "topology": topology}
+    key = {
+        "model": dataclasses.asdict(model_cfg),
+        "mesh": dataclasses.asdict(cfg.mesh),
+        "sampling": dataclasses.asdict(cfg.sampling),
+        "max_prompt_len": cfg.data.max_prompt_len,
+        "call_prompts": sampler_call_prompts(cfg),
+        "gen_batch_size": cfg.rl.gen_batch_size,
+        "group_size": cfg.rl.group_size,
+        "topology": topology,
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -332,12 +386,16 @@ def _compile_static_sampler(cfg, model, mesh, programs: dict, log) -> int:
     sampler = Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype)
     call_prompts = sampler_call_prompts(cfg)
     prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)
-    log(f"compiling the sampler: {call_prompts} prompts x {cfg.rl.group_size} samples, prompt bucket "
-        f"{prompt_bucket}, {cfg.sampling.max_new_tokens} new tokens")
-    traced = sampler.trace(call_prompts, prompt_bucket, max_new_tokens=cfg.sampling.max_new_tokens,
-                           num_samples=cfg.rl.group_size)
-    programs["sampler"] = Program.compile("sampler", traced, sampler.program_context, mesh.size,
-                                          while_trips=cfg.sampling.max_new_tokens - 1)
+    log(
+        f"compiling the sampler: {call_prompts} prompts x {cfg.rl.group_size} samples, prompt bucket "
+        f"{prompt_bucket}, {cfg.sampling.max_new_tokens} new tokens"
+    )
+    traced = sampler.trace(
+        call_prompts, prompt_bucket, max_new_tokens=cfg.sampling.max_new_tokens, num_samples=cfg.rl.group_size
+    )
+    programs["sampler"] = Program.compile(
+        "sampler", traced, sampler.program_context, mesh.size, while_trips=cfg.sampling.max_new_tokens - 1
+    )
     gen_calls = math.ceil(cfg.rl.gen_batch_size / call_prompts)
     programs["sampler"].flops_per_step *= gen_calls  # calls per generation batch (one batch: no top-up)
     return tree_bytes_per_device(sampler.state)
@@ -351,27 +409,33 @@ def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log, *, prefil
     engine = Engine(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, config=engine_cfg)
     prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)
     longest = prompt_bucket + cfg.sampling.max_new_tokens
-    log(f"compiling the rollout engine: {engine_cfg.max_slots} slots over {engine.data_shards} data shard(s), "
+    log(
+        f"compiling the rollout engine: {engine_cfg.max_slots} slots over {engine.data_shards} data shard(s), "
         f"pages of {engine_cfg.page_size} tokens, decode chunks of {engine_cfg.decode_chunk} steps, prefill chunks "
         f"of {engine_cfg.prefill_chunk} tokens, requests of up to {longest} tokens, decode attention "
-        f"{engine.attention} (sampling.engine.attention={engine_cfg.attention})")
+        f"{engine.attention} (sampling.engine.attention={engine_cfg.attention})"
+    )
     traced = engine.trace_programs(longest)
-    decode = Program.compile("sampler", traced["decode"], engine.program_context, mesh.size,
-                             while_trips=engine_cfg.decode_chunk)
+    decode = Program.compile(
+        "sampler", traced["decode"], engine.program_context, mesh.size, while_trips=engine_cfg.decode_chunk
+    )
     rows = cfg.rl.gen_batch_size * cfg.rl.group_size
     slots = engine.slots_per_shard() * engine.data_shards  # rows of one decode or prefill call
     decode.flops_per_step *= math.ceil(rows / slots) * math.ceil(cfg.sampling.max_new_tokens / engine_cfg.decode_chunk)
     programs["sampler"] = decode
     if prefill:
-        programs["sampler_prefill"] = Program.compile("sampler_prefill", traced["prefill"], engine.program_context,
-                                                      mesh.size)
+        programs["sampler_prefill"] = Program.compile(
+            "sampler_prefill", traced["prefill"], engine.program_context, mesh.size
+        )
         programs["sampler_prefill"].flops_per_step *= math.ceil(cfg.rl.gen_batch_size / slots) * math.ceil(
-            prompt_bucket / engine_cfg.prefill_width(longest))
+            prompt_bucket / engine_cfg.prefill_width(longest)
+        )
     return engine
 
 
-def compile_engine(cfg, *, topology: str | None = None, attention: str | None = None, model_cfg=None,
-                   prefill: bool = True, log=print) -> dict:
+def compile_engine(
+    cfg, *, topology: str | None = None, attention: str | None = None, model_cfg=None, prefill: bool = True, log=print
+) -> dict:
     """Compile only the rollout engine's decode and prefill programs of run config `cfg` (as compile_run does for a
     run that generates with the engine) for a TPU slice. `attention` overrides sampling.engine.attention (e.g. to
     compare the gather path with the Pallas kernel), `model_cfg` the run's model; prefill=False compiles the decode
@@ -390,9 +454,13 @@ def compile_engine(cfg, *, topology: str | None = None, attention: str | None = 
     programs: dict = {}
     model = models.abstract_model(model_cfg or run_model_config(cfg), mesh)
     engine = _compile_engine(cfg, engine_cfg, model, mesh, programs, log, prefill=prefill)
-    return {"topology": topology, "mesh": dict(mesh.shape), "attention": engine.attention,
-            "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
-            "sampler_weights_bytes": tree_bytes_per_device(engine.state)}
+    return {
+        "topology": topology,
+        "mesh": dict(mesh.shape),
+        "attention": engine.attention,
+        "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
+        "sampler_weights_bytes": tree_bytes_per_device(engine.state),
+    }
 
 
 def _resolve_slots(cfg, accelerator: str | None, topology: str, devices: list):
@@ -401,8 +469,11 @@ def _resolve_slots(cfg, accelerator: str | None, topology: str, devices: list):
     if cfg.sampling.engine.max_slots != "auto":
         return cfg
     hosts = len({getattr(d, "process_index", 0) for d in devices})
-    acc = parse_accelerator(accelerator) if accelerator else Accelerator(
-        topology, "tpu", len(devices), hbm_bytes_per_device(topology, devices) or 0, 0.0, hosts)
+    acc = (
+        parse_accelerator(accelerator)
+        if accelerator
+        else Accelerator(topology, "tpu", len(devices), hbm_bytes_per_device(topology, devices) or 0, 0.0, hosts)
+    )
     try:
         return resolve_max_slots(cfg, acc)
     except ValueError as e:
@@ -427,8 +498,9 @@ def slice_mesh(cfg, topology: str | None = None) -> tuple[str | None, str, list,
     return accelerator, topology, devices, mesh
 
 
-def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampler: dict | None = None,
-                log=print) -> dict:
+def compile_run(
+    cfg, *, topology: str | None = None, model_cfg=None, reuse_sampler: dict | None = None, log=print
+) -> dict:
     """Compile the train step, the sampler program and the weight reshard of run config `cfg` for a TPU slice
     (`topology`, default: the one of cfg.launch.accelerator) and report the compiler's figures.
     `model_cfg` replaces the run's model (e.g. a few-layer variant for a quick study). `reuse_sampler`: an
@@ -448,14 +520,21 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     model_cfg = model_cfg or run_model_config(cfg)
     key = sampler_key(cfg, topology, model_cfg)
     if reuse_sampler is not None and reuse_sampler.get("sampler_key") != key:
-        raise CompileError("the report given to reuse the sampler from was compiled for another model, mesh, "
-                           "sampling section or slice (its sampler_key differs): compile the sampler instead")
+        raise CompileError(
+            "the report given to reuse the sampler from was compiled for another model, mesh, "
+            "sampling section or slice (its sampler_key differs): compile the sampler instead"
+        )
     model = models.abstract_model(model_cfg, mesh)
     tcfg = train_step_config(cfg, mesh)
-    layout = (f"packed rows of {cfg.rl.packing.row_tokens or train_batch_shape(cfg)[1]} tokens"
-              if cfg.rl.packing.enabled else "padded")
-    log(f"compiling the train step for {topology} ({n} devices, mesh {dict(mesh.shape)}): batch "
-        f"{list(train_batch_shape(cfg))} ({layout}{', optimizer offloaded' if cfg.rl.offload.optimizer else ''})")
+    layout = (
+        f"packed rows of {cfg.rl.packing.row_tokens or train_batch_shape(cfg)[1]} tokens"
+        if cfg.rl.packing.enabled
+        else "padded"
+    )
+    log(
+        f"compiling the train step for {topology} ({n} devices, mesh {dict(mesh.shape)}): batch "
+        f"{list(train_batch_shape(cfg))} ({layout}{', optimizer offloaded' if cfg.rl.offload.optimizer else ''})"
+    )
     train_state, train_program = compile_train_step(cfg, tcfg, model, mesh)
     programs = {"train_step": train_program}
     if reuse_sampler is not None:
@@ -470,8 +549,9 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
         targets = tuple(sampler_param_sharding(x, mesh) for x in state)
         reshard = reshard_program(targets, jnp.dtype(model_cfg.dtype))
         log("compiling the trainer -> sampler weight reshard")
-        programs["weight_reshard"] = Program.compile("weight_reshard", reshard.trace(state),
-                                                     lambda: jax.set_mesh(mesh), n)
+        programs["weight_reshard"] = Program.compile(
+            "weight_reshard", reshard.trace(state), lambda: jax.set_mesh(mesh), n
+        )
         if generator == "engine":
             engine = _compile_engine(cfg, engine_cfg, model, mesh, programs, log)
             sampler_weights_b = tree_bytes_per_device(engine.state)
@@ -486,9 +566,12 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     t, r = programs["train_step"], programs["weight_reshard"]
     sampler_peak = max(programs[k].peak_bytes for k in ("sampler", "sampler_prefill") if k in programs)
     phases = {
-        "sampling": {"peak_bytes": max(sampler_peak + resident_train, r.peak_bytes + opt_dev_b + ref_b),
-                     "program_peak_bytes": sampler_peak, "resident_bytes": resident_train,
-                     "reshard_peak_bytes": r.peak_bytes + opt_dev_b + ref_b},
+        "sampling": {
+            "peak_bytes": max(sampler_peak + resident_train, r.peak_bytes + opt_dev_b + ref_b),
+            "program_peak_bytes": sampler_peak,
+            "resident_bytes": resident_train,
+            "reshard_peak_bytes": r.peak_bytes + opt_dev_b + ref_b,
+        },
         "training": {"peak_bytes": t.peak_bytes, "program_peak_bytes": t.peak_bytes, "resident_bytes": 0},
     }
     hbm = hbm_bytes_per_device(topology, devices)
@@ -498,15 +581,25 @@ def compile_run(cfg, *, topology: str | None = None, model_cfg=None, reuse_sampl
     except ValueError as e:
         est = {"error": str(e)}
     return {
-        "topology": topology, "accelerator": accelerator, "devices": n, "mesh": dict(mesh.shape),
-        "hbm_bytes_per_device": hbm, "sampler_key": key, "generator": generator,
+        "topology": topology,
+        "accelerator": accelerator,
+        "devices": n,
+        "mesh": dict(mesh.shape),
+        "hbm_bytes_per_device": hbm,
+        "sampler_key": key,
+        "generator": generator,
         "sampler_reused": reuse_sampler is not None,
         "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
-        "state_bytes_per_device": {"params": params_b, "optimizer": opt_b, "reference_params": ref_b,
-                                   "sampler_weights": sampler_weights_b},
+        "state_bytes_per_device": {
+            "params": params_b,
+            "optimizer": opt_b,
+            "reference_params": ref_b,
+            "sampler_weights": sampler_weights_b,
+        },
         "optimizer_offloaded": bool(tcfg.offload.optimizer),
         "packing": bool(tcfg.packing.enabled),
-        "phases": phases, "peak_bytes": peak,
+        "phases": phases,
+        "peak_bytes": peak,
         "fits": None if hbm is None else fits_hbm(peak, hbm),
         "estimate": est,
     }
@@ -516,43 +609,60 @@ def format_compiled(report: dict) -> str:
     """Human-readable table: each program and phase, compiled beside the analytic estimate."""
     hbm = report["hbm_bytes_per_device"]
     est = report.get("estimate") or {}
-    lines = [f"COMPILED for {report['topology']} ({report['devices']} devices, mesh {report['mesh']}); "
-             f"HBM per device {hbm / GiB:.2f} GiB" if hbm else "HBM per device unknown"]
-    lines.append(f"  {'program':<16}{'args':>9}{'out':>9}{'alias':>9}{'temp':>9}{'code':>8}{'peak':>9}"
-                 f"{'TFLOP/step':>12}{'compile s':>11}   (GiB per device)")
+    lines = [
+        f"COMPILED for {report['topology']} ({report['devices']} devices, mesh {report['mesh']}); "
+        f"HBM per device {hbm / GiB:.2f} GiB"
+        if hbm
+        else "HBM per device unknown"
+    ]
+    lines.append(
+        f"  {'program':<16}{'args':>9}{'out':>9}{'alias':>9}{'temp':>9}{'code':>8}{'peak':>9}"
+        f"{'TFLOP/step':>12}{'compile s':>11}   (GiB per device)"
+    )
     for name, p in report["compiled"].items():
-        lines.append(f"  {name:<16}{p['argument_bytes'] / GiB:9.2f}{p['output_bytes'] / GiB:9.2f}"
-                     f"{p['alias_bytes'] / GiB:9.2f}{p['temp_bytes'] / GiB:9.2f}{p['generated_code_bytes'] / GiB:8.2f}"
-                     f"{p['peak_bytes'] / GiB:9.2f}{p['flops_per_step'] / 1e12:12.1f}{p['compile_s']:11.1f}")
+        lines.append(
+            f"  {name:<16}{p['argument_bytes'] / GiB:9.2f}{p['output_bytes'] / GiB:9.2f}"
+            f"{p['alias_bytes'] / GiB:9.2f}{p['temp_bytes'] / GiB:9.2f}{p['generated_code_bytes'] / GiB:8.2f}"
+            f"{p['peak_bytes'] / GiB:9.2f}{p['flops_per_step'] / 1e12:12.1f}{p['compile_s']:11.1f}"
+        )
     est_peak = est.get("peak_bytes_per_device")
     est_phases = phase_peaks(est) if "memory_bytes" in est else {}
     for name, ph in report["phases"].items():
         e = est_phases.get(name)
-        lines.append(f"  phase {name:<10} peak {ph['peak_bytes'] / GiB:8.2f} GiB"
-                     + (f"   (estimate {e / GiB:.2f} GiB)" if e else ""))
+        lines.append(
+            f"  phase {name:<10} peak {ph['peak_bytes'] / GiB:8.2f} GiB"
+            + (f"   (estimate {e / GiB:.2f} GiB)" if e else "")
+        )
     for name, p in report["compiled"].items():
         if p.get("host_bytes"):
             lines.append(f"  {name} host memory (pinned_host): {p['host_bytes'] / GiB:.2f} GiB per device")
     for name, p in report["compiled"].items():
         if p["collectives"]:
-            lines.append(f"  {name} collectives: " + ", ".join(
-                f"{k} x{v['count']} ({v['bytes'] / GiB:.2f} GiB)" for k, v in p["collectives"].items()))
+            lines.append(
+                f"  {name} collectives: "
+                + ", ".join(f"{k} x{v['count']} ({v['bytes'] / GiB:.2f} GiB)" for k, v in p["collectives"].items())
+            )
     if report["fits"] is not None:
         verdict = "fits" if report["fits"] else "DOES NOT FIT"
-        lines.append(f"  peak {report['peak_bytes'] / GiB:.2f} GiB of {hbm / GiB:.2f} GiB -> {verdict} "
-                     f"(needs <= {1 - HEADROOM:.0%})" + (f"; the estimate said {est_peak / GiB:.2f} GiB"
-                                                         if est_peak else ""))
+        lines.append(
+            f"  peak {report['peak_bytes'] / GiB:.2f} GiB of {hbm / GiB:.2f} GiB -> {verdict} "
+            f"(needs <= {1 - HEADROOM:.0%})" + (f"; the estimate said {est_peak / GiB:.2f} GiB" if est_peak else "")
+        )
     return "\n".join(lines)
 
 
 def summary_row(report: dict) -> dict[str, Any]:
     """The figures of one config for the BUILD.md table."""
     est = report.get("estimate") or {}
-    return {"topology": report["topology"], "sampling_gib": report["phases"]["sampling"]["peak_bytes"] / GiB,
-            "training_gib": report["phases"]["training"]["peak_bytes"] / GiB,
-            "hbm_gib": (report["hbm_bytes_per_device"] or 0) / GiB, "fits": report["fits"],
-            "estimate_gib": (est.get("peak_bytes_per_device") or 0) / GiB,
-            "compile_s": sum(p["compile_s"] for p in report["compiled"].values())}
+    return {
+        "topology": report["topology"],
+        "sampling_gib": report["phases"]["sampling"]["peak_bytes"] / GiB,
+        "training_gib": report["phases"]["training"]["peak_bytes"] / GiB,
+        "hbm_gib": (report["hbm_bytes_per_device"] or 0) / GiB,
+        "fits": report["fits"],
+        "estimate_gib": (est.get("peak_bytes_per_device") or 0) / GiB,
+        "compile_s": sum(p["compile_s"] for p in report["compiled"].values()),
+    }
 
 
 def compile_sft(cfg, *, topology: str | None = None, log=print) -> dict:
@@ -570,18 +680,32 @@ def compile_sft(cfg, *, topology: str | None = None, log=print) -> dict:
     assert isinstance(step, ShardedStep)  # a mesh is given
     shape = (cfg.batch_size, cfg.padded_length())
     batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=step.batch_shardings[k]) for k in SFT_KEYS}
-    log(f"compiling the SFT step for {topology} ({len(devices)} devices, mesh {dict(mesh.shape)}): batch "
-        f"{list(shape)} in {train_cfg.micro_batches} micro-batch(es), remat {model_cfg.remat_policy}")
+    log(
+        f"compiling the SFT step for {topology} ({len(devices)} devices, mesh {dict(mesh.shape)}): batch "
+        f"{list(shape)} in {train_cfg.micro_batches} micro-batch(es), remat {model_cfg.remat_policy}"
+    )
     program = Program.compile("sft_step", step.trace(state, batch), step.context, mesh.size)
     hbm = hbm_bytes_per_device(topology, devices)
     return {
-        "topology": topology, "accelerator": accelerator, "devices": len(devices), "mesh": dict(mesh.shape),
-        "hbm_bytes_per_device": hbm, "batch": list(shape), "micro_batches": train_cfg.micro_batches,
+        "topology": topology,
+        "accelerator": accelerator,
+        "devices": len(devices),
+        "mesh": dict(mesh.shape),
+        "hbm_bytes_per_device": hbm,
+        "batch": list(shape),
+        "micro_batches": train_cfg.micro_batches,
         "compiled": {"sft_step": dataclasses.asdict(program)},
-        "state_bytes_per_device": {"params": tree_bytes_per_device(state.params),
-                                   "optimizer": tree_bytes_per_device(state.opt_state)},
-        "phases": {"training": {"peak_bytes": program.peak_bytes, "program_peak_bytes": program.peak_bytes,
-                                "resident_bytes": 0}},
+        "state_bytes_per_device": {
+            "params": tree_bytes_per_device(state.params),
+            "optimizer": tree_bytes_per_device(state.opt_state),
+        },
+        "phases": {
+            "training": {
+                "peak_bytes": program.peak_bytes,
+                "program_peak_bytes": program.peak_bytes,
+                "resident_bytes": 0,
+            }
+        },
         "peak_bytes": program.peak_bytes,
         "fits": None if hbm is None else fits_hbm(program.peak_bytes, hbm),
         "estimate": None,

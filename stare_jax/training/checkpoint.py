@@ -214,9 +214,7 @@ class Checkpointer:
         if step in self._mngr.all_steps():
             log.info("checkpoint step %d already exists in %s; not saving again", step, self.directory)
             return False
-        args = ocp.args.Composite(
-            **{STATE_ITEM: ocp.args.StandardSave(state), EXTRA_ITEM: ocp.args.JsonSave(extra)}
-        )
+        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state), EXTRA_ITEM: ocp.args.JsonSave(extra)})
         # orbax waits for the previous async save before starting this one, so every step but `step` is
         # complete afterwards: keep K of those (plus the one in flight).
         self._mngr.save(step, args=args, force=True)
@@ -281,7 +279,10 @@ class Checkpointer:
             if skipped:
                 log.warning(
                     "restored checkpoint step %d from %s; unreadable newer step(s) %s moved to %s<N>",
-                    candidate, self.directory, skipped, CORRUPT_PREFIX,
+                    candidate,
+                    self.directory,
+                    skipped,
+                    CORRUPT_PREFIX,
                 )
             return dataclasses.replace(restored, skipped_corrupt_steps=tuple(skipped))
         raise CheckpointCorruptError(
@@ -325,9 +326,7 @@ class Checkpointer:
             saved = {_path_str(p): _leaf_shape(x) for p, x in jax.tree_util.tree_flatten_with_path(meta_tree)[0]}
         except Exception as e:  # noqa: BLE001
             raise CheckpointCorruptError(f"{where} is unreadable ({type(e).__name__}: {_short(e)})", step) from e
-        wanted = {
-            _path_str(p): _leaf_shape(x) for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
-        }
+        wanted = {_path_str(p): _leaf_shape(x) for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
         missing = sorted(set(wanted) - set(saved))
         unexpected = sorted(set(saved) - set(wanted))
         if missing or unexpected:
@@ -388,9 +387,11 @@ def _stderr_line(text: str) -> None:
         pass
 
 
-SIGINT_IGNORED = ("SIGINT is ignored in this process (started in the background by a non-interactive shell, or "
-                  "under nohup?): Ctrl-C will not stop it; `kill PID` (SIGTERM) stops it after the current step, "
-                  "which is saved as a checkpoint")
+SIGINT_IGNORED = (
+    "SIGINT is ignored in this process (started in the background by a non-interactive shell, or "
+    "under nohup?): Ctrl-C will not stop it; `kill PID` (SIGTERM) stops it after the current step, "
+    "which is saved as a checkpoint"
+)
 
 
 class PreemptionHandler:

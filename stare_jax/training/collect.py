@@ -4,6 +4,7 @@ loop's first stage, `collect_batch`: sample -> score -> dynamic sampling -> rewa
 generate_rollouts is shared by the RL loop (train.py) and evaluation (eval/runner.py). Verification of model output
 is the RewardFn of stare_jax.rewards (re-exported here; `reward_fn_for(task)` picks it for a run's data.task): toy tasks
 are pure string checks in-process; math answers go through the sandboxed RewardPool (model output is untrusted)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,17 +18,36 @@ from stare_jax import distributed
 from stare_jax.config.loader import RLConfig, SamplingConfig
 from stare_jax.rewards import rollout_rewards
 from stare_jax.rewards.reward_fn import RewardFn
-from stare_jax.tasks import get_task
 from stare_jax.rl.advantages import DynamicSamplingAccumulator, dynamic_sampling_keep_mask, outcome_advantages
 from stare_jax.sampling import SamplingParams
+from stare_jax.tasks import get_task
 from stare_jax.tools.config import ToolConfig
 from stare_jax.tools.pool import SandboxPool
-from stare_jax.tools.rollout import (final_text, observation_wrapper, rows_to_arrays, tool_counts, tool_metrics,
-                                     tool_reward_shaping, tool_rollouts)
+from stare_jax.tools.rollout import (
+    final_text,
+    observation_wrapper,
+    rows_to_arrays,
+    tool_counts,
+    tool_metrics,
+    tool_reward_shaping,
+    tool_rollouts,
+)
 
-__all__ = ["REWARD_COUNTERS", "CollectedBatch", "RewardFn", "Rollouts", "add_counts", "batch_seed", "collect_batch",
-           "generate_any_rollouts", "generate_rollouts", "generate_tool_rollouts", "left_pad", "reward_fn_for",
-           "train_batch_from_rollouts"]
+__all__ = [
+    "REWARD_COUNTERS",
+    "CollectedBatch",
+    "RewardFn",
+    "Rollouts",
+    "add_counts",
+    "batch_seed",
+    "collect_batch",
+    "generate_any_rollouts",
+    "generate_rollouts",
+    "generate_tool_rollouts",
+    "left_pad",
+    "reward_fn_for",
+    "train_batch_from_rollouts",
+]
 
 
 def reward_fn_for(task: str, **pool_options) -> RewardFn:
@@ -41,8 +61,8 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int) -> tupl
     ids = np.full((len(prompts), length), pad_id, np.int32)
     mask = np.zeros((len(prompts), length), np.int32)
     for r, p in enumerate(prompts):
-        ids[r, length - len(p):] = p
-        mask[r, length - len(p):] = 1
+        ids[r, length - len(p) :] = p
+        mask[r, length - len(p) :] = 1
     return ids, mask
 
 
@@ -80,9 +100,20 @@ def add_counts(total: dict, stats: dict) -> dict:
     return total
 
 
-def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
-                      reward_fn: RewardFn, prompt_len: int, max_new_tokens: int, num_samples: int,
-                      sampling: SamplingParams, index_offset: int = 0, max_prompts_per_call: int = 0):
+def generate_rollouts(
+    sampler,
+    prompts: Sequence[Sequence[int]],
+    answers: Sequence[str],
+    *,
+    tokenizer,
+    reward_fn: RewardFn,
+    prompt_len: int,
+    max_new_tokens: int,
+    num_samples: int,
+    sampling: SamplingParams,
+    index_offset: int = 0,
+    max_prompts_per_call: int = 0,
+):
     """Sample num_samples responses per prompt and score them; returns (Rollouts, texts, reward stats).
 
     sampling: the draw options; a response stops on the tokenizer's EOS ids (they replace sampling.eos_ids).
@@ -96,10 +127,21 @@ def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequen
     responses (texts holds that share only), and the scores and reward-pool counters are gathered, so the
     returned Rollouts and stats are the global ones, equal on every process and to a single-process run."""
     step = max_prompts_per_call if max_prompts_per_call > 0 else max(len(prompts), 1)
-    parts = [_generate_call(sampler, prompts[i:i + step], answers[i:i + step], tokenizer=tokenizer,
-                            reward_fn=reward_fn, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                            num_samples=num_samples, sampling=sampling, index_offset=index_offset + i)
-             for i in range(0, len(prompts), step)]
+    parts = [
+        _generate_call(
+            sampler,
+            prompts[i : i + step],
+            answers[i : i + step],
+            tokenizer=tokenizer,
+            reward_fn=reward_fn,
+            prompt_len=prompt_len,
+            max_new_tokens=max_new_tokens,
+            num_samples=num_samples,
+            sampling=sampling,
+            index_offset=index_offset + i,
+        )
+        for i in range(0, len(prompts), step)
+    ]
     if len(parts) == 1:
         return parts[0]
     fields = [f.name for f in dataclasses.fields(Rollouts) if getattr(parts[0][0], f.name) is not None]
@@ -110,17 +152,37 @@ def generate_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequen
     return merged, [t for _, texts, _ in parts for t in texts], stats
 
 
-def _generate_call(sampler, prompts, answers, *, tokenizer, reward_fn: RewardFn, prompt_len: int,
-                   max_new_tokens: int, num_samples: int, sampling: SamplingParams, index_offset: int):
+def _generate_call(
+    sampler,
+    prompts,
+    answers,
+    *,
+    tokenizer,
+    reward_fn: RewardFn,
+    prompt_len: int,
+    max_new_tokens: int,
+    num_samples: int,
+    sampling: SamplingParams,
+    index_offset: int,
+):
     """One sampler call of generate_rollouts."""
     P = len(prompts)
     P_pad = sampler.batch_bucket(P)
-    ids, mask = left_pad(list(prompts) + [[tokenizer.bos_id if tokenizer.bos_id is not None else 0]] * (P_pad - P),
-                         prompt_len, sampler.pad_id)
+    ids, mask = left_pad(
+        list(prompts) + [[tokenizer.bos_id if tokenizer.bos_id is not None else 0]] * (P_pad - P),
+        prompt_len,
+        sampler.pad_id,
+    )
     active = np.arange(P_pad) < P
-    out = sampler.generate_arrays(ids, mask, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                                  sampling=sampling.replace(eos_ids=tokenizer.eos_ids),
-                                  prompt_index_P=np.arange(P_pad, dtype=np.int32) + index_offset, active_P=active)
+    out = sampler.generate_arrays(
+        ids,
+        mask,
+        max_new_tokens=max_new_tokens,
+        num_samples=num_samples,
+        sampling=sampling.replace(eos_ids=tokenizer.eos_ids),
+        prompt_index_P=np.arange(P_pad, dtype=np.int32) + index_offset,
+        active_P=active,
+    )
     # the sampler's log-probs are not fetched: the train step recomputes them (old log-probs) in its own layout
     tokens, lengths = distributed.fetch_global((out.tokens_BxN, out.lengths_B))
     G, N = num_samples, tokens.shape[1]
@@ -135,18 +197,38 @@ def _generate_call(sampler, prompts, answers, *, tokenizer, reward_fn: RewardFn,
     return Rollouts(ids[:P], mask[:P], tokens, lengths, correct.reshape(P, G)), texts, stats
 
 
-def generate_tool_rollouts(engine, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
-                           reward_fn: RewardFn, tool: ToolConfig, pool: SandboxPool, prompt_len: int,
-                           max_new_tokens: int, num_samples: int, sampling: SamplingParams, index_offset: int = 0):
+def generate_tool_rollouts(
+    engine,
+    prompts: Sequence[Sequence[int]],
+    answers: Sequence[str],
+    *,
+    tokenizer,
+    reward_fn: RewardFn,
+    tool: ToolConfig,
+    pool: SandboxPool,
+    prompt_len: int,
+    max_new_tokens: int,
+    num_samples: int,
+    sampling: SamplingParams,
+    index_offset: int = 0,
+):
     """generate_rollouts with the code interpreter (stare_jax.tools.rollout): G multi-turn responses per prompt,
     observations wrapped as the model's own chat template wraps a tool message (hermes), the text after each
     response's last observation scored by reward_fn. Returns (Rollouts with model_mask_PxGxN
     and reward_bonus_PxG, final texts, reward stats, tool counts (tool_counts), model-token lengths [P*G])."""
     P = len(prompts)
-    rows = tool_rollouts(engine, prompts, group_size=num_samples, tool_cfg=tool, tokenizer=tokenizer, pool=pool,
-                         max_new_tokens=max_new_tokens, sampling=sampling,
-                         prompt_index=[index_offset + i for i in range(P)],
-                         wrapper=observation_wrapper(tokenizer, tool.format))
+    rows = tool_rollouts(
+        engine,
+        prompts,
+        group_size=num_samples,
+        tool_cfg=tool,
+        tokenizer=tokenizer,
+        pool=pool,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        prompt_index=[index_offset + i for i in range(P)],
+        wrapper=observation_wrapper(tokenizer, tool.format),
+    )
     texts = [final_text(tokenizer, r) for r in rows]
     lo, hi = distributed.process_share(len(rows))  # as _generate_call: each process scores its share
     scores, stats = reward_fn(texts[lo:hi], [answers[r.prompt_pos] for r in rows[lo:hi]])
@@ -156,26 +238,53 @@ def generate_tool_rollouts(engine, prompts: Sequence[Sequence[int]], answers: Se
     arr = rows_to_arrays(rows, P, num_samples, max_new_tokens, engine.pad_id)
     bonus = tool_reward_shaping(rows, correct, tool_bonus=tool.tool_bonus, format_penalty=tool.format_penalty)
     ids, mask = left_pad(prompts, prompt_len, engine.pad_id)
-    r = Rollouts(ids, mask, arr["tokens_PxGxN"], arr["lengths_PxG"],
-                 np.asarray(correct, np.float32).reshape(P, num_samples), arr["model_mask_PxGxN"],
-                 bonus.reshape(P, num_samples))
+    r = Rollouts(
+        ids,
+        mask,
+        arr["tokens_PxGxN"],
+        arr["lengths_PxG"],
+        np.asarray(correct, np.float32).reshape(P, num_samples),
+        arr["model_mask_PxGxN"],
+        bonus.reshape(P, num_samples),
+    )
     return r, texts, stats, tool_counts(rows, correct), arr["model_lengths_PxG"].reshape(-1)
 
 
-def generate_any_rollouts(sampler, prompts: Sequence[Sequence[int]], answers: Sequence[str], *, tokenizer,
-                          reward_fn: RewardFn, prompt_len: int, max_new_tokens: int, num_samples: int,
-                          sampling: SamplingParams, index_offset: int = 0, tool: ToolConfig | None,
-                          tool_pool: SandboxPool | None, tool_totals: dict, max_prompts_per_call: int = 0):
+def generate_any_rollouts(
+    sampler,
+    prompts: Sequence[Sequence[int]],
+    answers: Sequence[str],
+    *,
+    tokenizer,
+    reward_fn: RewardFn,
+    prompt_len: int,
+    max_new_tokens: int,
+    num_samples: int,
+    sampling: SamplingParams,
+    index_offset: int = 0,
+    tool: ToolConfig | None,
+    tool_pool: SandboxPool | None,
+    tool_totals: dict,
+    max_prompts_per_call: int = 0,
+):
     """The rollouts of the training collect and of the evaluation: generate_tool_rollouts when tool.enabled (its
     counts summed into tool_totals; sampler: a rollout Engine, tool_pool: the sandbox), else generate_rollouts.
     Returns (Rollouts, reward stats, lengths [P*G] that count the model's tokens only)."""
-    common = dict(tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                  num_samples=num_samples, sampling=sampling, index_offset=index_offset)
+    common = dict(
+        tokenizer=tokenizer,
+        reward_fn=reward_fn,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens,
+        num_samples=num_samples,
+        sampling=sampling,
+        index_offset=index_offset,
+    )
     if tool is not None and tool.enabled:
         if tool_pool is None:
             raise ValueError("tool.enabled needs a tool_pool (stare_jax.tools.make_pool)")
-        r, _, stats, counts, model_lengths = generate_tool_rollouts(sampler, prompts, answers, tool=tool,
-                                                                    pool=tool_pool, **common)
+        r, _, stats, counts, model_lengths = generate_tool_rollouts(
+            sampler, prompts, answers, tool=tool, pool=tool_pool, **common
+        )
         add_counts_all(tool_totals, counts)
         return r, stats, model_lengths
     r, _, stats = generate_rollouts(sampler, prompts, answers, max_prompts_per_call=max_prompts_per_call, **common)
@@ -202,9 +311,12 @@ def train_batch_from_rollouts(r: Rollouts, advantages_PxG: np.ndarray) -> dict:
     attn = np.concatenate([np.repeat(r.prompt_mask_PxT[:, None], G, 1), span], axis=2)
     resp = np.concatenate([np.zeros((P, G, T), np.int32), resp_mask], axis=2)
     ids = np.where(attn > 0, ids, 0)
-    return {"input_ids_BxT": ids.reshape(P * G, T + N), "attention_mask_BxT": attn.reshape(P * G, T + N),
-            "response_mask_BxT": resp.reshape(P * G, T + N),
-            "advantages_B": advantages_PxG.reshape(P * G).astype(np.float32)}
+    return {
+        "input_ids_BxT": ids.reshape(P * G, T + N),
+        "attention_mask_BxT": attn.reshape(P * G, T + N),
+        "response_mask_BxT": resp.reshape(P * G, T + N),
+        "advantages_B": advantages_PxG.reshape(P * G).astype(np.float32),
+    }
 
 
 @dataclasses.dataclass
@@ -227,18 +339,34 @@ class CollectedBatch:
         """The step record's entries that describe generation and scoring (response lengths count the model's
         tokens only; tool rollouts add the tool/* entries)."""
         tool = tool_metrics(self.tool_counts) if self.tool_counts else {}
-        return {**tool, "reward_mean": float(self.rewards_PxG.mean()), "accuracy": float(self.correct_all.mean()),
-                "train_accuracy": float(self.kept.correct_PxG.mean()),
-                "response_len_mean": float(self.lengths_all.mean()),
-                "kept_groups_frac": self.num_groups_kept / max(self.num_prompts_seen, 1),
-                "num_gen_batches": self.num_gen_batches,
-                **{f"reward/{k}": v for k, v in self.reward_stats.items()}, "gen_time_s": self.gen_time_s}
+        return {
+            **tool,
+            "reward_mean": float(self.rewards_PxG.mean()),
+            "accuracy": float(self.correct_all.mean()),
+            "train_accuracy": float(self.kept.correct_PxG.mean()),
+            "response_len_mean": float(self.lengths_all.mean()),
+            "kept_groups_frac": self.num_groups_kept / max(self.num_prompts_seen, 1),
+            "num_gen_batches": self.num_gen_batches,
+            **{f"reward/{k}": v for k, v in self.reward_stats.items()},
+            "gen_time_s": self.gen_time_s,
+        }
 
 
-def collect_batch(sampler, prompt_batches: Iterator[list], prompt_ids: Callable[[object], Sequence[int]], *,
-                  rl: RLConfig, sampling: SamplingConfig, tokenizer, reward_fn: RewardFn, prompt_len: int,
-                  seed: int, step: int, tool: ToolConfig | None = None,
-                  tool_pool: SandboxPool | None = None) -> CollectedBatch:
+def collect_batch(
+    sampler,
+    prompt_batches: Iterator[list],
+    prompt_ids: Callable[[object], Sequence[int]],
+    *,
+    rl: RLConfig,
+    sampling: SamplingConfig,
+    tokenizer,
+    reward_fn: RewardFn,
+    prompt_len: int,
+    seed: int,
+    step: int,
+    tool: ToolConfig | None = None,
+    tool_pool: SandboxPool | None = None,
+) -> CollectedBatch:
     """Algorithm 1's data half: generate G responses for each prompt of successive generation batches (rows
     from `prompt_batches`, token ids by `prompt_ids(row)`), score them, keep the groups whose rewards vary
     (dynamic sampling, when rl.dynamic_sampling) until rl.train_batch_size groups are kept (at most
@@ -255,32 +383,70 @@ def collect_batch(sampler, prompt_batches: Iterator[list], prompt_ids: Callable[
     j = 0
     while not acc.ready:
         rows = next(prompt_batches)
-        draws = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                               seed=batch_seed(seed, step, j))
+        draws = SamplingParams(
+            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=batch_seed(seed, step, j)
+        )
         prompts, answers = [prompt_ids(x) for x in rows], [x.answer for x in rows]
         r, stats, model_lengths = generate_any_rollouts(
-            sampler, prompts, answers, tokenizer=tokenizer, reward_fn=reward_fn, prompt_len=prompt_len,
-            max_new_tokens=sampling.max_new_tokens, num_samples=rl.group_size, sampling=draws,
-            index_offset=j * rl.gen_batch_size, tool=tool, tool_pool=tool_pool, tool_totals=tool_totals,
-            max_prompts_per_call=sampling.max_prompts_per_call)
+            sampler,
+            prompts,
+            answers,
+            tokenizer=tokenizer,
+            reward_fn=reward_fn,
+            prompt_len=prompt_len,
+            max_new_tokens=sampling.max_new_tokens,
+            num_samples=rl.group_size,
+            sampling=draws,
+            index_offset=j * rl.gen_batch_size,
+            tool=tool,
+            tool_pool=tool_pool,
+            tool_totals=tool_totals,
+            max_prompts_per_call=sampling.max_prompts_per_call,
+        )
         lengths.append(model_lengths)
         correct.append(r.correct_PxG.reshape(-1))
         add_counts(reward_stats, stats)
-        keep = (np.asarray(dynamic_sampling_keep_mask(r.correct_PxG)) if rl.dynamic_sampling
-                else np.ones(r.correct_PxG.shape[0], bool))
+        keep = (
+            np.asarray(dynamic_sampling_keep_mask(r.correct_PxG))
+            if rl.dynamic_sampling
+            else np.ones(r.correct_PxG.shape[0], bool)
+        )
         acc.add(dataclasses.asdict(r), keep)
         j += 1
     kept = Rollouts(**acc.result())
-    rewards = rollout_rewards(kept.correct_PxG, kept.lengths_PxG, mode=rl.reward, max_length=sampling.max_new_tokens,
-                              overlong_buffer=rl.overlong_buffer, overlong_penalty_factor=rl.overlong_penalty)
+    rewards = rollout_rewards(
+        kept.correct_PxG,
+        kept.lengths_PxG,
+        mode=rl.reward,
+        max_length=sampling.max_new_tokens,
+        overlong_buffer=rl.overlong_buffer,
+        overlong_penalty_factor=rl.overlong_penalty,
+    )
     # (tool rollouts: lengths and the overlong buffer count every response token, observations included, as the
     # budget sampling.max_new_tokens does)
     if kept.reward_bonus_PxG is not None:
         rewards = np.asarray(rewards, np.float32) + kept.reward_bonus_PxG
-    adv = np.asarray(outcome_advantages(jnp.asarray(rewards), kept.correct_PxG, estimator=rl.advantage.estimator,
-                                        norm_by_std=rl.norm_adv_by_std,
-                                        w_reinforce_lambda=rl.advantage.w_reinforce_lambda))
+    adv = np.asarray(
+        outcome_advantages(
+            jnp.asarray(rewards),
+            kept.correct_PxG,
+            estimator=rl.advantage.estimator,
+            norm_by_std=rl.norm_adv_by_std,
+            w_reinforce_lambda=rl.advantage.w_reinforce_lambda,
+        )
+    )
     batch = train_batch_from_rollouts(kept, adv)
     batch["rewards_B"] = np.asarray(rewards).reshape(-1).astype(np.float32)  # the step's KL-in-reward advantage
-    return CollectedBatch(batch, kept, rewards, np.concatenate(correct), np.concatenate(lengths), reward_stats,
-                          acc.num_kept, acc.num_prompts_seen, j, time.time() - t0, tool_totals)
+    return CollectedBatch(
+        batch,
+        kept,
+        rewards,
+        np.concatenate(correct),
+        np.concatenate(lengths),
+        reward_stats,
+        acc.num_kept,
+        acc.num_prompts_seen,
+        j,
+        time.time() - t0,
+        tool_totals,
+    )

@@ -16,6 +16,7 @@ One RL step (the paper's Algorithm 1; DESIGN.md's data flow), each a named stage
 Randomness is a pure function of (seed, step, generation batch), and the data iterator state is checkpointed, so a
 resumed run continues exactly where the interrupted one was.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,27 +29,37 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from stare_jax import distributed as dist
-from stare_jax import models
+from stare_jax import distributed as dist, models
 from stare_jax.config import resume as run_config
-from stare_jax.training.checkpoint import Checkpointer, PreemptionHandler, install_preemption_handler
 from stare_jax.config.loader import Config, save_config
 from stare_jax.data.prompts import PromptStream, read_rows
+from stare_jax.data.tokenizer import load_tokenizer
 from stare_jax.eval.benchmarks import DEFAULT_PROTOCOL
 from stare_jax.eval.runner import EvalSet, evaluate
-from stare_jax.training.metrics import REQUIRED_STEP_KEYS, MetricsWriter, ProgressBar
 from stare_jax.models.sharding import batch_shards, mesh_for_config
-from stare_jax.rl.stare import StareState
 from stare_jax.rl.packing import host_layout
+from stare_jax.rl.stare import StareState
 from stare_jax.rl.step import TrainState, TrainStepConfig, make_train_step
-from stare_jax.training.collect import CollectedBatch, RewardFn, batch_seed, collect_batch, reward_fn_for
-from stare_jax.training.run_dir import RunDir
-from stare_jax.training.setup import (InputsFn, RunInputs, TrainingError, abstract_like, encode_rows, init_distributed,
-                                 init_run_state, make_sampler, make_tool_pool, reference_params, resolve_inputs,
-                                 train_step_config)
 from stare_jax.sampling import Engine, Sampler, next_bucket
 from stare_jax.tools.pool import SandboxPool
-from stare_jax.data.tokenizer import load_tokenizer
+from stare_jax.training.checkpoint import Checkpointer, PreemptionHandler, install_preemption_handler
+from stare_jax.training.collect import CollectedBatch, RewardFn, batch_seed, collect_batch, reward_fn_for
+from stare_jax.training.metrics import REQUIRED_STEP_KEYS, MetricsWriter, ProgressBar
+from stare_jax.training.run_dir import RunDir
+from stare_jax.training.setup import (
+    InputsFn,
+    RunInputs,
+    TrainingError,
+    abstract_like,
+    encode_rows,
+    init_distributed,
+    init_run_state,
+    make_sampler,
+    make_tool_pool,
+    reference_params,
+    resolve_inputs,
+    train_step_config,
+)
 
 __all__ = ["Run", "TrainingError", "compile_count", "open_run", "run_training", "step_record", "train_step_config"]
 
@@ -89,18 +100,21 @@ def step_record(cfg: Config, collected: CollectedBatch, m: dict, *, step_time_s:
     """The metrics record of one step from what collection saw and the train step's (host) metrics `m`."""
     stare_on = cfg.rl.stare.enabled
     return {
-        "entropy": float(m["entropy"]), "target_entropy": cfg.rl.stare.target_entropy,
+        "entropy": float(m["entropy"]),
+        "target_entropy": cfg.rl.stare.target_entropy,
         **collected.metrics(),
-        "gate_on": reweighting_active(cfg, m), "stare_enabled": stare_on,
+        "gate_on": reweighting_active(cfg, m),
+        "stare_enabled": stare_on,
         # GRPO-ds never reweights: its effective W and M are 1 (the controller's values are unused)
-        "stare_w": float(m["stare_w"]) if stare_on else 1.0, "stare_m": float(m["stare_m"]) if stare_on else 1.0,
+        "stare_w": float(m["stare_w"]) if stare_on else 1.0,
+        "stare_m": float(m["stare_m"]) if stare_on else 1.0,
         "selected_frac_pos": float(m.get("stare/frac_pos_high", m.get("stare/frac_pos_low", 0.0))),
         "selected_frac_neg": float(m.get("stare/frac_neg_high", m.get("stare/frac_neg_low", 0.0))),
-        **{k: float(m[k]) for k in ("clipfrac", "clipfrac_lower", "approx_kl", "loss", "grad_norm",
-                                    "skipped_updates")},
+        **{k: float(m[k]) for k in ("clipfrac", "clipfrac_lower", "approx_kl", "loss", "grad_norm", "skipped_updates")},
         **{f"stare/{k[6:]}": float(v) for k, v in m.items() if k.startswith("stare/")},
         **{k: float(v) for k, v in m.items() if k.startswith(("theory/", "token_filter/", "kl", "entropy_adv/"))},
-        "step_time_s": step_time_s, "train_time_s": train_time_s,
+        "step_time_s": step_time_s,
+        "train_time_s": train_time_s,
     }
 
 
@@ -144,10 +158,20 @@ class Run:
     def collect(self, step: int) -> CollectedBatch:
         """Stage 1: the step's train batch (sample -> score -> dynamic sampling -> advantages)."""
         self.refresh_sampler()
-        return collect_batch(self.sampler, self.stream, lambda row: self.prompt_of[id(row)], rl=self.cfg.rl,
-                             sampling=self.cfg.sampling, tokenizer=self.tokenizer, reward_fn=self.reward_fn,
-                             prompt_len=self.prompt_len, seed=self.cfg.seed, step=step, tool=self.cfg.tool,
-                             tool_pool=self.tool_pool)
+        return collect_batch(
+            self.sampler,
+            self.stream,
+            lambda row: self.prompt_of[id(row)],
+            rl=self.cfg.rl,
+            sampling=self.cfg.sampling,
+            tokenizer=self.tokenizer,
+            reward_fn=self.reward_fn,
+            prompt_len=self.prompt_len,
+            seed=self.cfg.seed,
+            step=step,
+            tool=self.cfg.tool,
+            tool_pool=self.tool_pool,
+        )
 
     def update(self, batch: dict) -> tuple[dict, float]:
         """Stage 2: one jitted GRPO/STARE step on the batch; (host metrics, seconds)."""
@@ -157,8 +181,7 @@ class Run:
             batch = dist.global_batch(batch, self.sampler.mesh)
         self.sampler.release()  # the sampler's weight copy is not alive during the train step
         t0 = time.time()
-        self.train_state, self.stare_state, m = self.step_fn(self.train_state, batch, self.stare_state,
-                                                             self.ref_params)
+        self.train_state, self.stare_state, m = self.step_fn(self.train_state, batch, self.stare_state, self.ref_params)
         return jax.device_get(m), time.time() - t0
 
     def evaluate(self, step: int) -> dict:
@@ -168,13 +191,22 @@ class Run:
             return {}
         self.refresh_sampler()
         s = self.cfg.sampling
-        kw: dict[str, Any] = dict(tokenizer=self.tokenizer, reward_fn=self.reward_fn, prompt_len=self.prompt_len,
-                                  max_new_tokens=s.max_new_tokens, seed=batch_seed(self.cfg.seed, step, 99_991),
-                                  batch_prompts=s.max_prompts_per_call or 256)
+        kw: dict[str, Any] = dict(
+            tokenizer=self.tokenizer,
+            reward_fn=self.reward_fn,
+            prompt_len=self.prompt_len,
+            max_new_tokens=s.max_new_tokens,
+            seed=batch_seed(self.cfg.seed, step, 99_991),
+            batch_prompts=s.max_prompts_per_call or 256,
+        )
         out = evaluate(self.sampler, self.eval_sets, tool=self.cfg.tool, tool_pool=self.tool_pool, **kw)
         if self.cfg.tool.enabled and self.cfg.tool.eval_without_tool:
-            out.update({k.replace("eval/", "eval_notool/", 1): v
-                        for k, v in evaluate(self.sampler, self.eval_sets, **kw).items()})
+            out.update(
+                {
+                    k.replace("eval/", "eval_notool/", 1): v
+                    for k, v in evaluate(self.sampler, self.eval_sets, **kw).items()
+                }
+            )
         return out
 
     def eval_due(self, done: int) -> bool:
@@ -183,8 +215,12 @@ class Run:
 
     def save(self, step: int, force: bool = False) -> None:
         """A checkpoint (when due, or forced) of the train and controller state and the data iterator."""
-        self.ckpt.save(step, {"train_state": self.train_state, "stare_state": self.stare_state},
-                       {"data": self.stream.state(), "step": step, "seed": self.cfg.seed}, force=force)
+        self.ckpt.save(
+            step,
+            {"train_state": self.train_state, "stare_state": self.stare_state},
+            {"data": self.stream.state(), "step": step, "seed": self.cfg.seed},
+            force=force,
+        )
 
     def log(self, done: int, record: dict) -> dict:
         """Write the step's record (metrics.jsonl, TensorBoard, progress bar); returns the record as written."""
@@ -205,7 +241,8 @@ class Run:
             raise TrainingError(
                 f"non-finite loss/gradient at step {step + 1}: the update was skipped and the run stopped "
                 f"(checkpoint.on_nan=stop); parameters from before this step are saved at "
-                f"{self.rd.checkpoints} step {step}")
+                f"{self.rd.checkpoints} step {step}"
+            )
 
     def close(self) -> None:
         self.ckpt.wait()
@@ -220,9 +257,17 @@ class Run:
         self.preempt.uninstall()
 
 
-def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = False, require_checkpoint: bool = False,
-                 allow_config_change: bool = False, distributed: tuple = (None, None, None),
-                 inputs_for: InputsFn = resolve_inputs, log: Callable[[str], None] = print) -> dict:
+def run_training(
+    cfg: Config,
+    run_dir: str | pathlib.Path,
+    *,
+    resume: bool = False,
+    require_checkpoint: bool = False,
+    allow_config_change: bool = False,
+    distributed: tuple = (None, None, None),
+    inputs_for: InputsFn = resolve_inputs,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Train per `cfg`, writing everything under run_dir; returns a summary dict.
 
     resume: continue from RUN_DIR's newest checkpoint if it has one, else start a new run there (what the launch
@@ -235,16 +280,26 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
     stare_jax.toy.assets.run_inputs for the embedded toy."""
     t_start = time.time()
     init_distributed(*distributed)
-    run = open_run(cfg, run_dir, resume=resume, require_checkpoint=require_checkpoint,
-                   allow_config_change=allow_config_change, inputs_for=inputs_for, log=log)
+    run = open_run(
+        cfg,
+        run_dir,
+        resume=resume,
+        require_checkpoint=require_checkpoint,
+        allow_config_change=allow_config_change,
+        inputs_for=inputs_for,
+        log=log,
+    )
     cfg = run.cfg
     summary: dict = {"steps_run": 0, "stopped": None, "new_compiles_per_step": []}
     last_record: dict = {}
     try:
         # the policy before any RL update is evaluated once; step 1's record carries it as eval_start/* (and
         # eval_start_notool/*)
-        pending = ({k.replace("eval", "eval_start", 1): v for k, v in run.evaluate(0).items()}
-                   if cfg.logging.eval_every_steps and run.start_step == 0 else {})
+        pending = (
+            {k.replace("eval", "eval_start", 1): v for k, v in run.evaluate(0).items()}
+            if cfg.logging.eval_every_steps and run.start_step == 0
+            else {}
+        )
         for step in range(run.start_step, cfg.total_steps):
             t0, compiles_before = time.time(), compile_count()
             collected = run.collect(step)
@@ -283,20 +338,30 @@ def run_training(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool = Fal
 # Opening a run
 
 
-def check_run_dir(rd: RunDir, cfg: Config, run_dir, *, resume: bool, require_checkpoint: bool,
-                  allow_config_change: bool, log: Callable[[str], None]) -> tuple[bool, dict]:
+def check_run_dir(
+    rd: RunDir,
+    cfg: Config,
+    run_dir,
+    *,
+    resume: bool,
+    require_checkpoint: bool,
+    allow_config_change: bool,
+    log: Callable[[str], None],
+) -> tuple[bool, dict]:
     """(resume, config changes): whether the run folder is resumed, and how the config differs from its saved one.
     Refuses to overwrite a run, to resume without a checkpoint when required, and disallowed config changes."""
     if resume and not rd.has_checkpoint():
         if require_checkpoint:
             raise TrainingError(f"--resume --require-checkpoint: no checkpoint in {rd.checkpoints}")
         if rd.exists("metrics.jsonl"):
-            raise TrainingError(f"{run_dir} holds a run (metrics.jsonl) but no checkpoint to resume from; "
-                                f"use a new --run-dir")
+            raise TrainingError(
+                f"{run_dir} holds a run (metrics.jsonl) but no checkpoint to resume from; use a new --run-dir"
+            )
         log(f"--resume: no checkpoint in {run_dir}, starting a new run there")
         resume = False
-    changes = (run_config.check_resume_config(rd.root, cfg, allow=allow_config_change, run_dir=str(run_dir))
-               if resume else {})
+    changes = (
+        run_config.check_resume_config(rd.root, cfg, allow=allow_config_change, run_dir=str(run_dir)) if resume else {}
+    )
     if rd.exists("metrics.jsonl") and not resume:
         raise TrainingError(f"{run_dir} already holds a run (metrics.jsonl); use --resume or a new --run-dir")
     return resume, changes
@@ -308,20 +373,42 @@ def load_eval_sets(cfg: Config, eval_rows: dict, tokenizer) -> list[EvalSet]:
     for name, rows in eval_rows.items():
         ids, keep = encode_rows(rows, tokenizer, cfg)
         n = cfg.sampling.eval_num_samples or DEFAULT_PROTOCOL.get(name, {}).get("n", 4)
-        sets.append(EvalSet(name, ids, [rows[i].answer for i in keep], n, temperature=cfg.sampling.eval_temperature,
-                            top_p=cfg.sampling.eval_top_p))
+        sets.append(
+            EvalSet(
+                name,
+                ids,
+                [rows[i].answer for i in keep],
+                n,
+                temperature=cfg.sampling.eval_temperature,
+                top_p=cfg.sampling.eval_top_p,
+            )
+        )
     return sets
 
 
-def open_run(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool, require_checkpoint: bool = False,
-             allow_config_change: bool = False, inputs_for: InputsFn = resolve_inputs,
-             log: Callable[[str], None] = print) -> Run:
+def open_run(
+    cfg: Config,
+    run_dir: str | pathlib.Path,
+    *,
+    resume: bool,
+    require_checkpoint: bool = False,
+    allow_config_change: bool = False,
+    inputs_for: InputsFn = resolve_inputs,
+    log: Callable[[str], None] = print,
+) -> Run:
     """Everything the loop needs, in the order that fails fastest: inputs, run folder, data, then model, state,
     sampler and writers; restored from the newest checkpoint when resuming."""
     rd = RunDir.for_run(run_dir)  # local folder, or gs://... with a local mirror of the text outputs
     cfg, inputs = inputs_for(cfg, log)
-    resume, changes = check_run_dir(rd, cfg, run_dir, resume=resume, require_checkpoint=require_checkpoint,
-                                    allow_config_change=allow_config_change, log=log)
+    resume, changes = check_run_dir(
+        rd,
+        cfg,
+        run_dir,
+        resume=resume,
+        require_checkpoint=require_checkpoint,
+        allow_config_change=allow_config_change,
+        log=log,
+    )
     dist.barrier("stare_jax_run_dir_checked")  # every process decided before process 0 writes into the run dir
     # data first: a bad row fails in a second, before any model is loaded
     fields = dict(prompt_field=cfg.data.prompt_field, answer_field=cfg.data.answer_field)
@@ -337,48 +424,86 @@ def open_run(cfg: Config, run_dir: str | pathlib.Path, *, resume: bool, require_
     model = models.from_pretrained(inputs.model_path, mesh=mesh, **cfg.model.architecture_overrides())
     stream, prompt_of = _prompt_stream(cfg, rows, tokenizer, inputs, log)
     eval_sets = load_eval_sets(cfg, eval_rows, tokenizer)
-    prompt_len = next_bucket(max(len(p) for p in [*prompt_of.values(), *(q for es in eval_sets for q in es.prompts)]),
-                             16)
+    prompt_len = next_bucket(
+        max(len(p) for p in [*prompt_of.values(), *(q for es in eval_sets for q in es.prompts)]), 16
+    )
     tcfg = train_step_config(cfg, mesh)
     graphdef, train_state, stare_state = init_run_state(model, tcfg, mesh)
     # before any restore: "initial" is the run's starting weights (model.path), on resume too
     ref_params = reference_params(cfg, train_state.params, mesh, log=log)
     step_fn = make_train_step(graphdef, tcfg, mesh=mesh, train_state=train_state)
     sampler = make_sampler(model, cfg, mesh, tokenizer.pad_id, log=log)
-    ckpt = Checkpointer(rd.checkpoints, keep=cfg.checkpoint.keep, every_steps=cfg.checkpoint.every_steps,
-                        async_save=cfg.checkpoint.async_save, must_exist=resume)
+    ckpt = Checkpointer(
+        rd.checkpoints,
+        keep=cfg.checkpoint.keep,
+        every_steps=cfg.checkpoint.every_steps,
+        async_save=cfg.checkpoint.async_save,
+        must_exist=resume,
+    )
     start_step = 0
     if resume:
-        restored = ckpt.restore(abstract_state=abstract_like({"train_state": train_state, "stare_state": stare_state}),
-                                fallback_to_intact=True)
+        restored = ckpt.restore(
+            abstract_state=abstract_like({"train_state": train_state, "stare_state": stare_state}),
+            fallback_to_intact=True,
+        )
         train_state, stare_state = restored.state["train_state"], restored.state["stare_state"]
         stream.restore(restored.extra["data"])
         start_step = int(restored.extra["step"])
         log(f"resumed from {rd.checkpoints} at step {start_step}")
         if changes and jax.process_index() == 0:
             run_config.record_changes(rd.root, start_step, changes, allowed=allow_config_change)
-            log(f"config changed on resume at step {start_step}: {', '.join(changes)} "
-                f"(recorded in {run_dir}/{run_config.CHANGES_FILE})")
+            log(
+                f"config changed on resume at step {start_step}: {', '.join(changes)} "
+                f"(recorded in {run_dir}/{run_config.CHANGES_FILE})"
+            )
         if jax.process_index() == 0:
             rd.pull()  # a remote run's earlier metrics, so the writer appends to (and trims) the full history
-    writer = MetricsWriter(rd.local, tensorboard=cfg.logging.tensorboard, wandb_project=cfg.logging.wandb_project,
-                           resume_step=start_step if resume else None, required_keys=REQUIRED_STEP_KEYS)
-    bar = ProgressBar(cfg.total_steps, start_step=start_step,
-                      enabled=cfg.logging.progress_bar and jax.process_index() == 0)
-    return Run(cfg, rd, tokenizer, stream, prompt_of, eval_sets, prompt_len, graphdef, train_state,
-               stare_state, step_fn, tcfg, sampler, reward_fn_for(cfg.data.task), ckpt, writer,
-               install_preemption_handler(), bar, start_step, ref_params=ref_params,
-               tool_pool=make_tool_pool(cfg, sampler))
+    writer = MetricsWriter(
+        rd.local,
+        tensorboard=cfg.logging.tensorboard,
+        wandb_project=cfg.logging.wandb_project,
+        resume_step=start_step if resume else None,
+        required_keys=REQUIRED_STEP_KEYS,
+    )
+    bar = ProgressBar(
+        cfg.total_steps, start_step=start_step, enabled=cfg.logging.progress_bar and jax.process_index() == 0
+    )
+    return Run(
+        cfg,
+        rd,
+        tokenizer,
+        stream,
+        prompt_of,
+        eval_sets,
+        prompt_len,
+        graphdef,
+        train_state,
+        stare_state,
+        step_fn,
+        tcfg,
+        sampler,
+        reward_fn_for(cfg.data.task),
+        ckpt,
+        writer,
+        install_preemption_handler(),
+        bar,
+        start_step,
+        ref_params=ref_params,
+        tool_pool=make_tool_pool(cfg, sampler),
+    )
 
 
-def _prompt_stream(cfg: Config, rows: list, tokenizer, inputs: RunInputs,
-                   log: Callable[[str], None]) -> tuple[PromptStream, dict]:
+def _prompt_stream(
+    cfg: Config, rows: list, tokenizer, inputs: RunInputs, log: Callable[[str], None]
+) -> tuple[PromptStream, dict]:
     """The shuffled stream of generation batches over the rows whose prompts fit data.max_prompt_len, and each
     kept row's prompt token ids (by id(row))."""
     prompt_ids, keep = encode_rows(rows, tokenizer, cfg)
     if len(keep) < len(rows):
-        log(f"data: {len(rows) - len(keep)} of {len(rows)} rows of {inputs.train_path} have prompts longer than "
-            f"data.max_prompt_len={cfg.data.max_prompt_len} tokens and are left out")
+        log(
+            f"data: {len(rows) - len(keep)} of {len(rows)} rows of {inputs.train_path} have prompts longer than "
+            f"data.max_prompt_len={cfg.data.max_prompt_len} tokens and are left out"
+        )
     kept = [rows[i] for i in keep]
     stream = PromptStream(kept, cfg.rl.gen_batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     return stream, {id(r): p for r, p in zip(kept, prompt_ids)}

@@ -1,5 +1,6 @@
 """Load a policy for evaluation or export: a Hugging Face folder, or a training run folder (its config.yaml and
 the newest orbax checkpoint in RUN_DIR/checkpoints), and write any of them back out as a Hugging Face folder."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,14 +12,20 @@ from etils import epath
 from flax import nnx
 
 from stare_jax import models
+from stare_jax.config.loader import Config, config_from_dict
 from stare_jax.models.lora import write_peft_adapter
 from stare_jax.training.checkpoint import Checkpointer
-from stare_jax.config.loader import Config, config_from_dict
 from stare_jax.training.run_dir import is_remote, local_copy
 from stare_jax.training.setup import InputsFn, abstract_like, init_run_state, resolve_inputs, train_step_config
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 @dataclasses.dataclass
@@ -29,32 +36,45 @@ class Policy:
     step: int | None  # the checkpoint step restored (None for an HF folder)
 
 
-def load_policy(path: str | pathlib.Path, *, step: int | None = None, dtype: str = "float32", mesh=None,
-                inputs_for: InputsFn = resolve_inputs, log=print) -> Policy:
+def load_policy(
+    path: str | pathlib.Path,
+    *,
+    step: int | None = None,
+    dtype: str = "float32",
+    mesh=None,
+    inputs_for: InputsFn = resolve_inputs,
+    log=print,
+) -> Policy:
     """An HF folder (config.json) or a training run folder (config.yaml + checkpoints/); with a mesh the
     parameters are loaded (and restored) straight into their sharded layout on it, on every process. inputs_for
     resolves a run folder's model and tokenizer (stare_jax.toy.assets.run_inputs for a toy run: run_training's
     argument of the same name)."""
     if is_remote(path):  # an HF folder on gs://: copied to local disk once (a remote run folder is not supported)
         if not (epath.Path(str(path)) / "config.json").exists():
-            raise FileNotFoundError(f"{path}: only Hugging Face folders (config.json) are read from object storage; "
-                                    f"export a training run with `stare-jax export` first")
+            raise FileNotFoundError(
+                f"{path}: only Hugging Face folders (config.json) are read from object storage; "
+                f"export a training run with `stare-jax export` first"
+            )
         path = local_copy(str(path), log=log)
     path = pathlib.Path(path)
     if (path / "config.json").is_file():
         return Policy(models.from_pretrained(path, dtype=dtype, mesh=mesh), path, None, None)
     if not (path / "config.yaml").is_file():
-        raise FileNotFoundError(f"{path} is neither a Hugging Face folder (config.json) nor a training run folder "
-                                f"(config.yaml + checkpoints/)")
+        raise FileNotFoundError(
+            f"{path} is neither a Hugging Face folder (config.json) nor a training run folder "
+            f"(config.yaml + checkpoints/)"
+        )
     cfg = config_from_dict(yaml.safe_load((path / "config.yaml").read_text()), source=str(path / "config.yaml"))
     cfg, inputs = inputs_for(cfg, log)
-    model = models.from_pretrained(inputs.model_path, mesh=mesh,
-                                   **{**cfg.model.architecture_overrides(), "dtype": dtype})
+    model = models.from_pretrained(
+        inputs.model_path, mesh=mesh, **{**cfg.model.architecture_overrides(), "dtype": dtype}
+    )
     tcfg = train_step_config(cfg)  # only the state's tree and shapes matter here, not the run's batch layout
     _, train_state, stare_state = init_run_state(model, tcfg, mesh)
     abstract = abstract_like({"train_state": train_state, "stare_state": stare_state})
-    ckpt = Checkpointer(path / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0, async_save=False,
-                        must_exist=True)
+    ckpt = Checkpointer(
+        path / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0, async_save=False, must_exist=True
+    )
     try:
         restored = ckpt.restore(step, abstract_state=abstract)
     finally:
@@ -75,8 +95,15 @@ def _copy_tokenizer(tokenizer_path, out_dir: pathlib.Path) -> None:
         shutil.copy2(tok, out_dir / "tokenizer.model")
 
 
-def export_policy(src: str | pathlib.Path, out_dir: str | pathlib.Path, *, step: int | None = None,
-                  merged: bool = False, inputs_for: InputsFn = resolve_inputs, log=print):
+def export_policy(
+    src: str | pathlib.Path,
+    out_dir: str | pathlib.Path,
+    *,
+    step: int | None = None,
+    merged: bool = False,
+    inputs_for: InputsFn = resolve_inputs,
+    log=print,
+):
     """Write `src` (HF folder or training run) as an HF folder that transformers and stare_jax load: weights,
     config, and the tokenizer files next to them.
 

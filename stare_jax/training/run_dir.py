@@ -8,6 +8,7 @@ local mirror folder and copied up with etils.epath after every step (a resumed r
 metrics back down, so nothing logged before the interruption is lost). gs:// needs `gcsfs` (installed by
 the launch scripts' setup; see requirements-cloud.txt).
 """
+
 from __future__ import annotations
 
 import dataclasses

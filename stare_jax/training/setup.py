@@ -2,6 +2,7 @@
 (policy.py) and the ahead-of-time compiles (aot.py): the input paths, the static config of the jitted step
 derived from the run config, and the initial train + controller state committed to its devices.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,11 +22,11 @@ from stare_jax.models.sharding import batch_shards
 from stare_jax.planning.estimate import auto_max_slots, live_accelerator
 from stare_jax.rl.stare import StareState, init_stare_state
 from stare_jax.rl.step import TrainState, TrainStepConfig, init_train_state, place_train_state, split_model
-from stare_jax.training.run_dir import is_remote, local_copy
 from stare_jax.sampling import Engine, EngineConfig, Sampler
 from stare_jax.sampling.engine import make_generator
 from stare_jax.tools.config import make_pool
 from stare_jax.tools.pool import SandboxPool
+from stare_jax.training.run_dir import is_remote, local_copy
 
 
 class TrainingError(RuntimeError):
@@ -42,14 +43,17 @@ def init_distributed(coordinator_address: str | None, num_processes: int | None,
     given = [coordinator_address, num_processes, process_id]
     if any(v is not None for v in given):
         if coordinator_address is None or num_processes is None or process_id is None:
-            raise TrainingError("multi-process runs need all of --coordinator-address, --num-processes and "
-                                "--process-id (or none of them, for automatic detection)")
+            raise TrainingError(
+                "multi-process runs need all of --coordinator-address, --num-processes and "
+                "--process-id (or none of them, for automatic detection)"
+            )
         if not 0 <= process_id < num_processes:
             raise TrainingError(f"--process-id {process_id} is outside [0, --num-processes={num_processes})")
         # CPU cross-process collectives (local multi-process runs) go through gloo; GPU/TPU are unaffected
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                                   process_id=process_id)
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+        )
     elif os.environ.get("JAX_COORDINATOR_ADDRESS") or os.environ.get("TPU_WORKER_HOSTNAMES", "").count(",") > 0:
         jax.distributed.initialize()
 
@@ -70,8 +74,10 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, Run
     here: its assets are built by stare_jax.toy.assets.run_inputs, which the entry points call and whose result
     they hand to the loop (the loop does not import the toy)."""
     if cfg.toy.enabled:
-        raise TrainingError("toy.enabled: the embedded toy's inputs are built by stare_jax.toy.assets.run_inputs; "
-                            "run the config with `stare-jax train` (or pass inputs= to run_training)")
+        raise TrainingError(
+            "toy.enabled: the embedded toy's inputs are built by stare_jax.toy.assets.run_inputs; "
+            "run the config with `stare-jax train` (or pass inputs= to run_training)"
+        )
     if not cfg.model.path:
         raise TrainingError("model.path is not set: point it at a Hugging Face checkpoint folder")
     if not cfg.data.train_path:
@@ -105,8 +111,16 @@ def encode_rows(rows: Sequence[PromptRow], tokenizer, cfg: Config) -> tuple[list
 # The compiled step's static config and initial state
 
 # TrainStepConfig fields that are not rl.* options of the same name; train_step_config computes each
-DERIVED_STEP_FIELDS = ("optimizer", "stare", "policy_loss", "loss_agg_constant", "num_micro_batches",
-                       "num_mini_batches", "debug_outputs", "seed")
+DERIVED_STEP_FIELDS = (
+    "optimizer",
+    "stare",
+    "policy_loss",
+    "loss_agg_constant",
+    "num_micro_batches",
+    "num_mini_batches",
+    "debug_outputs",
+    "seed",
+)
 
 
 def train_step_config(cfg: Config, mesh=None) -> TrainStepConfig:
@@ -115,36 +129,53 @@ def train_step_config(cfg: Config, mesh=None) -> TrainStepConfig:
     rl = cfg.rl
     B = rl.train_batch_size * rl.group_size
     if B % rl.mini_batches:
-        raise TrainingError(f"rl.train_batch_size x rl.group_size = {B} is not divisible by "
-                            f"rl.mini_batches={rl.mini_batches}")
+        raise TrainingError(
+            f"rl.train_batch_size x rl.group_size = {B} is not divisible by rl.mini_batches={rl.mini_batches}"
+        )
     mini = B // rl.mini_batches
     per_micro = rl.micro_batch_size * batch_shards(mesh)
     if mini % per_micro:
         raise TrainingError(
             f"a mini-batch of {mini} sequences does not split into micro-batches of rl.micro_batch_size="
-            f"{rl.micro_batch_size} x {batch_shards(mesh)} data shards")
+            f"{rl.micro_batch_size} x {batch_shards(mesh)} data shards"
+        )
     # scope micro_batch ranks groups of rl.micro_batch_size unless rl.stare / rl.policy_loss say otherwise
-    stare = rl.stare if rl.stare.scope != "micro_batch" or rl.stare.micro_batch_size else dataclasses.replace(
-        rl.stare, micro_batch_size=rl.micro_batch_size)
+    stare = (
+        rl.stare
+        if rl.stare.scope != "micro_batch" or rl.stare.micro_batch_size
+        else dataclasses.replace(rl.stare, micro_batch_size=rl.micro_batch_size)
+    )
     pl = rl.policy_loss
     if "micro_batch_size" in pl.options() and not pl.micro_batch_size:
         pl = dataclasses.replace(pl, micro_batch_size=rl.micro_batch_size)
     # the optimizer's schedule counts updates: rl.mini_batches x rl.ppo_epochs of them per RL step
-    opt = cfg.optimizer if cfg.optimizer.total_steps else dataclasses.replace(
-        cfg.optimizer, total_steps=cfg.total_steps * rl.mini_batches * rl.ppo_epochs)
+    opt = (
+        cfg.optimizer
+        if cfg.optimizer.total_steps
+        else dataclasses.replace(cfg.optimizer, total_steps=cfg.total_steps * rl.mini_batches * rl.ppo_epochs)
+    )
     longest = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
     if rl.packing.enabled and 0 < rl.packing.row_tokens < longest:
-        raise TrainingError(f"rl.packing.row_tokens={rl.packing.row_tokens} is shorter than the longest sequence a "
-                            f"step can hold (data.max_prompt_len {cfg.data.max_prompt_len} + sampling.max_new_tokens "
-                            f"{cfg.sampling.max_new_tokens} = {longest}); sequences are never split across rows: set "
-                            f"it >= {longest}, or 0 for the padded length")
-    by_name = {f.name: getattr(rl, f.name) for f in dataclasses.fields(TrainStepConfig)
-               if f.name not in DERIVED_STEP_FIELDS}
+        raise TrainingError(
+            f"rl.packing.row_tokens={rl.packing.row_tokens} is shorter than the longest sequence a "
+            f"step can hold (data.max_prompt_len {cfg.data.max_prompt_len} + sampling.max_new_tokens "
+            f"{cfg.sampling.max_new_tokens} = {longest}); sequences are never split across rows: set "
+            f"it >= {longest}, or 0 for the padded length"
+        )
+    by_name = {
+        f.name: getattr(rl, f.name) for f in dataclasses.fields(TrainStepConfig) if f.name not in DERIVED_STEP_FIELDS
+    }
     try:
-        return TrainStepConfig(optimizer=opt, stare=stare, policy_loss=pl,
-                               loss_agg_constant=float(cfg.sampling.max_new_tokens),
-                               num_micro_batches=mini // per_micro, num_mini_batches=rl.mini_batches, seed=cfg.seed,
-                               **by_name)
+        return TrainStepConfig(
+            optimizer=opt,
+            stare=stare,
+            policy_loss=pl,
+            loss_agg_constant=float(cfg.sampling.max_new_tokens),
+            num_micro_batches=mini // per_micro,
+            num_mini_batches=rl.mini_batches,
+            seed=cfg.seed,
+            **by_name,
+        )
     except ValueError as e:  # a combination the step refuses (e.g. packing with a per-micro-batch selection)
         raise TrainingError(str(e)) from None
 
@@ -177,22 +208,26 @@ def reference_params(cfg: Config, params, mesh=None, *, log: Callable[[str], Non
         return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
     path = local_copy(ref, log=log) if is_remote(ref) else pathlib.Path(ref)
     if not (path / "config.json").is_file():
-        raise TrainingError(f"rl.kl.reference = {ref!r} is neither 'initial' nor a Hugging Face folder (no "
-                            f"config.json there)")
+        raise TrainingError(
+            f"rl.kl.reference = {ref!r} is neither 'initial' nor a Hugging Face folder (no config.json there)"
+        )
     _, loaded, _ = split_model(models.from_pretrained(path, mesh=mesh, **cfg.model.architecture_overrides()))
 
     def layout(tree):
         return [(jax.tree_util.keystr(k), x.shape, x.dtype) for k, x in jax.tree_util.tree_leaves_with_path(tree)]
 
     if layout(loaded) != layout(params):
-        raise TrainingError(f"rl.kl.reference = {ref!r}: its parameters differ from the policy's (another "
-                            f"architecture or size); the reference must be the policy's architecture")
+        raise TrainingError(
+            f"rl.kl.reference = {ref!r}: its parameters differ from the policy's (another "
+            f"architecture or size); the reference must be the policy's architecture"
+        )
     log(f"rl.kl.reference: frozen reference policy loaded from {ref}")
     return jax.device_put(loaded, shardings)
 
 
-def make_sampler(model, cfg: Config, mesh, pad_id: int | None, log: Callable[[str], None] | None = None
-                 ) -> Sampler | Engine:
+def make_sampler(
+    model, cfg: Config, mesh, pad_id: int | None, log: Callable[[str], None] | None = None
+) -> Sampler | Engine:
     """The run's generator per sampling.engine.enabled (sampling.engine.make_generator): the rollout engine
     (continuous batching over paged KV) or the static sampler; both draw the same samples. With tool.enabled,
     auto means the engine (the multi-turn rollouts need its append-and-continue). sampling.engine.max_slots=auto
@@ -204,18 +239,29 @@ def make_sampler(model, cfg: Config, mesh, pad_id: int | None, log: Callable[[st
             return engine
         acc = live_accelerator()
         slots = auto_max_slots(cfg, acc)
-        (log or print)(f"sampling.engine.max_slots=auto -> {slots} ("
-                       + (f"fits {acc.name}'s {acc.hbm_bytes / 2**30:.1f} GiB per device by the plan's estimate)"
-                          if acc else "no HBM figure on this host: one slot per response of a generation batch)"))
+        (log or print)(
+            f"sampling.engine.max_slots=auto -> {slots} ("
+            + (
+                f"fits {acc.name}'s {acc.hbm_bytes / 2**30:.1f} GiB per device by the plan's estimate)"
+                if acc
+                else "no HBM figure on this host: one slot per response of a generation batch)"
+            )
+        )
         return dataclasses.replace(engine, max_slots=slots)
 
     engine = cfg.sampling.engine
     if cfg.tool.enabled and engine.enabled == "auto":
         engine = dataclasses.replace(engine, enabled=True)
     try:
-        return make_generator(model, config=engine, max_new_tokens=cfg.sampling.max_new_tokens,
-                              mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, pad_id=pad_id,
-                              resolve=resolve_slots)
+        return make_generator(
+            model,
+            config=engine,
+            max_new_tokens=cfg.sampling.max_new_tokens,
+            mesh=mesh,
+            cache_dtype=cfg.sampling.kv_cache_dtype,
+            pad_id=pad_id,
+            resolve=resolve_slots,
+        )
     except ValueError as e:
         raise TrainingError(str(e)) from None
 
@@ -226,8 +272,9 @@ def make_tool_pool(cfg: Config, sampler: Sampler | Engine) -> SandboxPool | None
     if not cfg.tool.enabled:
         return None
     if not isinstance(sampler, Engine):
-        raise TrainingError("tool.enabled: multi-turn tool rollouts need the rollout engine "
-                            "(set sampling.engine.enabled=true)")
+        raise TrainingError(
+            "tool.enabled: multi-turn tool rollouts need the rollout engine (set sampling.engine.enabled=true)"
+        )
     return make_pool(cfg.tool)
 
 

@@ -14,6 +14,7 @@ config's model.path points at, on the config's mesh (the RL config's `mesh:` sec
 `ConversationSFTConfig`'s fields. `stare-jax plan --sft CONFIG --compile` compiles its step for a TPU slice
 (stare_jax.training.aot.compile_sft).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,16 +32,30 @@ from flax import nnx
 
 from stare_jax import distributed, models
 from stare_jax.config.loader import LaunchConfig, MeshConfig, ModelRunConfig, load_section
-from stare_jax.data.conversations import (RenderedConversation, end_of_turn_texts, read_conversations,
-                                          render_conversation, truncate)
-from stare_jax.data.prompts import DataError
-from stare_jax.models.sharding import BATCH_AXES, batch_shards, mesh_for_config
 from stare_jax.config.options import ConfigError, option, validate_fields
-from stare_jax.rl.packing import split_micro
-from stare_jax.rl.step import (OptimizerConfig, TrainState, TrainStepConfig, accumulate_gradients,
-                                     guarded_update, init_train_state, jit_step, make_optimizer, place_train_state,
-                                     policy_forward)
+from stare_jax.data.conversations import (
+    RenderedConversation,
+    end_of_turn_texts,
+    read_conversations,
+    render_conversation,
+    truncate,
+)
+from stare_jax.data.prompts import DataError
 from stare_jax.data.tokenizer import load_tokenizer
+from stare_jax.models.sharding import BATCH_AXES, batch_shards, mesh_for_config
+from stare_jax.rl.packing import split_micro
+from stare_jax.rl.step import (
+    OptimizerConfig,
+    TrainState,
+    TrainStepConfig,
+    accumulate_gradients,
+    guarded_update,
+    init_train_state,
+    jit_step,
+    make_optimizer,
+    place_train_state,
+    policy_forward,
+)
 from stare_jax.tools.calls import CODE_TOOL_SCHEMA
 
 
@@ -57,8 +72,12 @@ class SFTConfig:
 
     def optimizer(self) -> OptimizerConfig:
         """The AdamW settings of this SFT (the RL trainer's optimizer; a linear warm-up when warmup_steps)."""
-        return OptimizerConfig(lr=self.lr, weight_decay=self.weight_decay, warmup_steps=self.warmup_steps,
-                               schedule="linear" if self.warmup_steps else "constant")
+        return OptimizerConfig(
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            warmup_steps=self.warmup_steps,
+            schedule="linear" if self.warmup_steps else "constant",
+        )
 
 
 SFT_KEYS = ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT")  # the SFT step's batch (train_step layout)
@@ -80,12 +99,13 @@ def pack_examples(examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_i
         n = len(p) + len(r)
         ids[i, :n] = list(p) + list(r)
         attn[i, :n] = 1
-        resp[i, len(p):n] = 1
+        resp[i, len(p) : n] = 1
     return ids, attn, resp
 
 
-def build_sft_step_fn(graphdef, tx, *, chunk_size: int, micro_batches: int = 1, mesh=None,
-                      batch_axes=BATCH_AXES) -> Callable:
+def build_sft_step_fn(
+    graphdef, tx, *, chunk_size: int, micro_batches: int = 1, mesh=None, batch_axes=BATCH_AXES
+) -> Callable:
     """The pure SFT step (train_state, batch) -> (train_state, metrics): the mean negative log-likelihood of the
     response tokens (batch[SFT_KEYS], the RL step's padded layout without advantages), normalised by the whole
     batch's token count and accumulated over `micro_batches` contiguous micro-batches (the RL step's
@@ -116,14 +136,21 @@ def build_sft_step_fn(graphdef, tx, *, chunk_size: int, micro_batches: int = 1, 
     return step_fn
 
 
-def make_sft_step(graphdef, cfg: SFTConfig, *, mesh=None, train_state: TrainState | None = None,
-                  donate: bool = True) -> Callable:
+def make_sft_step(
+    graphdef, cfg: SFTConfig, *, mesh=None, train_state: TrainState | None = None, donate: bool = True
+) -> Callable:
     """The jitted SFT step (jit_step, as the RL step): on a mesh the train state keeps its shardings (FSDP /
     tensor rules of the model), the batch splits over the data axes; (train_state, batch) -> (train_state,
     metrics) with the train state donated."""
     tx = make_optimizer(cfg.optimizer())
-    step_fn = build_sft_step_fn(graphdef, tx, chunk_size=cfg.chunk_size, micro_batches=cfg.micro_batches, mesh=mesh,
-                                batch_axes=BATCH_AXES if mesh is not None else ())
+    step_fn = build_sft_step_fn(
+        graphdef,
+        tx,
+        chunk_size=cfg.chunk_size,
+        micro_batches=cfg.micro_batches,
+        mesh=mesh,
+        batch_axes=BATCH_AXES if mesh is not None else (),
+    )
     return jit_step(step_fn, mesh=mesh, train_state=train_state, keys=SFT_KEYS, state_args=0, donate=donate)
 
 
@@ -136,8 +163,14 @@ def init_sft_state(model: nnx.Module, cfg: SFTConfig, mesh=None) -> tuple[nnx.Gr
     return graphdef, state
 
 
-def sft_train(model: nnx.Module, sample_batch: Callable[[np.random.Generator, int], tuple], cfg: SFTConfig,
-              log: Callable[[int, float], None] | None = None, *, mesh=None) -> list[float]:
+def sft_train(
+    model: nnx.Module,
+    sample_batch: Callable[[np.random.Generator, int], tuple],
+    cfg: SFTConfig,
+    log: Callable[[int, float], None] | None = None,
+    *,
+    mesh=None,
+) -> list[float]:
     """Train `model` (sharded onto `mesh` when given) in place for cfg.steps steps. `sample_batch(rng,
     batch_size)` returns (ids, attn, resp) arrays of one fixed shape (so the step compiles once). Returns the loss
     curve. The model's parameter buffers are donated to the step and written back at the end. Several processes
@@ -164,8 +197,14 @@ def sft_train(model: nnx.Module, sample_batch: Callable[[np.random.Generator, in
 
 # The tokenizer files copied next to the weights: policy.TOKENIZER_FILES (not imported: policy -> run_setup -> toy
 # imports this module; tests/unit/training/test_sft_conversations.py checks the two lists agree).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "chat_template.jinja", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 def pack_masked(rows: Sequence[tuple[np.ndarray, np.ndarray]], pad_id: int, length: int):
@@ -191,22 +230,32 @@ class ConversationSFTConfig:
     model: ModelRunConfig = dataclasses.field(default_factory=ModelRunConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
-    train_path: str = option("", "conversation jsonl: {\"messages\": [...], \"tools\": [...]} or a list of "
-                                 "messages per line (roles system/user/assistant/tool, OpenAI tool_calls)")
+    train_path: str = option(
+        "",
+        'conversation jsonl: {"messages": [...], "tools": [...]} or a list of '
+        "messages per line (roles system/user/assistant/tool, OpenAI tool_calls)",
+    )
     out_dir: str = option("", "output HF folder (must be new or empty); the RL config's model.path")
     tools: Literal["code_interpreter", "row", "none"] = option(
-        "code_interpreter", "tool schemas the chat template lists: code_interpreter = [the code tool] as the RL "
-                            "run's hermes prompts do (a row's own 'tools' win), row = a row's own only, none = none")
-    max_len: int = option(8192, "tokens per conversation (the rendered system + user + assistant + tool turns)",
-                          lo=2)
+        "code_interpreter",
+        "tool schemas the chat template lists: code_interpreter = [the code tool] as the RL "
+        "run's hermes prompts do (a row's own 'tools' win), row = a row's own only, none = none",
+    )
+    max_len: int = option(8192, "tokens per conversation (the rendered system + user + assistant + tool turns)", lo=2)
     truncation: Literal["right", "drop", "error"] = option(
-        "right", "a longer conversation: right = keep its first max_len tokens (dropped if no assistant token is "
-                 "left), drop = skip it, error = stop")
+        "right",
+        "a longer conversation: right = keep its first max_len tokens (dropped if no assistant token is "
+        "left), drop = skip it, error = stop",
+    )
     steps: int = option(300, "optimizer steps", lo=1)
     batch_size: int = option(32, "conversations per step (drawn at random, with replacement)", lo=1)
-    micro_batch_size: int = option(0, "conversations per micro-batch and data shard (gradient accumulation over "
-                                      "batch_size / (micro_batch_size x data shards) micro-batches, the same "
-                                      "update as one batch); 0 = the whole batch at once", lo=0)
+    micro_batch_size: int = option(
+        0,
+        "conversations per micro-batch and data shard (gradient accumulation over "
+        "batch_size / (micro_batch_size x data shards) micro-batches, the same "
+        "update as one batch); 0 = the whole batch at once",
+        lo=0,
+    )
     lr: float = option(1e-5, "peak learning rate (AdamW)", lo=0.0, lo_open=True)
     weight_decay: float = option(0.0, lo=0.0)
     warmup_steps: int = option(0, "linear warm-up steps (0 = constant)", lo=0)
@@ -224,16 +273,25 @@ class ConversationSFTConfig:
         batch_size does not split into them."""
         per_micro = (self.micro_batch_size or self.batch_size // max(data_shards, 1)) * data_shards
         if per_micro == 0 or self.batch_size % per_micro:
-            raise ConfigError(f"sft: 'batch_size' = {self.batch_size} does not split into micro-batches of "
-                              f"'micro_batch_size' = {self.micro_batch_size or 'all'} x {data_shards} data shard(s) "
-                              f"(mesh data x fsdp)")
+            raise ConfigError(
+                f"sft: 'batch_size' = {self.batch_size} does not split into micro-batches of "
+                f"'micro_batch_size' = {self.micro_batch_size or 'all'} x {data_shards} data shard(s) "
+                f"(mesh data x fsdp)"
+            )
         return self.batch_size // per_micro
 
     def train_config(self, data_shards: int) -> SFTConfig:
         """The step's settings on a mesh with `data_shards` batch shards."""
-        return SFTConfig(steps=self.steps, batch_size=self.batch_size, lr=self.lr, weight_decay=self.weight_decay,
-                         warmup_steps=self.warmup_steps, seed=self.seed, chunk_size=self.chunk_size,
-                         micro_batches=self.micro_batches(data_shards))
+        return SFTConfig(
+            steps=self.steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            warmup_steps=self.warmup_steps,
+            seed=self.seed,
+            chunk_size=self.chunk_size,
+            micro_batches=self.micro_batches(data_shards),
+        )
 
     def padded_length(self, longest: int | None = None) -> int:
         """The batch's length: the longest conversation (default: max_len) in whole chunks (+1: the loss sees
@@ -246,8 +304,7 @@ def load_sft_config(path: str | pathlib.Path | None, overrides: Sequence[str] = 
     """The YAML mapping at `path` (a `base:` chain allowed) plus KEY=VALUE overrides (sft. optional), each value
     checked (ConfigError naming file and key)."""
     cfg = load_section(ConversationSFTConfig, path, overrides, prefix="sft.")
-    for required, value in (("model.path", cfg.model.path), ("train_path", cfg.train_path),
-                            ("out_dir", cfg.out_dir)):
+    for required, value in (("model.path", cfg.model.path), ("train_path", cfg.train_path), ("out_dir", cfg.out_dir)):
         if not value:
             raise ConfigError(f"{path or '<sft>'}: 'sft.{required}' is required")
     return cfg
@@ -314,8 +371,10 @@ def run_conversation_sft(cfg: ConversationSFTConfig, log=print) -> dict:
     pad = tok.padding_id
     length = cfg.padded_length(max(len(r.ids) for r in rows))
     n_tok = sum(int(r.mask.sum()) for r in rows)
-    log(f"sft: {len(rows)} conversations, {n_tok} assistant tokens, padded length {length}, "
-        f"{'one device' if mesh is None else f'mesh {dict(mesh.shape)}'}, {train_cfg.micro_batches} micro-batch(es)")
+    log(
+        f"sft: {len(rows)} conversations, {n_tok} assistant tokens, padded length {length}, "
+        f"{'one device' if mesh is None else f'mesh {dict(mesh.shape)}'}, {train_cfg.micro_batches} micro-batch(es)"
+    )
 
     def sample_batch(rng: np.random.Generator, batch_size: int):
         picks = rng.integers(0, len(rows), size=batch_size)
@@ -324,16 +383,26 @@ def run_conversation_sft(cfg: ConversationSFTConfig, log=print) -> dict:
     if writer:
         out.mkdir(parents=True, exist_ok=True)
     with (out / "sft_log.jsonl").open("w") if writer else contextlib.nullcontext() as f:
+
         def log_step(i: int, loss: float) -> None:
             if f is not None:
                 f.write(json.dumps({"sft_step": i, "loss": loss}) + "\n")
 
         losses = sft_train(model, sample_batch, train_cfg, log=log_step, mesh=mesh)
     models.save_pretrained(model, out, dtype=getattr(jnp, cfg.save_dtype))  # collective; process 0 writes
-    summary = {"conversations": len(rows), "assistant_tokens": n_tok, "steps": cfg.steps,
-               "loss_first": losses[0], "loss_last": losses[-1], "wall_s": time.time() - t0, "out_dir": str(out),
-               "mesh": None if mesh is None else dict(mesh.shape), "micro_batches": train_cfg.micro_batches,
-               "processes": jax.process_count(), "config": dataclasses.asdict(cfg)}
+    summary = {
+        "conversations": len(rows),
+        "assistant_tokens": n_tok,
+        "steps": cfg.steps,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "wall_s": time.time() - t0,
+        "out_dir": str(out),
+        "mesh": None if mesh is None else dict(mesh.shape),
+        "micro_batches": train_cfg.micro_batches,
+        "processes": jax.process_count(),
+        "config": dataclasses.asdict(cfg),
+    }
     if writer:
         _write_folder_extras(out, tok, tokenizer_dir, summary)
     log(f"sft: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {cfg.steps} steps, {summary['wall_s']:.0f}s; wrote {out}")

@@ -170,11 +170,22 @@ def main(data_dir: pathlib.Path) -> list[dict]:
     add("set_of_tuples_swapped", tri["id"], "\\boxed{(1,8,19), (2,7,13), (5,4,7)}", tri["answer"], 0)
 
     # ---- intervals: spacing/\left; endpoint open<->closed; endpoint changed
-    for ans in ["(2,\\infty)", "(-\\infty, 0]", "(5,\\infty)", "(-\\infty, 2) \\cup (3, \\infty)", "(3,4]",
-                "(0,9) \\cup (9,36)"]:
+    for ans in [
+        "(2,\\infty)",
+        "(-\\infty, 0]",
+        "(5,\\infty)",
+        "(-\\infty, 2) \\cup (3, \\infty)",
+        "(3,4]",
+        "(0,9) \\cup (9,36)",
+    ]:
         r = next(x for x in math500 if x["answer"] == ans)
-        add("interval_spacing", r["id"], "\\boxed{\\left" + ans.replace(" ", "")[0] + " " + ans.replace(" ", "")[1:-1]
-            + " \\right" + ans[-1] + "}", ans, 1)
+        add(
+            "interval_spacing",
+            r["id"],
+            "\\boxed{\\left" + ans.replace(" ", "")[0] + " " + ans.replace(" ", "")[1:-1] + " \\right" + ans[-1] + "}",
+            ans,
+            1,
+        )
         if ans.endswith("]"):
             add("interval_open_closed", r["id"], "\\boxed{" + ans[:-1] + ")}", ans, 0)
         elif ans.startswith("(-\\infty"):  # [-oo is no different from (-oo: change the finite end instead
@@ -188,8 +199,13 @@ def main(data_dir: pathlib.Path) -> list[dict]:
     for r in [x for x in math500 if re.fullmatch(r"-?\d+ ?[+-] ?\d+i", x["answer"])]:
         m = re.fullmatch(r"(-?\d+) ?([+-]) ?(\d+)i", r["answer"])
         a, op, b = m.groups()
-        add("complex_reordered", r["id"], f"\\boxed{{{op}{b}i + {a}}}".replace("+-", "-").replace("{+", "{"),
-            r["answer"], 1)
+        add(
+            "complex_reordered",
+            r["id"],
+            f"\\boxed{{{op}{b}i + {a}}}".replace("+-", "-").replace("{+", "{"),
+            r["answer"],
+            1,
+        )
         conj = "-" if op == "+" else "+"
         add("complex_conjugate", r["id"], f"\\boxed{{{a}{conj}{b}i}}", r["answer"], 0)
 
@@ -201,9 +217,16 @@ def main(data_dir: pathlib.Path) -> list[dict]:
         add("degrees_off", r["id"], f"\\boxed{{{n + 1}^\\circ}}", r["answer"], 0)
 
     # ---- words / choices
-    for ans, wrong in [("\\text{Evelyn}", "Navin"), ("\\text{east}", "west"), ("\\text{even}", "odd"),
-                       ("\\text{ellipse}", "parabola"), ("\\text{Navin}", "Evelyn"), ("\\text{(C)}", "(D)"),
-                       ("\\text{(E)}", "(B)"), ("\\text{(B)}", "(A)")]:
+    for ans, wrong in [
+        ("\\text{Evelyn}", "Navin"),
+        ("\\text{east}", "west"),
+        ("\\text{even}", "odd"),
+        ("\\text{ellipse}", "parabola"),
+        ("\\text{Navin}", "Evelyn"),
+        ("\\text{(C)}", "(D)"),
+        ("\\text{(E)}", "(B)"),
+        ("\\text{(B)}", "(A)"),
+    ]:
         r = next(x for x in math500 if x["answer"] == ans)
         word = ans[len("\\text{") : -1]
         add("text_plain", r["id"], f"The answer is \\boxed{{{word}}}.", ans, 1)

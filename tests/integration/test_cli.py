@@ -1,6 +1,7 @@
 """Every `stare-jax` subcommand turns wrong inputs into one line on stderr naming the fix, exit status 2, and no
 traceback (tracebacks are for bugs); `--help` lists what --benchmarks accepts; `plot` of the demo's folder plots
 its arms; `smoke` prints text as well as token ids."""
+
 import json
 import pathlib
 import subprocess
@@ -38,15 +39,24 @@ def small_context_model(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("small_ctx")
     model_dir = d / "model"
-    cfg = models.ModelConfig(vocab_size=256, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64, max_position_embeddings=64, architecture="Qwen2ForCausalLM",
-                             qkv_bias=True)
+    cfg = models.ModelConfig(
+        vocab_size=256,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        architecture="Qwen2ForCausalLM",
+        qkv_bias=True,
+    )
     models.save_pretrained(models.init_model(cfg, seed=0), model_dir)
     byte_tokenizer(model_dir)
     data = d / "data"
     data.mkdir()
-    (data / "math500.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": f"{i}+1?", "answer": str(i + 1)})
-                                                + "\n" for i in range(3)))
+    (data / "math500.jsonl").write_text(
+        "".join(json.dumps({"id": str(i), "problem": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(3))
+    )
     return model_dir, data
 
 
@@ -59,11 +69,22 @@ def runs(tmp_path):
     for arm, w in (("grpo_ds", 1.0), ("stare_o1", 4.0)):
         with MetricsWriter(demo / arm, tensorboard=False, is_main_process=True) as wr:
             for step in range(1, 9):
-                wr.log(step, {"entropy": 1.0 / step, "target_entropy": 0.7, "reward_mean": 0.1 * step,
-                              "accuracy": 0.1 * step, "response_len_mean": 5.0, "gate_on": step > 4,
-                              "stare_w": w, "stare_m": 0.9 if w > 1 else 1.0, "stare_enabled": w > 1,
-                              **({"eval_start/accuracy": 0.33} if step == 1 else {}),
-                              **({"eval/accuracy": 0.05 * step} if step % 4 == 0 else {})})
+                wr.log(
+                    step,
+                    {
+                        "entropy": 1.0 / step,
+                        "target_entropy": 0.7,
+                        "reward_mean": 0.1 * step,
+                        "accuracy": 0.1 * step,
+                        "response_len_mean": 5.0,
+                        "gate_on": step > 4,
+                        "stare_w": w,
+                        "stare_m": 0.9 if w > 1 else 1.0,
+                        "stare_enabled": w > 1,
+                        **({"eval_start/accuracy": 0.33} if step == 1 else {}),
+                        **({"eval/accuracy": 0.05 * step} if step % 4 == 0 else {}),
+                    },
+                )
     return demo
 
 
@@ -75,8 +96,9 @@ def test_demo_wrong_inputs(capsys, tmp_path):
 
 
 def test_train_wrong_inputs(capsys, tmp_path):
-    _assert_one_line_error(_main(capsys, "train", "--run-dir", tmp_path / "r", "--config", tmp_path / "nope.yaml"),
-                           "config file not found")
+    _assert_one_line_error(
+        _main(capsys, "train", "--run-dir", tmp_path / "r", "--config", tmp_path / "nope.yaml"), "config file not found"
+    )
     _assert_one_line_error(_main(capsys, "train", "--run-dir", tmp_path / "r", "rl.stare.w=0.5"), "rl.stare.w")
     _assert_one_line_error(_main(capsys, "train", "--run-dir", tmp_path / "r", "--require-checkpoint"), "--resume")
     _assert_one_line_error(_main(capsys, "train", "--run-dir", tmp_path / "r", "--allow-config-change"), "--resume")
@@ -84,13 +106,20 @@ def test_train_wrong_inputs(capsys, tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
-    _assert_one_line_error(_main(capsys, "train", "--run-dir", tmp_path / "r", f"model.path={hf}",
-                                 f"data.train_path={tmp_path / 'no.jsonl'}"), "no.jsonl")
+    _assert_one_line_error(
+        _main(
+            capsys, "train", "--run-dir", tmp_path / "r", f"model.path={hf}", f"data.train_path={tmp_path / 'no.jsonl'}"
+        ),
+        "no.jsonl",
+    )
     old = tmp_path / "old"
     old.mkdir()
     (old / "metrics.jsonl").write_text('{"step": 1}\n')
-    _assert_one_line_error(_main(capsys, "train", "--run-dir", old, f"model.path={hf}", "data.train_path=x.jsonl"),
-                           "already holds a run", "--resume")
+    _assert_one_line_error(
+        _main(capsys, "train", "--run-dir", old, f"model.path={hf}", "data.train_path=x.jsonl"),
+        "already holds a run",
+        "--resume",
+    )
     with pytest.raises(SystemExit) as e:  # argparse: usage + one error line, status 2
         cli.main(["train"])
     assert e.value.code == 2 and "--run-dir" in capsys.readouterr().err
@@ -99,20 +128,30 @@ def test_train_wrong_inputs(capsys, tmp_path):
 def test_eval_wrong_inputs(capsys, tmp_path, small_context_model):
     model_dir, data = small_context_model
     base = ["eval", "--checkpoint", model_dir, "--data-dir", data, "--benchmarks", "math500"]
-    _assert_one_line_error(_main(capsys, "eval", "--checkpoint", model_dir, "--data-dir", data, "--benchmarks",
-                                 "math501"), "math501", "aime24, aime25, amc23, math500")
-    _assert_one_line_error(_main(capsys, "eval", "--checkpoint", model_dir, "--data-dir", tmp_path / "nodata",
-                                 "--benchmarks", "gsm8k"), "gsm8k_test.jsonl", "--data-dir")
-    _assert_one_line_error(_main(capsys, "eval", "--checkpoint", tmp_path / "nomodel", "--data-dir", data,
-                                 "--benchmarks", "math500"), "nomodel", "Hugging Face folder")
+    _assert_one_line_error(
+        _main(capsys, "eval", "--checkpoint", model_dir, "--data-dir", data, "--benchmarks", "math501"),
+        "math501",
+        "aime24, aime25, amc23, math500",
+    )
+    _assert_one_line_error(
+        _main(capsys, "eval", "--checkpoint", model_dir, "--data-dir", tmp_path / "nodata", "--benchmarks", "gsm8k"),
+        "gsm8k_test.jsonl",
+        "--data-dir",
+    )
+    _assert_one_line_error(
+        _main(capsys, "eval", "--checkpoint", tmp_path / "nomodel", "--data-dir", data, "--benchmarks", "math500"),
+        "nomodel",
+        "Hugging Face folder",
+    )
     _assert_one_line_error(_main(capsys, *base, "--limit", "-1"), "--limit -1")
     # the default --max-new-tokens (3072) on a 64-token model: the largest value that fits is named
     code, _, err = _main(capsys, *base, "--prompt-template", "raw")
     _assert_one_line_error((code, "", err), "context of 64 tokens", "--max-new-tokens")
     longest = max(len(f"{i}+1?") for i in range(3))  # byte tokenizer: one token per character
     assert f"pass --max-new-tokens {64 - longest} or less" in err
-    _assert_one_line_error(_main(capsys, *base, "--prompt-template", "raw", "--max-prompt-len", "2"),
-                           "--max-prompt-len")
+    _assert_one_line_error(
+        _main(capsys, *base, "--prompt-template", "raw", "--max-prompt-len", "2"), "--max-prompt-len"
+    )
 
 
 def test_export_wrong_inputs(capsys, tmp_path, small_context_model):
@@ -145,8 +184,9 @@ def test_plot_of_the_demo_folder_plots_its_arms(capsys, runs):
 
 def test_smoke_wrong_inputs_and_text(capsys, tmp_path):
     _assert_one_line_error(_main(capsys, "smoke", "--run-dir", tmp_path / "s", "--new-tokens", "0"), "--new-tokens")
-    _assert_one_line_error(_main(capsys, "smoke", "--run-dir", tmp_path / "s", "--model", tmp_path / "nomodel"),
-                           "nomodel", "config.json")
+    _assert_one_line_error(
+        _main(capsys, "smoke", "--run-dir", tmp_path / "s", "--model", tmp_path / "nomodel"), "nomodel", "config.json"
+    )
     code, out, err = _main(capsys, "smoke", "--run-dir", tmp_path / "s", "--new-tokens", "3")
     assert code == 0, err
     assert "text: 'The answer is' -> " in out and "generated [" in out
@@ -190,16 +230,23 @@ def test_benchmarks_help_lists_the_accepted_names_and_defaults(capsys):
 
 def test_no_traceback_from_a_real_process(tmp_path):
     """The same from the command line (the installed entry point's module), for one case."""
-    p = subprocess.run([sys.executable, "-m", "stare_jax.cli", "plot", str(tmp_path / "nope")], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "stare_jax.cli", "plot", str(tmp_path / "nope")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_help_loads_no_command_module_and_no_jax():
     """`stare-jax --help` lists every subcommand without importing their modules (nor jax): instant."""
-    code = ("import sys; from stare_jax.cli import COMMANDS, main\n"
-            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('stare_jax.cli.')))")
+    code = (
+        "import sys; from stare_jax.cli import COMMANDS, main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('stare_jax.cli.')))"
+    )
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     *_, loaded = p.stdout.strip().splitlines()
@@ -218,14 +265,33 @@ def test_eval_flags_are_overrides_of_config_keys():
         return eval_command.eval_config(cli.build_parser(["eval"]).parse_args(["eval", "--checkpoint", "x", *argv]))
 
     assert resolve() == Config()
-    cfg = resolve("--samples", "2", "--max-new-tokens", "96", "--max-prompt-len", "128", "--prompt-template", "raw",
-                  "--engine", "off", "--slots", "4", "--seed", "3")
+    cfg = resolve(
+        "--samples",
+        "2",
+        "--max-new-tokens",
+        "96",
+        "--max-prompt-len",
+        "128",
+        "--prompt-template",
+        "raw",
+        "--engine",
+        "off",
+        "--slots",
+        "4",
+        "--seed",
+        "3",
+    )
     assert (cfg.sampling.eval_num_samples, cfg.sampling.max_new_tokens, cfg.data.max_prompt_len) == (2, 96, 128)
     assert (cfg.data.prompt_template, cfg.sampling.engine.enabled, cfg.sampling.engine.max_slots, cfg.seed) == (
-        "raw", False, 4, 3)
+        "raw",
+        False,
+        4,
+        3,
+    )
     assert resolve("--engine", "on").sampling.engine.enabled is True
     assert resolve("--engine", "auto").sampling.engine.enabled == "auto"
     with pytest.raises(cli.UsageError, match="--max-new-tokens 0 must be >= 1"):
         resolve("--max-new-tokens", "0")
-    assert set(eval_command.FLAG_KEYS) <= set(vars(cli.build_parser(["eval"]).parse_args(
-        ["eval", "--checkpoint", "x"])))
+    assert set(eval_command.FLAG_KEYS) <= set(
+        vars(cli.build_parser(["eval"]).parse_args(["eval", "--checkpoint", "x"]))
+    )

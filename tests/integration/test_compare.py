@@ -1,5 +1,6 @@
 """`stare-jax compare` on a very small toy: 2 methods x 1 seed, a few steps, in-process; the files it writes, the
 table's columns, one colour per method in the plot, reuse of finished arms, and bad input."""
+
 import json
 
 import pytest
@@ -19,10 +20,22 @@ from stare_jax.experiments.demo import CONFIGS
 from stare_jax.training.setup import TrainingError
 
 TINY = [
-    "toy.hidden_size=32", "toy.num_layers=2", "toy.sft_steps=5", "toy.num_train=200", "toy.num_eval=8",
-    "rl.train_batch_size=4", "rl.group_size=4", "rl.gen_batch_size=8", "rl.micro_batch_size=2",
-    "rl.dynamic_sampling=false", "logging.eval_every_steps=2", "logging.tensorboard=false",
-    "logging.progress_bar=false", "checkpoint.async_save=false", "sampling.eval_num_samples=2", "total_steps=2",
+    "toy.hidden_size=32",
+    "toy.num_layers=2",
+    "toy.sft_steps=5",
+    "toy.num_train=200",
+    "toy.num_eval=8",
+    "rl.train_batch_size=4",
+    "rl.group_size=4",
+    "rl.gen_batch_size=8",
+    "rl.micro_batch_size=2",
+    "rl.dynamic_sampling=false",
+    "logging.eval_every_steps=2",
+    "logging.tensorboard=false",
+    "logging.progress_bar=false",
+    "checkpoint.async_save=false",
+    "sampling.eval_num_samples=2",
+    "total_steps=2",
 ]
 
 
@@ -69,11 +82,14 @@ def test_bad_input(tmp_path):
         run_compare(tmp_path / "file", ["grpo_ds"])
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--methods", "grpo,stare_o1"], "unknown method(s) ['grpo']"),
-    (["--seeds", "0,x"], "--seeds '0,x': expected comma-separated integers"),
-    (["--config", "configs/tiny_cpu_stare.yaml"], "--config is not used"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--methods", "grpo,stare_o1"], "unknown method(s) ['grpo']"),
+        (["--seeds", "0,x"], "--seeds '0,x': expected comma-separated integers"),
+        (["--config", "configs/tiny_cpu_stare.yaml"], "--config is not used"),
+    ],
+)
 def test_cli_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path):
     code = cli.main(["compare", "--run-dir", str(tmp_path / "cmp"), *argv])
     err = capsys.readouterr().err.strip()

@@ -1,6 +1,7 @@
 """`stare-jax demo --scenario tool` at tiny settings: both arms through the multi-turn tool rollouts (the tool_mul
 task, the local sandbox), the evaluations with and without the tool, the tool checks in the table, the plot's tool
 panels; and the scenario's bad input."""
+
 import json
 import os
 import pathlib
@@ -17,10 +18,22 @@ from stare_jax.training.setup import TrainingError
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 TINY = [
-    "toy.hidden_size=32", "toy.num_layers=2", "toy.sft_steps=5", "toy.num_train=100", "toy.num_eval=4",
-    "rl.train_batch_size=2", "rl.group_size=4", "rl.gen_batch_size=2", "rl.micro_batch_size=8",
-    "rl.dynamic_sampling=false", "logging.eval_every_steps=2", "logging.tensorboard=false",
-    "logging.progress_bar=false", "checkpoint.async_save=false", "sampling.eval_num_samples=2", "total_steps=2",
+    "toy.hidden_size=32",
+    "toy.num_layers=2",
+    "toy.sft_steps=5",
+    "toy.num_train=100",
+    "toy.num_eval=4",
+    "rl.train_batch_size=2",
+    "rl.group_size=4",
+    "rl.gen_batch_size=2",
+    "rl.micro_batch_size=8",
+    "rl.dynamic_sampling=false",
+    "logging.eval_every_steps=2",
+    "logging.tensorboard=false",
+    "logging.progress_bar=false",
+    "checkpoint.async_save=false",
+    "sampling.eval_num_samples=2",
+    "total_steps=2",
     "tool.max_workers=2",
 ]
 
@@ -39,8 +52,18 @@ def test_tool_demo_end_to_end(tmp_path):
     """The CLI in a subprocess with one CPU device (the rollout engine does not split its slots over data
     shards; the suite's 8 fake devices would)."""
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "stare_jax.cli", "demo", "--scenario", "tool", "--run-dir", str(out),
-           f"toy.cache_dir={tmp_path / 'toy'}", *TINY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stare_jax.cli",
+        "demo",
+        "--scenario",
+        "tool",
+        "--run-dir",
+        str(out),
+        f"toy.cache_dir={tmp_path / 'toy'}",
+        *TINY,
+    ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

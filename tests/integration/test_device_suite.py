@@ -1,5 +1,6 @@
 """benchmarks/device_suite.py --tiny as CI runs it: a subprocess on CPU that prints and writes the suite's JSON
 with every headline figure finite and positive (MFU null on CPU, with the reason), in under 90 s."""
+
 import json
 import math
 import os
@@ -30,8 +31,14 @@ def test_device_suite_tiny_runs_on_cpu_and_reports_every_figure(tmp_path):
     load = os.getloadavg()[0]
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "device_suite.py"), "--tiny", "--json", str(out)],
-                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    p = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "device_suite.py"), "--tiny", "--json", str(out)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     elapsed = time.perf_counter() - t
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
@@ -67,8 +74,22 @@ def test_device_suite_tiny_runs_on_cpu_and_reports_every_figure(tmp_path):
 def test_device_suite_budget_skips_sections(tmp_path):
     """With no time left every section is marked skipped, and the JSON still comes out."""
     out = tmp_path / "suite.json"
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "device_suite.py"), "--tiny", "--budget-s", "0.01",
-                        "--json", str(out)], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "device_suite.py"),
+            "--tiny",
+            "--budget-s",
+            "0.01",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert all(s["status"].startswith("skipped: budget") for s in r["sections"].values()), r["sections"]

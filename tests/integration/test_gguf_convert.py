@@ -43,14 +43,24 @@ def test_smollm2_gguf_is_found():
 
 
 def test_converted_folder_layout(smol_dir):
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "conversion.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "conversion.json",
+    ):
         assert (smol_dir / name).is_file(), name
     assert not (smol_dir / "chat_template.jinja").exists()  # single copy, inside tokenizer_config.json
     config = json.loads((smol_dir / "config.json").read_text())
     assert "quantization_config" not in config
     assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
-        "llama", 30, 576, 49152)
+        "llama",
+        30,
+        576,
+        49152,
+    )
     assert config["tie_word_embeddings"] is True
     gen = json.loads((smol_dir / "generation_config.json").read_text())
     assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (1, 2, 2)
@@ -110,8 +120,12 @@ def test_tokenizer_matches_transformers(smol_dir):
     assert ours.encode("The capital") == ours.encode("The capital", add_bos=False)  # SmolLM2 adds no BOS
     for messages in (
         [{"role": "user", "content": "What is 2+2?"}],
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Capital of France?"},
+        ],
     ):
         for gen in (True, False):
             text = ours.apply_chat_template(messages, add_generation_prompt=gen)
@@ -119,7 +133,8 @@ def test_tokenizer_matches_transformers(smol_dir):
             ref_ids = ref.apply_chat_template(messages, add_generation_prompt=gen, return_dict=False)
             assert ours.encode(text, add_bos=False) == list(ref_ids)
     assert ours.apply_chat_template([{"role": "user", "content": "x"}]).startswith(
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM"
+    )
 
 
 def test_digits_split_like_llama_cpp_smollm(smol_dir):

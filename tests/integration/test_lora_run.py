@@ -2,6 +2,7 @@
 subprocess): it trains, the checkpointed adapters resume to the same metrics, `stare-jax export` writes a PEFT
 folder (plus the toy's base as an HF folder) that transformers + peft load to our policy's logits, and --merged
 writes an HF folder with the same logits."""
+
 import os
 import pathlib
 import subprocess
@@ -9,21 +10,33 @@ import sys
 
 import numpy as np
 import pytest
-from support.toy_runs import TINY
 
 from stare_jax.training.metrics import read_metrics
+from support.toy_runs import TINY
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8", "optimizer.lr=1e-2",
-        "rl.kl.reference=initial", "rl.kl.coef=0.01"]
+LORA = [
+    "model.lora.enabled=true",
+    "model.lora.rank=4",
+    "model.lora.alpha=8",
+    "optimizer.lr=1e-2",
+    "rl.kl.reference=initial",
+    "rl.kl.coef=0.01",
+]
 
 
 def _run(*args, timeout=900):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"
-    p = subprocess.run([sys.executable, "-m", "stare_jax.cli", *args], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "stare_jax.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return p
 
@@ -32,8 +45,17 @@ def _run(*args, timeout=900):
 def lora_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     run = root / "run"
-    _run("train", "--config", str(REPO / "configs/tiny_cpu_stare.yaml"), "--run-dir", str(run),
-         f"toy.cache_dir={root / 'toy'}", *TINY, *LORA, "total_steps=3")
+    _run(
+        "train",
+        "--config",
+        str(REPO / "configs/tiny_cpu_stare.yaml"),
+        "--run-dir",
+        str(run),
+        f"toy.cache_dir={root / 'toy'}",
+        *TINY,
+        *LORA,
+        "total_steps=3",
+    )
     return root, run
 
 
@@ -43,10 +65,30 @@ def test_lora_run_trains_and_resumes_identically(lora_run):
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert abs(recs[0]["kl"]) < 1e-6 < recs[-1]["kl"]  # the reference is the frozen base; the adapters move off it
     again = root / "again"
-    _run("train", "--config", str(REPO / "configs/tiny_cpu_stare.yaml"), "--run-dir", str(again),
-         f"toy.cache_dir={root / 'toy'}", *TINY, *LORA, "total_steps=2")
-    _run("train", "--config", str(REPO / "configs/tiny_cpu_stare.yaml"), "--run-dir", str(again), "--resume",
-         f"toy.cache_dir={root / 'toy'}", *TINY, *LORA, "total_steps=3", "--allow-config-change")
+    _run(
+        "train",
+        "--config",
+        str(REPO / "configs/tiny_cpu_stare.yaml"),
+        "--run-dir",
+        str(again),
+        f"toy.cache_dir={root / 'toy'}",
+        *TINY,
+        *LORA,
+        "total_steps=2",
+    )
+    _run(
+        "train",
+        "--config",
+        str(REPO / "configs/tiny_cpu_stare.yaml"),
+        "--run-dir",
+        str(again),
+        "--resume",
+        f"toy.cache_dir={root / 'toy'}",
+        *TINY,
+        *LORA,
+        "total_steps=3",
+        "--allow-config-change",
+    )
     for a, b in zip(recs, read_metrics(again)):
         for k in ("loss", "entropy", "kl", "reward_mean"):
             assert a[k] == pytest.approx(b[k], rel=1e-6, abs=1e-9), (a["step"], k)
@@ -72,10 +114,23 @@ def test_export_peft_folder_and_merged_match_our_policy(lora_run):
     base = transformers.AutoModelForCausalLM.from_pretrained(peft_dir / "base", dtype=torch.float32)
     with torch.no_grad():
         adapted = PeftModel.from_pretrained(base, peft_dir).eval()(torch.tensor(ids, dtype=torch.long)).logits
-        merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()(
-            torch.tensor(ids, dtype=torch.long)).logits
+        merged = (
+            transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+            .eval()(torch.tensor(ids, dtype=torch.long))
+            .logits
+        )
     np.testing.assert_allclose(adapted.double().numpy(), ours, atol=2e-4)
     np.testing.assert_allclose(merged.double().numpy(), ours, atol=2e-4)
-    assert np.abs(adapted.double().numpy() - np.asarray(
-        transformers.AutoModelForCausalLM.from_pretrained(peft_dir / "base", dtype=torch.float32)(
-            torch.tensor(ids, dtype=torch.long)).logits.detach().double())).max() > 1e-4  # the adapters matter
+    assert (
+        np.abs(
+            adapted.double().numpy()
+            - np.asarray(
+                transformers.AutoModelForCausalLM.from_pretrained(peft_dir / "base", dtype=torch.float32)(
+                    torch.tensor(ids, dtype=torch.long)
+                )
+                .logits.detach()
+                .double()
+            )
+        ).max()
+        > 1e-4
+    )  # the adapters matter

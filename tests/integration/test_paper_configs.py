@@ -3,6 +3,7 @@ hyper-parameters (STARE-semantics.md, "The paper's run settings") and fit the mo
 slice (the `launch.accelerator:` comment) is one launch/tpu_vm.sh accepts and the mesh fits it. A fourth arm per
 model, grpo_kl (the paper's "GRPO" baseline), differs from grpo_ds exactly in verl's GRPO recipe: KL loss to the
 starting policy, symmetric clip, no dynamic sampling; its reference policy is in `stare-jax plan`'s estimate."""
+
 from __future__ import annotations
 
 import math
@@ -24,11 +25,21 @@ MODELS = ["qwen2.5-math-7b", "qwen2.5-14b-instruct", "qwen2.5-32b", "r1-distill-
 ARMS = ["grpo_ds", "stare_o1", "stare_c2"]
 KL_ARM = "grpo_kl"  # the paper's "GRPO": verl's GRPO recipe (KL loss), beside GRPO-ds and STARE
 # Fallback context table (the public config.json values); presets in stare_jax.models win when they exist.
-MAX_POSITIONS = {"qwen2.5-math-7b": 4096, "qwen2.5-14b-instruct": 32768, "qwen2.5-32b": 32768,
-                 "r1-distill-qwen-1.5b": 131072, "qwen3-8b-base": 32768}
+MAX_POSITIONS = {
+    "qwen2.5-math-7b": 4096,
+    "qwen2.5-14b-instruct": 32768,
+    "qwen2.5-32b": 32768,
+    "r1-distill-qwen-1.5b": 131072,
+    "qwen3-8b-base": 32768,
+}
 # prompt + response per model (the semantics file: 4k for Qwen2.5-Math-7B, 8k for 14B/32B, 16k long CoT).
-TOTAL_TOKENS = {"qwen2.5-math-7b": 4096, "qwen2.5-14b-instruct": 8192, "qwen2.5-32b": 8192,
-                "r1-distill-qwen-1.5b": 16384, "qwen3-8b-base": 16384}
+TOTAL_TOKENS = {
+    "qwen2.5-math-7b": 4096,
+    "qwen2.5-14b-instruct": 8192,
+    "qwen2.5-32b": 8192,
+    "r1-distill-qwen-1.5b": 16384,
+    "qwen3-8b-base": 16384,
+}
 BENCHMARKS = {"aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench"}
 
 
@@ -47,8 +58,11 @@ TOOL = "qwen2.5-7b-tool"  # the tool-use scenario: Qwen2.5-7B-Base after cold-st
 def test_exactly_the_run_files():
     """5 models x (3 arms + grpo_kl), and the tool-use scenario's 3 arms and its cold-start SFT config."""
     names = sorted(p.name for p in PAPER.glob("*.yaml") if not p.name.startswith("_"))
-    assert names == sorted([f"{m}_{a}.yaml" for m in MODELS for a in ARMS + [KL_ARM]]
-                           + [f"{TOOL}_{a}.yaml" for a in ARMS] + [f"{TOOL}_sft.yaml"])
+    assert names == sorted(
+        [f"{m}_{a}.yaml" for m in MODELS for a in ARMS + [KL_ARM]]
+        + [f"{TOOL}_{a}.yaml" for a in ARMS]
+        + [f"{TOOL}_sft.yaml"]
+    )
     assert [n for n in names if is_sft_config_file(n)] == [f"{TOOL}_sft.yaml"]
 
 
@@ -108,7 +122,14 @@ def test_paper_hyper_parameters(cfgs, model):
         c = cfgs[(model, arm)]
         o, rl, st, s = c.optimizer, c.rl, c.rl.stare, c.sampling
         assert (o.lr, o.b1, o.b2, o.weight_decay, o.grad_clip, o.schedule, o.warmup_steps) == (
-            1e-6, 0.9, 0.999, 0.01, 1.0, "constant", 0)
+            1e-6,
+            0.9,
+            0.999,
+            0.01,
+            1.0,
+            "constant",
+            0,
+        )
         assert (rl.train_batch_size, rl.group_size, rl.gen_batch_size) == (64, 8, 192)
         assert rl.dynamic_sampling and rl.max_num_gen_batches == 10
         assert (rl.clip_low, rl.clip_high, rl.loss_agg) == (0.2, 0.28, "token-mean")
@@ -141,8 +162,12 @@ def test_prompt_plus_response_fit_the_context(cfgs, model):
 def test_mesh_fits_the_named_tpu_slice(cfgs, model):
     accel = cfgs[(model, "stare_c2")].launch.accelerator
     assert accel, f"_base_{model}.yaml sets no launch.accelerator"
-    out = subprocess.run(["bash", str(ROOT / "launch" / "tpu_vm.sh"), "info", "--accelerator-type", accel],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["bash", str(ROOT / "launch" / "tpu_vm.sh"), "info", "--accelerator-type", accel],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     chips = int(re.search(r"chips (\d+)", out.stdout).group(1))
     c = cfgs[(model, "stare_c2")]
@@ -198,7 +223,10 @@ def test_tool_arms_differ_only_under_rl_stare(tool_cfgs):
     stares = {a: d["rl"].pop("stare") for a, d in dicts.items()}
     assert dicts["grpo_ds"] == dicts["stare_o1"] == dicts["stare_c2"]
     assert [(stares[a]["enabled"], stares[a]["variant"] if stares[a]["enabled"] else None) for a in ARMS] == [
-        (False, None), (True, "O1"), (True, "C2")]
+        (False, None),
+        (True, "O1"),
+        (True, "C2"),
+    ]
     for a in ARMS:
         raw = yaml.safe_load(_path(TOOL, a).read_text())
         assert raw["base"] == f"_base_{TOOL}.yaml" and set(raw) == {"base", "rl"} and set(raw["rl"]) == {"stare"}
@@ -210,11 +238,23 @@ def test_tool_paper_settings(tool_cfgs):
     for c in tool_cfgs.values():
         o, rl, st, s = c.optimizer, c.rl, c.rl.stare, c.sampling
         assert (o.lr, o.b1, o.b2, o.weight_decay, o.grad_clip, o.schedule, o.warmup_steps) == (
-            1e-6, 0.9, 0.999, 0.01, 1.0, "constant", 0)
+            1e-6,
+            0.9,
+            0.999,
+            0.01,
+            1.0,
+            "constant",
+            0,
+        )
         assert (rl.train_batch_size, rl.group_size, rl.gen_batch_size) == (64, 8, 192)
         assert rl.dynamic_sampling and rl.max_num_gen_batches == 10
         assert (rl.clip_low, rl.clip_high, rl.loss_agg, rl.mini_batches, rl.ppo_epochs) == (
-            0.2, 0.28, "token-mean", 1, 1)
+            0.2,
+            0.28,
+            "token-mean",
+            1,
+            1,
+        )
         assert (s.temperature, s.top_p, s.eval_temperature, s.eval_top_p) == (1.0, 1.0, 0.7, 0.95)
         assert (st.w, st.m, st.target_entropy, st.top_p, st.gate) == (1.1, 0.9, 0.3, 0.1, "batch")
         assert c.model.preset == "qwen2.5-7b" and c.model.path.startswith("/path/to/")
@@ -238,8 +278,18 @@ def test_tool_plan_fits_its_single_host_slice_and_gpu_alternative(tool_cfgs):
             assert est["fits"], (a, accel, est["peak_bytes_per_device"])
             assert est["generator"] == "engine" and est["hosts"] == 1 and not est["warnings"]
             assert "sample/kv_page_pool" in est["memory_bytes"]
-    out = subprocess.run(["bash", str(ROOT / "launch" / "tpu_vm.sh"), "info", "--accelerator-type",
-                          tool_cfgs["stare_o1"].launch.accelerator], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "launch" / "tpu_vm.sh"),
+            "info",
+            "--accelerator-type",
+            tool_cfgs["stare_o1"].launch.accelerator,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     assert int(re.search(r"workers (\d+)", out.stdout).group(1)) == 1
     c = tool_cfgs["stare_o1"]

@@ -5,6 +5,7 @@ stare_jax.models.from_pretrained, on one device and on 8 fake CPU devices (data 
 A divergence from the reference is accepted only where the reference's top-2 logit margin at that step is
 below 1e-4 (a numerical tie); such events are counted and printed.
 """
+
 from __future__ import annotations
 
 import jax
@@ -28,9 +29,19 @@ ROWS_COMPARED = [0]
 
 
 def _hf_config(arch: str):
-    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-                  initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )
     if arch == "qwen2":
         return transformers.Qwen2Config(tie_word_embeddings=True, **common)
     return transformers.LlamaConfig(tie_word_embeddings=False, rope_theta=5000.0, **common)
@@ -54,12 +65,20 @@ def _hf_greedy(hf, prompts, eos_id=None):
     ids = torch.full((len(prompts), T), PAD, dtype=torch.long)
     mask = torch.zeros((len(prompts), T), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, T - len(p):] = torch.tensor(p)
-        mask[i, T - len(p):] = 1
+        ids[i, T - len(p) :] = torch.tensor(p)
+        mask[i, T - len(p) :] = 1
     with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=0,
-                          do_sample=False, eos_token_id=eos_id, pad_token_id=PAD, output_logits=True,
-                          return_dict_in_generate=True)
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=0,
+            do_sample=False,
+            eos_token_id=eos_id,
+            pad_token_id=PAD,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     new = out.sequences[:, T:].numpy()
     logits = torch.stack(out.logits, dim=1).numpy()
     tokens = []
@@ -86,8 +105,10 @@ def _compare(tag, ours, ref, ref_logits):
         i = diff[0]
         top2 = np.sort(ref_logits[b, i])[-2:]
         margin = float(top2[1] - top2[0])
-        assert margin < TIE_MARGIN, (f"{tag} row {b} step {i}: token {a[i]} != reference {r[i]} with a "
-                                     f"reference top-2 margin {margin:.3g} >= {TIE_MARGIN}")
+        assert margin < TIE_MARGIN, (
+            f"{tag} row {b} step {i}: token {a[i]} != reference {r[i]} with a "
+            f"reference top-2 margin {margin:.3g} >= {TIE_MARGIN}"
+        )
         TIE_EVENTS.append((tag, b, i, margin))
     return agree
 
@@ -102,6 +123,7 @@ SLOW_PAIRS = {("qwen2", "data2_fsdp4"), ("llama", "data8")}
 
 def _runslow(config) -> bool:
     import os
+
     return config.getoption("--runslow") or os.environ.get("STARE_JAX_RUN_SLOW") == "1"
 
 
@@ -113,8 +135,9 @@ def test_greedy_matches_transformers(checkpoint, mesh_name, request):
     mesh = None if MESHES[mesh_name] is None else make_mesh(MESHES[mesh_name])
     model = from_pretrained(path, mesh=mesh)
     ref, ref_logits = _hf_greedy(hf, PROMPTS)
-    out = Sampler(model, mesh=mesh).generate(PROMPTS, max_new_tokens=NEW_TOKENS,
-                                             sampling=SamplingParams(temperature=0.0, eos_ids=[]))
+    out = Sampler(model, mesh=mesh).generate(
+        PROMPTS, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(temperature=0.0, eos_ids=[])
+    )
     assert out.lengths == [NEW_TOKENS] * len(PROMPTS)
     assert out.finish_reasons == ["length"] * len(PROMPTS)
     agree = _compare(f"{arch}/{mesh_name}", out.tokens, ref, ref_logits)
@@ -131,8 +154,9 @@ def test_greedy_eos_matches_transformers(checkpoint):
     free, _ = _hf_greedy(hf, PROMPTS)
     eos = free[0][9]  # the 10th greedy token of prompt 0 becomes the EOS
     ref, ref_logits = _hf_greedy(hf, PROMPTS, eos_id=eos)
-    out = Sampler(model).generate(PROMPTS, max_new_tokens=NEW_TOKENS,
-                                  sampling=SamplingParams(temperature=0.0, eos_ids=[eos]))
+    out = Sampler(model).generate(
+        PROMPTS, max_new_tokens=NEW_TOKENS, sampling=SamplingParams(temperature=0.0, eos_ids=[eos])
+    )
     _compare(f"{arch}/eos", out.tokens, ref, ref_logits)
     first = free[0].index(eos)
     assert out.tokens[0] == free[0][: first + 1] and out.finish_reasons[0] == "eos"
@@ -148,19 +172,20 @@ def test_sampled_logprobs_equal_teacher_forced(checkpoint, mesh_name):
     arch, path, _ = checkpoint
     mesh = None if MESHES[mesh_name] is None else make_mesh(MESHES[mesh_name])
     model = from_pretrained(path, mesh=mesh)
-    out = Sampler(model, mesh=mesh).generate(PROMPTS, max_new_tokens=24, num_samples=2,
-                                             sampling=SamplingParams(temperature=1.0, seed=3, eos_ids=[]))
+    out = Sampler(model, mesh=mesh).generate(
+        PROMPTS, max_new_tokens=24, num_samples=2, sampling=SamplingParams(temperature=1.0, seed=3, eos_ids=[])
+    )
     single = from_pretrained(path)
     rows = [PROMPTS[r // 2] + toks for r, toks in enumerate(out.tokens)]
     L = max(map(len, rows))
     ids = np.zeros((len(rows), L), np.int32)
     mask = np.zeros((len(rows), L), np.int32)
     for r, row in enumerate(rows):  # right-padded batch: one full forward for all rows
-        ids[r, :len(row)], mask[r, :len(row)] = row, 1
+        ids[r, : len(row)], mask[r, : len(row)] = row, 1
     logp_BxLxV = np.asarray(jax.nn.log_softmax(single(jnp.asarray(ids), attention_mask=jnp.asarray(mask)), -1))
     for r, (toks, lps) in enumerate(zip(out.tokens, out.logprobs)):
         n0 = len(PROMPTS[r // 2])
-        ref = logp_BxLxV[r, n0 - 1: n0 - 1 + len(toks)][np.arange(len(toks)), toks]
+        ref = logp_BxLxV[r, n0 - 1 : n0 - 1 + len(toks)][np.arange(len(toks)), toks]
         np.testing.assert_allclose(np.asarray(lps), ref, atol=1e-5, rtol=0, err_msg=f"{arch} row {r}")
 
 

@@ -113,6 +113,7 @@ def test_greedy_continuation_names_paris(smol, record_property):
     import torch
 
     with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=len(generated), do_sample=False,
-                           pad_token_id=tok.padding_id)
-    assert out[0, len(prompt):].tolist() == generated
+        out = ref.generate(
+            torch.tensor([prompt]), max_new_tokens=len(generated), do_sample=False, pad_token_id=tok.padding_id
+        )
+    assert out[0, len(prompt) :].tolist() == generated

@@ -1,6 +1,7 @@
 """The RL loop end to end on the embedded toy task, as users run it (`stare-jax train` in a subprocess):
 required metrics, eval records, checkpoints, determinism, exact resume after SIGKILL, clean exit on SIGTERM,
 and clear errors for bad input."""
+
 import json
 import os
 import pathlib
@@ -11,12 +12,11 @@ import time
 
 import numpy as np
 import pytest
-from support.toy_runs import TINY
 
 from stare_jax.training.metrics import REQUIRED_STEP_KEYS, read_metrics
+from support.toy_runs import TINY
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-
 
 
 def _env():
@@ -31,8 +31,20 @@ def _env():
 def _train_cmd(run_dir, cache, *extra, config="configs/tiny_cpu_stare.yaml"):
     flags = [e for e in extra if e.startswith("--")]
     overrides = [e for e in extra if not e.startswith("--")]
-    return [sys.executable, "-m", "stare_jax.cli", "train", "--config", str(REPO / config), "--run-dir",
-            str(run_dir), *flags, f"toy.cache_dir={cache}", *TINY, *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "stare_jax.cli",
+        "train",
+        "--config",
+        str(REPO / config),
+        "--run-dir",
+        str(run_dir),
+        *flags,
+        f"toy.cache_dir={cache}",
+        *TINY,
+        *overrides,
+    ]
 
 
 def _run(cmd, timeout=600):
@@ -89,8 +101,14 @@ def _wait_for_checkpoint(proc, ckpt_dir: pathlib.Path, step: int, timeout=300):
 
 def test_sigkill_then_resume_matches_uninterrupted_run(full_run, toy_cache, tmp_path):
     run = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(run, toy_cache, "total_steps=4"), cwd=REPO, env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _train_cmd(run, toy_cache, "total_steps=4"),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         reached = _wait_for_checkpoint(proc, run / "checkpoints", 2)
     finally:
@@ -109,8 +127,14 @@ def test_sigkill_then_resume_matches_uninterrupted_run(full_run, toy_cache, tmp_
 
 def _start_until_first_step(run, toy_cache):
     """A 50-step toy run in a child process, returned once its first step is logged."""
-    proc = subprocess.Popen(_train_cmd(run, toy_cache, "total_steps=50", "checkpoint.every_steps=0"), cwd=REPO,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _train_cmd(run, toy_cache, "total_steps=50", "checkpoint.every_steps=0"),
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     t0 = time.time()
     while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
         assert proc.poll() is None and time.time() - t0 < 300, "run died before its first step"
@@ -169,8 +193,9 @@ print("still running", flush=True)
 
 def test_a_second_ctrl_c_ends_the_process_at_once():
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-c", _DOUBLE_CTRL_C], cwd=REPO, env=_env(), capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-c", _DOUBLE_CTRL_C], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == -signal.SIGINT and time.time() - t0 < 25, (p.returncode, p.stderr[-2000:])
     assert "first Ctrl-C noted" in p.stdout and "still running" not in p.stdout
     assert "Traceback" not in p.stderr and len([ln for ln in p.stderr.splitlines() if "Ctrl-C" in ln]) == 1
@@ -211,13 +236,33 @@ def test_bad_input_errors(tmp_path, toy_cache):
     bad.write_text('{"problem": "2+2?", "answer": "4"}\n{"question": "x"}\n')
     hf = tmp_path / "not_a_model"
     hf.mkdir()
-    p = _run([sys.executable, "-m", "stare_jax.cli", "train", "--run-dir", str(tmp_path / "r1"),
-              f"model.path={hf}", f"data.train_path={bad}"])
+    p = _run(
+        [
+            sys.executable,
+            "-m",
+            "stare_jax.cli",
+            "train",
+            "--run-dir",
+            str(tmp_path / "r1"),
+            f"model.path={hf}",
+            f"data.train_path={bad}",
+        ]
+    )
     assert p.returncode != 0 and "has no config.json" in p.stderr
     # a data row without the answer field is named by file and line (checked before any model loading)
     (hf / "config.json").write_text("{}")
-    p = _run([sys.executable, "-m", "stare_jax.cli", "train", "--run-dir", str(tmp_path / "r4"),
-              f"model.path={hf}", f"data.train_path={bad}"])
+    p = _run(
+        [
+            sys.executable,
+            "-m",
+            "stare_jax.cli",
+            "train",
+            "--run-dir",
+            str(tmp_path / "r4"),
+            f"model.path={hf}",
+            f"data.train_path={bad}",
+        ]
+    )
     assert p.returncode == 2 and f"{bad}:2: row has no 'problem' field" in p.stderr and "Traceback" not in p.stderr
     p = _run(_train_cmd(tmp_path / "r2", toy_cache, "--resume", "--require-checkpoint", "total_steps=2"))
     assert p.returncode != 0 and "no checkpoint in" in p.stderr and "r2" in p.stderr
@@ -237,15 +282,28 @@ def test_real_model_on_real_data_smoke(tmp_path):
     if not data.is_file():
         pytest.skip(f"shared data not found at {data}")
     run = tmp_path / "smol"
-    p = _run([sys.executable, "-m", "stare_jax.cli", "train",
-              "--config", str(REPO / "configs/smollm2_gsm8k_smoke.yaml"), "--run-dir", str(run),
-              f"model.path={model_dir}", f"data.train_path={data}", "logging.progress_bar=false"],
-             timeout=1200)
+    p = _run(
+        [
+            sys.executable,
+            "-m",
+            "stare_jax.cli",
+            "train",
+            "--config",
+            str(REPO / "configs/smollm2_gsm8k_smoke.yaml"),
+            "--run-dir",
+            str(run),
+            f"model.path={model_dir}",
+            f"data.train_path={data}",
+            "logging.progress_bar=false",
+        ],
+        timeout=1200,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     recs = read_metrics(run, drop_timing=False)
     assert [r["step"] for r in recs] == [1, 2]
-    assert all(np.isfinite(r["entropy"]) and r["reward/n_ok"] + r["reward/n_timeout"] + r["reward/n_error"] > 0
-               for r in recs)
+    assert all(
+        np.isfinite(r["entropy"]) and r["reward/n_ok"] + r["reward/n_timeout"] + r["reward/n_error"] > 0 for r in recs
+    )
 
 
 def test_export_and_eval_of_a_training_run(full_run, tmp_path, shared_data_dir):
@@ -265,9 +323,30 @@ def test_export_and_eval_of_a_training_run(full_run, tmp_path, shared_data_dir):
     assert policy.step == 4
     ids = jnp.asarray([[1, 5, 9, 13, 7, 8]], jnp.int32)
     np.testing.assert_allclose(np.asarray(from_pretrained(out)(ids)), np.asarray(policy.model(ids)), atol=1e-6)
-    p = _run([sys.executable, "-m", "stare_jax.cli", "eval", "--checkpoint", str(out), "--benchmarks", "gsm8k",
-              "--data-dir", str(shared_data_dir / "math"), "--limit", "2", "--n", "2", "--max-new-tokens", "8",
-              "--max-prompt-len", "512", "--out", str(tmp_path / "ev")])
+    p = _run(
+        [
+            sys.executable,
+            "-m",
+            "stare_jax.cli",
+            "eval",
+            "--checkpoint",
+            str(out),
+            "--benchmarks",
+            "gsm8k",
+            "--data-dir",
+            str(shared_data_dir / "math"),
+            "--limit",
+            "2",
+            "--n",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--max-prompt-len",
+            "512",
+            "--out",
+            str(tmp_path / "ev"),
+        ]
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert res["gsm8k"]["n_problems"] == 2 and res["gsm8k"]["n_samples"] == 2 and 0 <= res["gsm8k"]["avg@2"] <= 1
@@ -282,15 +361,29 @@ def test_run_config_sorts_changes_into_operational_and_refused(tmp_path):
     from stare_jax.config.loader import load_config, save_config
 
     save_config(load_config(REPO / "configs/tiny_cpu_stare.yaml"), tmp_path)
-    ops = ["total_steps=80", "checkpoint.keep=5", "mesh.fsdp=2", "model.remat_policy=full",
-           "rl.stare.select_impl=jnp_quantile", "logging.eval_every_steps=3"]
-    changes = R.check_resume_config(tmp_path, load_config(REPO / "configs/tiny_cpu_stare.yaml", ops), allow=False,
-                                    run_dir="RUN")
-    assert set(changes) == {"total_steps", "checkpoint.keep", "mesh.fsdp", "model.remat_policy",
-                            "rl.stare.select_impl", "logging.eval_every_steps"}
+    ops = [
+        "total_steps=80",
+        "checkpoint.keep=5",
+        "mesh.fsdp=2",
+        "model.remat_policy=full",
+        "rl.stare.select_impl=jnp_quantile",
+        "logging.eval_every_steps=3",
+    ]
+    changes = R.check_resume_config(
+        tmp_path, load_config(REPO / "configs/tiny_cpu_stare.yaml", ops), allow=False, run_dir="RUN"
+    )
+    assert set(changes) == {
+        "total_steps",
+        "checkpoint.keep",
+        "mesh.fsdp",
+        "model.remat_policy",
+        "rl.stare.select_impl",
+        "logging.eval_every_steps",
+    }
     # scan_layers changes the checkpoint's parameter layout: refused like a training change
-    new = load_config(REPO / "configs/tiny_cpu_stare.yaml", ["seed=3", "rl.stare.w=2.0", "optimizer.lr=0.5",
-                                                             "model.scan_layers=true"])
+    new = load_config(
+        REPO / "configs/tiny_cpu_stare.yaml", ["seed=3", "rl.stare.w=2.0", "optimizer.lr=0.5", "model.scan_layers=true"]
+    )
     with pytest.raises(R.ConfigChangeError) as e:
         R.check_resume_config(tmp_path, new, allow=False, run_dir="RUN")
     assert set(e.value.refused) == {"seed", "rl.stare.w", "optimizer.lr", "model.scan_layers"}

@@ -1,6 +1,7 @@
 """The RL loop's stages one at a time, in-process (test_train.py runs the whole loop as users do, in a subprocess):
 open_run -> collect (rollouts.collect_batch) -> update -> step_record -> evaluate -> save, on the embedded toy task
 with a tiny model on the 8-device test mesh; and the loop's derived static config (run_setup.train_step_config)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,16 +25,29 @@ from stare_jax.training.setup import DERIVED_STEP_FIELDS, TrainingError, make_sa
 
 # 4 prompts x 4 responses on the 8-device test mesh (fsdp=8): micro-batches of 2 sequences per device
 TINY = [
-    "toy.hidden_size=32", "toy.num_layers=2", "toy.sft_steps=60", "toy.num_train=200", "toy.num_eval=8",
-    "rl.train_batch_size=4", "rl.group_size=4", "rl.gen_batch_size=8", "rl.micro_batch_size=2",
-    "logging.eval_every_steps=1", "logging.tensorboard=false", "logging.progress_bar=false",
-    "checkpoint.async_save=false", "sampling.eval_num_samples=2", "total_steps=3",
+    "toy.hidden_size=32",
+    "toy.num_layers=2",
+    "toy.sft_steps=60",
+    "toy.num_train=200",
+    "toy.num_eval=8",
+    "rl.train_batch_size=4",
+    "rl.group_size=4",
+    "rl.gen_batch_size=8",
+    "rl.micro_batch_size=2",
+    "logging.eval_every_steps=1",
+    "logging.tensorboard=false",
+    "logging.progress_bar=false",
+    "checkpoint.async_save=false",
+    "sampling.eval_num_samples=2",
+    "total_steps=3",
 ]
 
 
 def test_every_step_field_is_an_rl_option_of_the_same_name_or_derived():
-    cfg = load_config("configs/tiny_cpu_stare.yaml", ["rl.clip_high=0.3", "rl.ppo_epochs=2", "rl.mini_batches=2",
-                                                       "optimizer.schedule=cosine", "total_steps=7"])
+    cfg = load_config(
+        "configs/tiny_cpu_stare.yaml",
+        ["rl.clip_high=0.3", "rl.ppo_epochs=2", "rl.mini_batches=2", "optimizer.schedule=cosine", "total_steps=7"],
+    )
     tcfg = train_step_config(cfg)
     for f in dataclasses.fields(TrainStepConfig):
         if f.name not in DERIVED_STEP_FIELDS:
@@ -43,16 +57,19 @@ def test_every_step_field_is_an_rl_option_of_the_same_name_or_derived():
     assert tcfg.stare is cfg.rl.stare
     with pytest.raises(TrainingError, match="rl.mini_batches=3"):
         train_step_config(load_config("configs/tiny_cpu_stare.yaml", ["rl.mini_batches=3"]))
-    packed = train_step_config(load_config("configs/tiny_cpu_stare.yaml", ["rl.packing.enabled=true",
-                                                                           "rl.micro_batch_tokens=256"]))
+    packed = train_step_config(
+        load_config("configs/tiny_cpu_stare.yaml", ["rl.packing.enabled=true", "rl.micro_batch_tokens=256"])
+    )
     assert packed.packing.enabled and packed.micro_batch_tokens == 256
     longest = cfg.data.max_prompt_len + cfg.sampling.max_new_tokens
     with pytest.raises(TrainingError, match=rf"rl.packing.row_tokens=8 is shorter .* = {longest}"):
-        train_step_config(load_config("configs/tiny_cpu_stare.yaml", ["rl.packing.enabled=true",
-                                                                      "rl.packing.row_tokens=8"]))
+        train_step_config(
+            load_config("configs/tiny_cpu_stare.yaml", ["rl.packing.enabled=true", "rl.packing.row_tokens=8"])
+        )
     with pytest.raises(TrainingError, match="rl.packing.enabled cannot be combined with rl.stare.scope"):
-        train_step_config(load_config("configs/tiny_cpu_stare.yaml", ["rl.packing.enabled=true",
-                                                                      "rl.stare.scope=micro_batch"]))
+        train_step_config(
+            load_config("configs/tiny_cpu_stare.yaml", ["rl.packing.enabled=true", "rl.stare.scope=micro_batch"])
+        )
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +103,15 @@ def test_collect_keeps_varied_groups_with_grpo_advantages(run):
     for k in ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT"):
         np.testing.assert_array_equal(a.batch[k], expect[k])
     assert a.correct_all.size == a.num_gen_batches * run.cfg.rl.gen_batch_size * G
-    assert a.metrics().keys() >= {"reward_mean", "accuracy", "train_accuracy", "response_len_mean",
-                                   "kept_groups_frac", "num_gen_batches", "gen_time_s"}
+    assert a.metrics().keys() >= {
+        "reward_mean",
+        "accuracy",
+        "train_accuracy",
+        "response_len_mean",
+        "kept_groups_frac",
+        "num_gen_batches",
+        "gen_time_s",
+    }
     assert a.batch["input_ids_BxT"].shape[0] == P * G
 
 
@@ -130,12 +154,37 @@ def test_update_with_packing_is_the_padded_update(run):
 
 def test_record_of_grpo_ds_has_unit_weights_and_flags_nonfinite_updates():
     cfg = load_config("configs/tiny_cpu_grpo_ds.yaml")
-    kept = Rollouts(np.zeros((1, 2), np.int32), np.ones((1, 2), np.int32), np.zeros((1, 2, 3), np.int32),
-                    np.array([[3, 1]]), np.array([[1.0, 0.0]], np.float32))
-    collected = CollectedBatch({}, kept, np.array([[1.0, 0.0]]), np.array([1.0, 0.0, 0.0, 0.0]),
-                               np.array([3, 1, 2, 2]), {"n_items": 4}, 1, 2, 1, 0.5)
-    m = {"entropy": 0.4, "stare_w": 1.3, "stare_m": 0.8, "gate_on": True, "clipfrac": 0.0, "clipfrac_lower": 0.0,
-         "approx_kl": 0.0, "loss": float("nan"), "grad_norm": 1.0, "skipped_updates": 1.0}
+    kept = Rollouts(
+        np.zeros((1, 2), np.int32),
+        np.ones((1, 2), np.int32),
+        np.zeros((1, 2, 3), np.int32),
+        np.array([[3, 1]]),
+        np.array([[1.0, 0.0]], np.float32),
+    )
+    collected = CollectedBatch(
+        {},
+        kept,
+        np.array([[1.0, 0.0]]),
+        np.array([1.0, 0.0, 0.0, 0.0]),
+        np.array([3, 1, 2, 2]),
+        {"n_items": 4},
+        1,
+        2,
+        1,
+        0.5,
+    )
+    m = {
+        "entropy": 0.4,
+        "stare_w": 1.3,
+        "stare_m": 0.8,
+        "gate_on": True,
+        "clipfrac": 0.0,
+        "clipfrac_lower": 0.0,
+        "approx_kl": 0.0,
+        "loss": float("nan"),
+        "grad_norm": 1.0,
+        "skipped_updates": 1.0,
+    }
     rec = step_record(cfg, collected, m, step_time_s=2.0, train_time_s=1.0)
     assert rec["stare_w"] == rec["stare_m"] == 1.0 and rec["gate_on"] is False  # GRPO-ds never reweights
     assert rec["accuracy"] == 0.25 and rec["train_accuracy"] == 0.5 and rec["kept_groups_frac"] == 0.5
@@ -146,9 +195,13 @@ def test_collect_with_the_rollout_engine_draws_the_same_samples(run):
     """sampling.engine.enabled swaps the static sampler for the engine (run_setup.make_sampler): the same keys per
     (prompt, sample, position), so the same train batch -- on one device and on the run's fsdp=8 mesh (each data
     shard its own slots and page pool)."""
-    cfg = dataclasses.replace(run.cfg, sampling=dataclasses.replace(
-        run.cfg.sampling, engine=dataclasses.replace(run.cfg.sampling.engine, enabled=True, max_slots=8,
-                                                     page_size=4)))
+    cfg = dataclasses.replace(
+        run.cfg,
+        sampling=dataclasses.replace(
+            run.cfg.sampling,
+            engine=dataclasses.replace(run.cfg.sampling.engine, enabled=True, max_slots=8, page_size=4),
+        ),
+    )
     state = run.stream.state()
     static = run.collect(5)
     model = nnx.merge(run.graphdef, run.train_state.params, run.train_state.rest)
@@ -164,29 +217,43 @@ def test_collect_with_the_rollout_engine_draws_the_same_samples(run):
             np.testing.assert_array_equal(paged.batch[k], static.batch[k], err_msg=f"{k} (mesh {mesh})")
 
 
-
 def test_auto_max_slots_on_this_host_is_one_slot_per_response(run):
     """sampling.engine.max_slots=auto is resolved by make_sampler for the devices the run has: the CPU reports no
     HBM figure, so one slot per response of a generation batch (rl.gen_batch_size x rl.group_size), logged."""
-    cfg = dataclasses.replace(run.cfg, sampling=dataclasses.replace(
-        run.cfg.sampling, engine=dataclasses.replace(run.cfg.sampling.engine, enabled=True, max_slots="auto")))
+    cfg = dataclasses.replace(
+        run.cfg,
+        sampling=dataclasses.replace(
+            run.cfg.sampling, engine=dataclasses.replace(run.cfg.sampling.engine, enabled=True, max_slots="auto")
+        ),
+    )
     model = nnx.merge(run.graphdef, run.train_state.params, run.train_state.rest)
     lines: list[str] = []
     engine = make_sampler(model, cfg, None, run.tokenizer.pad_id, log=lines.append)
     slots = cfg.rl.gen_batch_size * cfg.rl.group_size
     assert isinstance(engine, Engine) and engine.engine_config.max_slots == slots
-    assert lines == [f"sampling.engine.max_slots=auto -> {slots} (no HBM figure on this host: one slot per response "
-                     f"of a generation batch)"]
-    static_cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(
-        cfg.sampling, engine=dataclasses.replace(cfg.sampling.engine, enabled=False)))
+    assert lines == [
+        f"sampling.engine.max_slots=auto -> {slots} (no HBM figure on this host: one slot per response "
+        f"of a generation batch)"
+    ]
+    static_cfg = dataclasses.replace(
+        cfg, sampling=dataclasses.replace(cfg.sampling, engine=dataclasses.replace(cfg.sampling.engine, enabled=False))
+    )
     assert not isinstance(make_sampler(model, static_cfg, None, run.tokenizer.pad_id, log=lines.append), Engine)
     assert len(lines) == 1  # resolved only where the engine is built
+
 
 def test_kl_reference_is_the_starting_policy_also_after_resume(toy_cache, tmp_path):
     """rl.kl.reference 'initial' is re-derived from model.path when a run opens: on resume it is still the run's
     starting weights, not the restored (trained) policy; it is not in the checkpoint."""
-    over = [f"toy.cache_dir={toy_cache}", *TINY, "rl.kl.reference=initial", "rl.kl.coef=0.01",
-            "checkpoint.every_steps=1", "total_steps=2", "logging.eval_every_steps=0"]
+    over = [
+        f"toy.cache_dir={toy_cache}",
+        *TINY,
+        "rl.kl.reference=initial",
+        "rl.kl.coef=0.01",
+        "checkpoint.every_steps=1",
+        "total_steps=2",
+        "logging.eval_every_steps=0",
+    ]
     cfg = load_config("configs/tiny_cpu_grpo_kl.yaml", over)
     summary = run_training(cfg, tmp_path / "run", inputs_for=toy.run_inputs, log=lambda *_: None)
     assert summary["new_compiles_per_step"][1:] == [0]  # the step with the reference: no recompile after warm-up
@@ -197,11 +264,14 @@ def test_kl_reference_is_the_starting_policy_also_after_resume(toy_cache, tmp_pa
         assert r.start_step == 2
         model_dir = toy.prepare(toy.asset_config(cfg.toy), toy_cache, log=lambda *_: None).model_dir
         initial = split_model(models.from_pretrained(model_dir, mesh=r.sampler.mesh))[1]
-        for ref, init, now in zip(jax.tree.leaves(r.ref_params), jax.tree.leaves(initial),
-                                  jax.tree.leaves(r.train_state.params)):
+        for ref, init, now in zip(
+            jax.tree.leaves(r.ref_params), jax.tree.leaves(initial), jax.tree.leaves(r.train_state.params)
+        ):
             np.testing.assert_array_equal(np.asarray(ref), np.asarray(init))
-        assert any(not np.array_equal(np.asarray(a), np.asarray(b))
-                   for a, b in zip(jax.tree.leaves(r.ref_params), jax.tree.leaves(r.train_state.params)))
+        assert any(
+            not np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(jax.tree.leaves(r.ref_params), jax.tree.leaves(r.train_state.params))
+        )
         saved = r.ckpt.restore(abstract_state=None)
         assert set(saved.state) == {"train_state", "stare_state"}  # the reference is not checkpointed
     finally:

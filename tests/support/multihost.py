@@ -1,4 +1,5 @@
 """Shared by several tests: moved from tests/system/test_multihost.py (which imports them back)."""
+
 from __future__ import annotations
 
 import os
@@ -39,13 +40,27 @@ class Launch:
         for i in range(num_processes):
             argv = list(cmd)
             if num_processes > 1:
-                argv += ["--num-processes", str(num_processes), "--process-id", str(i),
-                         "--coordinator-address", f"127.0.0.1:{port}"]
+                argv += [
+                    "--num-processes",
+                    str(num_processes),
+                    "--process-id",
+                    str(i),
+                    "--coordinator-address",
+                    f"127.0.0.1:{port}",
+                ]
             log = logdir / f"{name}_p{i}.log"
             self.logs.append(log)
             with open(log, "wb") as fh:
-                self.procs.append(subprocess.Popen(argv, env=_env(8 // num_processes), cwd=REPO, stdout=fh,
-                                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                self.procs.append(
+                    subprocess.Popen(
+                        argv,
+                        env=_env(8 // num_processes),
+                        cwd=REPO,
+                        stdout=fh,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
 
     def _tails(self, n: int = 4000) -> str:
         parts = []
@@ -79,6 +94,7 @@ class Launch:
                 raise AssertionError(f"{self.name}: a worker failed (exit codes {rcs})\n{self._tails()}")
             if time.time() > deadline:
                 self._kill_all()
-                raise AssertionError(f"{self.name}: workers still running after {timeout_s} s (killed)\n"
-                                     f"{self._tails()}")
+                raise AssertionError(
+                    f"{self.name}: workers still running after {timeout_s} s (killed)\n{self._tails()}"
+                )
             time.sleep(0.2)

@@ -1,4 +1,5 @@
 """Shared test data for the train-step tests (single process and multi-process workers)."""
+
 import numpy as np
 
 
@@ -14,7 +15,7 @@ def random_train_batch(vocab_size: int, B: int, L: int, seed: int = 0) -> dict:
     for i in range(B):
         pad = L - plen[i] - rlen[i]
         attn[i, :pad] = 0  # left padding
-        resp[i, pad + plen[i]:] = 1
+        resp[i, pad + plen[i] :] = 1
     acc = rng.integers(0, 2, size=(B // 4, 4)).astype(np.float32)
     acc[:, 0], acc[:, 1] = 1, 0
     adv = ((acc - acc.mean(1, keepdims=True)) / (acc.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)

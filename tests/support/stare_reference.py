@@ -1,6 +1,7 @@
 """Sort-based reference for STARE's selection (moved here from production): one lax.sort of the flat token array by
 (candidate group, surprisal), the numpy-'linear' quantile read off the sorted array, and exact top-k by a sort with the
 flat index as the last key. Same sets as stare_jax.rl.stare.select._select_flat; the tests check that."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp

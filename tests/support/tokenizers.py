@@ -1,4 +1,5 @@
 """Shared by several tests: moved from tests/unit/data/test_tokenizer.py (which imports them back)."""
+
 import random
 
 QWEN25_TEMPLATE = (
@@ -19,12 +20,12 @@ QWEN25_TEMPLATE = (
     '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
     '(message.role == "assistant" and not message.tool_calls) %}\n'
     "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
-    '    {%- elif message.role == "assistant" %}\n        {{- \'<|im_start|>\' + message.role }}\n'
+    "    {%- elif message.role == \"assistant\" %}\n        {{- '<|im_start|>' + message.role }}\n"
     "        {%- if message.content %}\n            {{- '\\n' + message.content }}\n        {%- endif %}\n"
     "        {%- for tool_call in message.tool_calls %}\n            {%- if tool_call.function is defined %}\n"
     "                {%- set tool_call = tool_call.function %}\n            {%- endif %}\n"
-    "            {{- '\\n<tool_call>\\n{\"name\": \"' }}\n            {{- tool_call.name }}\n"
-    "            {{- '\", \"arguments\": ' }}\n            {{- tool_call.arguments | tojson }}\n"
+    '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n            {{- tool_call.name }}\n'
+    '            {{- \'", "arguments": \' }}\n            {{- tool_call.arguments | tojson }}\n'
     "            {{- '}\\n</tool_call>' }}\n        {%- endfor %}\n        {{- '<|im_end|>\\n' }}\n"
     '    {%- elif message.role == "tool" %}\n'
     '        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}\n'

@@ -1,5 +1,6 @@
 """A fake SandboxFusion server for the tests: answers POST /run_code in SandboxFusion's documented response format
 from canned outputs (the clients under test are real; this server is not)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from stare_jax.data.tokenizer import HFTokenizer
 from stare_jax.models import ModelConfig, init_model
 
-CANNED_STDOUT = {"print(6 * 7)": "42\n", "print('é' * 20)": "é" * 20 + "\n", "print(1)": "1\n", "print(2)": "2\n",
-                 "print(5)": "5\n"}
+CANNED_STDOUT = {
+    "print(6 * 7)": "42\n",
+    "print('é' * 20)": "é" * 20 + "\n",
+    "print(1)": "1\n",
+    "print(2)": "2\n",
+    "print(5)": "5\n",
+}
 
 
 class FakeSandboxFusion(http.server.BaseHTTPRequestHandler):
@@ -45,8 +51,9 @@ class FakeSandboxFusion(http.server.BaseHTTPRequestHandler):
         if code == "garbage":
             return self._send(200, b"<html>not json</html>")
         if code == "sandbox_error":
-            return self._send(200, json.dumps({"status": "SandboxError", "message": "no executor",
-                                               "run_result": None}).encode())
+            return self._send(
+                200, json.dumps({"status": "SandboxError", "message": "no executor", "run_result": None}).encode()
+            )
         if code == "slow":
             time.sleep(2.0)
         run = {"status": "Finished", "execution_time": 0.01, "return_code": 0, "stdout": "", "stderr": ""}
@@ -59,8 +66,19 @@ class FakeSandboxFusion(http.server.BaseHTTPRequestHandler):
         elif code == "loop":
             run.update(status="TimeLimitExceeded", return_code=None, stdout="partial")
             status = "Failed"
-        self._send(200, json.dumps({"status": status, "message": "", "compile_result": None, "run_result": run,
-                                    "executor_pod_name": None, "files": {}}).encode())
+        self._send(
+            200,
+            json.dumps(
+                {
+                    "status": status,
+                    "message": "",
+                    "compile_result": None,
+                    "run_result": run,
+                    "executor_pod_name": None,
+                    "files": {},
+                }
+            ).encode(),
+        )
 
 
 @contextlib.contextmanager
@@ -81,21 +99,33 @@ def fake_sandbox_fusion_server():
 V = 272
 
 
-TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<code>", "</code>", "<interpreter>",
-        "</interpreter>"]
+TAGS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<code>",
+    "</code>",
+    "<interpreter>",
+    "</interpreter>",
+]
 
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-TEMPLATE = ("{%- for m in messages %}{%- if m.role == 'tool' %}"
-            "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
-            "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-            "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+TEMPLATE = (
+    "{%- for m in messages %}{%- if m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
-CALL = '<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{{"name": "{name}", "arguments": ' \
-       '{{"code": "{code}"}}}}'
+CALL = (
+    '<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{{"name": "{name}", "arguments": '
+    '{{"code": "{code}"}}}}'
+)
 
 
 def _make_tokenizer(folder, template):
@@ -108,8 +138,11 @@ def _make_tokenizer(folder, template):
     tok.add_special_tokens(SPECIALS)
     tok.add_tokens(TAGS)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": template}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None, "chat_template": template}
+        )
+    )
     t = HFTokenizer(folder)
     assert t.vocab_size <= V
     return t
@@ -119,9 +152,20 @@ def _bigram_model(tokenizer, rules: dict[str, str | tuple[str, ...]], default: s
     """The real Qwen2 model whose next token is a function of the current token only: rules[char] after that
     character (a tuple: one of its tokens, each as likely), `default` after any other token (layers zeroed so the
     residual stream is the token's embedding)."""
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                      max_position_embeddings=256, qkv_bias=True, tie_word_embeddings=False, initializer_range=0.1,
-                      eos_token_id=None, pad_token_id=0)
+    cfg = ModelConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=256,
+        qkv_bias=True,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     model = init_model(cfg, seed=0)
     targets = [default] + sorted(set(rules.values()) - {default}, key=str)
     dim = {t: i for i, t in enumerate(targets)}

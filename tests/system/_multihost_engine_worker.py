@@ -17,6 +17,7 @@ tools:    stare_jax.tools.rollout.tool_rollouts with the local sandbox backend: 
           an unknown tool, no call); rows' tokens, masks, statuses, ends, and the pool's call count per process
           (process 0 alone runs the code).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,11 @@ T0 = time.time()
 
 
 def _log(msg):
-    print(f"[engine worker {os.environ.get('STARE_MH_PID', '?')} +{time.time() - T0:.1f}s] {msg}", file=sys.stderr,
-          flush=True)
+    print(
+        f"[engine worker {os.environ.get('STARE_MH_PID', '?')} +{time.time() - T0:.1f}s] {msg}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _on_mesh(model, mesh):
@@ -47,20 +51,21 @@ def _on_mesh(model, mesh):
 
     host = jax.tree.map(np.asarray, nnx.state(model))
     placed = init_model(model.config, seed=0, mesh=mesh)
-    nnx.update(placed, jax.tree.map(lambda h, ref: distributed.global_from_host(h, ref.sharding), host,
-                                    nnx.state(placed)))
+    nnx.update(
+        placed, jax.tree.map(lambda h, ref: distributed.global_from_host(h, ref.sharding), host, nnx.state(placed))
+    )
     return placed
 
 
 def _generate(out: dict) -> None:
     import jax
     import numpy as np
-    from support.engine import EOS, PROMPTS, _tiny
 
     from stare_jax import distributed
     from stare_jax.models.sharding import make_mesh
     from stare_jax.sampling import SamplingParams
     from stare_jax.sampling.engine import Engine, EngineConfig
+    from support.engine import EOS, PROMPTS, _tiny
 
     mesh = make_mesh({"data": 2, "tensor": 4})
     config = EngineConfig(max_slots=8, page_size=8, decode_chunk=4, prefill_chunk=8, num_pages=32)
@@ -71,15 +76,19 @@ def _generate(out: dict) -> None:
     greedy_eos = sorted({free.tokens[3 * p][k] for p, k in ((0, 3), (2, 9), (4, 13))})
     for name, temperature, eos in (("greedy", 0.0, greedy_eos), ("t1", 1.0, EOS)):
         o = engine.generate(PROMPTS, sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw)
-        out[name] = {"tokens": o.tokens, "lengths": o.lengths, "finish": o.finish_reasons,
-                     "logprobs": [[float(x) for x in lp] for lp in o.logprobs],
-                     "prefix_prefills": engine.stats["prefix_prefills"]}
+        out[name] = {
+            "tokens": o.tokens,
+            "lengths": o.lengths,
+            "finish": o.finish_reasons,
+            "logprobs": [[float(x) for x in lp] for lp in o.logprobs],
+            "prefix_prefills": engine.stats["prefix_prefills"],
+        }
         _log(f"{name}: lengths {o.lengths}")
     T = max(len(p) for p in PROMPTS)
     ids = np.zeros((len(PROMPTS), T), np.int32)
     mask = np.zeros_like(ids)
     for r, p in enumerate(PROMPTS):  # left-padded, as rollouts.left_pad
-        ids[r, T - len(p):], mask[r, T - len(p):] = p, 1
+        ids[r, T - len(p) :], mask[r, T - len(p) :] = p, 1
     arr = engine.generate_arrays(ids, mask, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=5), **kw)
     assert not arr.tokens_BxN.is_fully_addressable or jax.process_count() == 1
     toks, lengths, finished = distributed.fetch_global((arr.tokens_BxN, arr.lengths_B, arr.finished_B))
@@ -87,34 +96,58 @@ def _generate(out: dict) -> None:
 
 
 def _tools(out: dict) -> None:
-    from support.tools import CALL, TEMPLATE, _bigram_model, _make_tokenizer
-
     from stare_jax.models.sharding import make_mesh
     from stare_jax.sampling import SamplingParams
     from stare_jax.sampling.engine import Engine, EngineConfig
     from stare_jax.tools import SandboxPool, ToolConfig
     from stare_jax.tools.rollout import tool_rollouts
+    from support.tools import CALL, TEMPLATE, _bigram_model, _make_tokenizer
 
     tokenizer = _make_tokenizer(pathlib.Path(tempfile.mkdtemp(prefix="mh_tool_tok")), TEMPLATE)
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     model = _bigram_model(tokenizer, {"}": "</tool_call>", ")": "</code>"}, default="<|im_end|>")
-    engine = Engine(_on_mesh(model, mesh), mesh=mesh, pad_id=tokenizer.pad_id,
-                    config=EngineConfig(max_slots=8, page_size=8, decode_chunk=8, prefill_chunk=64))
-    prompts = [CALL.format(name="code_interpreter", code="print(6 * 7)"),
-               CALL.format(name="code_interpreter", code="print(1)")[:-1],  # invalid JSON
-               CALL.format(name="web_search", code="print(1)"),
-               CALL.format(name="code_interpreter", code="print(sum(range(10)))"),
-               "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"]  # no call
+    engine = Engine(
+        _on_mesh(model, mesh),
+        mesh=mesh,
+        pad_id=tokenizer.pad_id,
+        config=EngineConfig(max_slots=8, page_size=8, decode_chunk=8, prefill_chunk=64),
+    )
+    prompts = [
+        CALL.format(name="code_interpreter", code="print(6 * 7)"),
+        CALL.format(name="code_interpreter", code="print(1)")[:-1],  # invalid JSON
+        CALL.format(name="web_search", code="print(1)"),
+        CALL.format(name="code_interpreter", code="print(sum(range(10)))"),
+        "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n",
+    ]  # no call
     cfg = ToolConfig(enabled=True, timeout_s=5.0)
     with SandboxPool(4, timeout_s=5.0, memory_mb=512) as pool:
-        rows = tool_rollouts(engine, [tokenizer.encode(p, add_bos=False) for p in prompts], group_size=2,
-                             tool_cfg=cfg, tokenizer=tokenizer, pool=pool, max_new_tokens=96,
-                             sampling=SamplingParams(seed=1))
+        rows = tool_rollouts(
+            engine,
+            [tokenizer.encode(p, add_bos=False) for p in prompts],
+            group_size=2,
+            tool_cfg=cfg,
+            tokenizer=tokenizer,
+            pool=pool,
+            max_new_tokens=96,
+            sampling=SamplingParams(seed=1),
+        )
         calls = pool.stats()["n_calls"]
-    out["tools"] = {"rows": [{"tokens": r.tokens, "mask": r.model_mask, "statuses": [s.value for s in r.statuses],
-                              "end": r.end, "turns": r.turns, "final_start": r.final_start} for r in rows],
-                    "texts": [tokenizer.decode(r.tokens, skip_special_tokens=False) for r in rows],
-                    "pool_calls": calls, "pages_free": all(p.all_free() for p in engine.pools)}
+    out["tools"] = {
+        "rows": [
+            {
+                "tokens": r.tokens,
+                "mask": r.model_mask,
+                "statuses": [s.value for s in r.statuses],
+                "end": r.end,
+                "turns": r.turns,
+                "final_start": r.final_start,
+            }
+            for r in rows
+        ],
+        "texts": [tokenizer.decode(r.tokens, skip_special_tokens=False) for r in rows],
+        "pool_calls": calls,
+        "pages_free": all(p.all_free() for p in engine.pools),
+    }
     _log(f"tools: statuses {[r.statuses for r in rows]}, this process's pool ran {calls} calls")
 
 
@@ -131,10 +164,16 @@ def main(argv=None):
 
     if args.num_processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-                                   process_id=args.process_id, initialization_timeout=120)
-    _log(f"process {jax.process_index()}/{jax.process_count()}, {jax.local_device_count()} local / "
-         f"{jax.device_count()} global devices")
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            initialization_timeout=120,
+        )
+    _log(
+        f"process {jax.process_index()}/{jax.process_count()}, {jax.local_device_count()} local / "
+        f"{jax.device_count()} global devices"
+    )
     if jax.device_count() != 8:
         raise SystemExit(f"expected 8 global devices, got {jax.device_count()}")
 

@@ -17,6 +17,7 @@ phase restore: restore the newest checkpoint of --ckpt onto the mesh's shardings
                restored/params/<path> and restored/stare/<field>, then run ONE more step (batch seed 100 + K) and
                write it as s<K>/... (the same keys as a train step).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,7 @@ T0 = time.time()
 
 
 def _log(msg):
-    print(f"[worker {os.environ.get('STARE_MH_PID', '?')} +{time.time() - T0:.1f}s] {msg}", file=sys.stderr,
-          flush=True)
+    print(f"[worker {os.environ.get('STARE_MH_PID', '?')} +{time.time() - T0:.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv=None):
@@ -57,10 +57,16 @@ def main(argv=None):
         # CPU cross-process collectives go through gloo (jax 0.10's default; set explicitly so a changed
         # default fails loudly here instead of hanging in the first all-reduce)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
-                                   process_id=args.process_id, initialization_timeout=120)
-    _log(f"jax {jax.__version__}: process {jax.process_index()}/{jax.process_count()}, "
-         f"{jax.local_device_count()} local / {jax.device_count()} global devices")
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            initialization_timeout=120,
+        )
+    _log(
+        f"jax {jax.__version__}: process {jax.process_index()}/{jax.process_count()}, "
+        f"{jax.local_device_count()} local / {jax.device_count()} global devices"
+    )
     if jax.device_count() != 8:
         raise SystemExit(f"expected 8 global devices, got {jax.device_count()}")
 
@@ -68,23 +74,29 @@ def main(argv=None):
     from jax.experimental import multihost_utils
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
-    from support.rl import random_train_batch
-
     from stare_jax.distributed import global_batch_from_process_local, process_batch_rows
     from stare_jax.models import ModelConfig, init_model
     from stare_jax.models.sharding import make_mesh
     from stare_jax.rl.stare import StareConfig, init_stare_state
     from stare_jax.rl.step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step, place_train_state
     from stare_jax.training.checkpoint import Checkpointer
+    from support.rl import random_train_batch
 
-    model_cfg = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                            intermediate_size=64, tie_word_embeddings=True, initializer_range=0.3,
-                            max_position_embeddings=64)
+    model_cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        max_position_embeddings=64,
+    )
     B, L = 16, 20
     # ln(96) ~ 4.56 < 10: the batch gate is on from step 1; W = 1.5 reweights the selected tokens
     stare_cfg = StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=10.0)
-    cfg = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), stare=stare_cfg, logprob_chunk_size=8,
-                          debug_outputs=True)
+    cfg = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), stare=stare_cfg, logprob_chunk_size=8, debug_outputs=True)
 
     def global_batch(seed):
         return random_train_batch(model_cfg.vocab_size, B, L, seed)
@@ -133,8 +145,10 @@ def main(argv=None):
             out[f"s{i}/{k}"] = np.asarray(v)
         for f in dataclasses.fields(stare_state):
             out[f"s{i}/state/{f.name}"] = np.asarray(host(getattr(stare_state, f.name)))
-        _log(f"step {i}: loss {float(m['loss']):.6g} entropy {float(m['entropy']):.4f} "
-             f"gate_on {float(m['gate_on'])} frac_reweighted {float(m.get('stare/frac_reweighted', -1)):.3f}")
+        _log(
+            f"step {i}: loss {float(m['loss']):.6g} entropy {float(m['entropy']):.4f} "
+            f"gate_on {float(m['gate_on'])} frac_reweighted {float(m.get('stare/frac_reweighted', -1)):.3f}"
+        )
 
     if args.phase == "train":
         record_params("init/params/", ts.params)
@@ -148,8 +162,10 @@ def main(argv=None):
             ck.close()
             _log(f"saved checkpoint step {args.steps} in {args.ckpt}")
     else:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                {"train_state": ts, "stare_state": ss})
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            {"train_state": ts, "stare_state": ss},
+        )
         ck = Checkpointer(args.ckpt, keep=2, every_steps=0, async_save=True, must_exist=True)
         r = ck.restore(abstract_state=abstract)
         ck.close()

@@ -1,5 +1,6 @@
 """Ahead-of-time compiles for real TPU slices on this CPU host (libtpu + jax.experimental.topologies): the run's
 own train step, weight reshard and sampler, compiled from abstract inputs; the compiler's figures; bad input."""
+
 import math
 import sys
 
@@ -13,14 +14,30 @@ from stare_jax.training import aot
 
 pytest.importorskip("libtpu", reason="libtpu (jax[tpu]) is a test dependency: pip install -r requirements-test.txt")
 
-TINY = ["rl.micro_batch_size=16", "model.dtype=bfloat16", "model.attention_impl=splash", "sampling.max_new_tokens=24",
-        "data.max_prompt_len=100"]
+TINY = [
+    "rl.micro_batch_size=16",
+    "model.dtype=bfloat16",
+    "model.attention_impl=splash",
+    "sampling.max_new_tokens=24",
+    "data.max_prompt_len=100",
+]
 
 
-@pytest.mark.parametrize("accelerator, topology", [
-    ("v5p-8", "v5p:2x2x1"), ("v5p-16", "v5p:2x2x2"), ("v5p-64", "v5p:2x4x4"), ("v5p-128", "v5p:4x4x4"),
-    ("v5p-256", "v5p:4x4x8"), ("v4-16", "v4:2x2x2"), ("v6e-8", "v6e:2x4"), ("v6e-16", "v6e:4x4"),
-    ("v6e-256", "v6e:16x16"), ("v5litepod-4", "v5e:2x2")])
+@pytest.mark.parametrize(
+    "accelerator, topology",
+    [
+        ("v5p-8", "v5p:2x2x1"),
+        ("v5p-16", "v5p:2x2x2"),
+        ("v5p-64", "v5p:2x4x4"),
+        ("v5p-128", "v5p:4x4x4"),
+        ("v5p-256", "v5p:4x4x8"),
+        ("v4-16", "v4:2x2x2"),
+        ("v6e-8", "v6e:2x4"),
+        ("v6e-16", "v6e:4x4"),
+        ("v6e-256", "v6e:16x16"),
+        ("v5litepod-4", "v5e:2x2"),
+    ],
+)
 def test_topology_for_accelerator(accelerator, topology):
     assert aot.topology_for(accelerator) == topology
     chips = math.prod(int(d) for d in topology.split(":")[1].split("x"))
@@ -93,8 +110,10 @@ def test_packed_offloaded_step_compiles_with_splash_segments(tiny_report):
     phase holds the parameters alone beside the sampler."""
     if tiny_report["topology"] != "v5p:2x2x1":
         pytest.skip("one topology is enough")
-    cfg = load_config("configs/tiny_cpu_stare.yaml", [*TINY, "rl.packing.enabled=true", "rl.micro_batch_tokens=256",
-                                                      "rl.offload.optimizer=true"])
+    cfg = load_config(
+        "configs/tiny_cpu_stare.yaml",
+        [*TINY, "rl.packing.enabled=true", "rl.micro_batch_tokens=256", "rl.offload.optimizer=true"],
+    )
     r = aot.compile_run(cfg, topology="v5p:2x2x1", reuse_sampler=tiny_report, log=lambda _: None)
     t = r["compiled"]["train_step"]
     assert r["packing"] and r["optimizer_offloaded"] and t["mosaic_kernels"] > 0 and r["fits"] is True
@@ -131,6 +150,7 @@ def test_jaxpr_flops_matches_a_hand_count():
     def f(x, w):
         def body(c, _):
             return c @ w, None
+
         y, _ = jax.lax.scan(body, x, None, length=3)
         return jax.lax.while_loop(lambda c: c[1] < 5, lambda c: (c[0] @ w, c[1] + 1), (y, 0))[0]
 
@@ -141,13 +161,15 @@ def test_jaxpr_flops_matches_a_hand_count():
 
 
 def test_collectives_parsed_from_hlo():
-    hlo = ("  %ag = bf16[64,128]{1,0} all-gather(bf16[16,128]{1,0} %p), dimensions={0}\n"
-           "  %ars = (f32[8]{0}, f32[8]{0}) all-reduce-start(f32[8]{0} %x), to_apply=%add\n"
-           "  %ard = f32[8]{0} all-reduce-done((f32[8]{0}, f32[8]{0}) %ars)\n")
-    assert aot.collectives(hlo) == {"all-gather": {"count": 1, "bytes": 64 * 128 * 2},
-                                    "all-reduce": {"count": 1, "bytes": 32}}
-
-
+    hlo = (
+        "  %ag = bf16[64,128]{1,0} all-gather(bf16[16,128]{1,0} %p), dimensions={0}\n"
+        "  %ars = (f32[8]{0}, f32[8]{0}) all-reduce-start(f32[8]{0} %x), to_apply=%add\n"
+        "  %ard = f32[8]{0} all-reduce-done((f32[8]{0}, f32[8]{0}) %ars)\n"
+    )
+    assert aot.collectives(hlo) == {
+        "all-gather": {"count": 1, "bytes": 64 * 128 * 2},
+        "all-reduce": {"count": 1, "bytes": 32},
+    }
 
 
 def test_auto_slots_resolve_for_the_slice_compiled():
@@ -162,6 +184,7 @@ def test_auto_slots_resolve_for_the_slice_compiled():
     assert aot._resolve_slots(cfg, "v5p-8", "v5p:2x2x1", devices).sampling.engine.max_slots == fit
     by_topology = aot._resolve_slots(cfg, None, "v5p:2x2x1", devices).sampling.engine.max_slots
     assert by_topology == fit  # libtpu's HBM figure for v5p is the table's (95.74 GiB)
+
 
 def test_program_peak_is_the_compilers_enforced_peak():
     """Program.peak_bytes is libtpu's peak_memory_in_bytes (+ code): the figure the TPU compiler refuses a program
@@ -178,11 +201,13 @@ def test_program_peak_is_the_compilers_enforced_peak():
     def loss(ws, x):  # remat'ed layers in a scan: the shape whose temp_size over-counts
         def layer(c, w):
             return c + jnp.tanh(c @ w.astype(jnp.bfloat16)) @ w.T.astype(jnp.bfloat16), None
+
         y, _ = jax.lax.scan(jax.checkpoint(layer), x, ws)
         return jnp.mean(y.astype(jnp.float32) ** 2)
 
-    ws = jax.ShapeDtypeStruct((6, 1024, 2048), jnp.float32,
-                              sharding=NamedSharding(mesh, PartitionSpec(None, None, "tensor")))
+    ws = jax.ShapeDtypeStruct(
+        (6, 1024, 2048), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, None, "tensor"))
+    )
     x = jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
     traced = jax.jit(jax.grad(loss)).trace(ws, x)
     p = aot.Program.compile("toy", traced, lambda: jax.set_mesh(mesh), 4)
@@ -203,14 +228,18 @@ def test_program_peak_is_the_compilers_enforced_peak():
     assert ma.peak_memory_in_bytes >= p.host_bytes + p.argument_bytes
     assert p.peak_bytes == ma.peak_memory_in_bytes - p.host_bytes + ma.generated_code_size_in_bytes
 
-@pytest.mark.parametrize("argv, message", [
-    (["--topology", "v9:2x2"], "unknown TPU topology 'v9:2x2'"),
-    (["--compile", "--accelerator", "v7-8"], "unknown accelerator type 'v7-8'"),
-    (["--compile", "--accelerator", "8xH100"], "GPU type"),
-    (["--topology", "v5p:2x2x1", "mesh.fsdp=3"], "has 3 devices but the accelerator has 4"),
-    (["--topology", "v5p:2x2x1", "mesh.fsdp=-1", "mesh.tensor=3"], "does not divide the 4 devices"),
-    (["--compile"], "no accelerator"),
-])
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--topology", "v9:2x2"], "unknown TPU topology 'v9:2x2'"),
+        (["--compile", "--accelerator", "v7-8"], "unknown accelerator type 'v7-8'"),
+        (["--compile", "--accelerator", "8xH100"], "GPU type"),
+        (["--topology", "v5p:2x2x1", "mesh.fsdp=3"], "has 3 devices but the accelerator has 4"),
+        (["--topology", "v5p:2x2x1", "mesh.fsdp=-1", "mesh.tensor=3"], "does not divide the 4 devices"),
+        (["--compile"], "no accelerator"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(argv, message, capsys):
     code = cli.main(["plan", "configs/tiny_cpu_stare.yaml", *argv])
     err = capsys.readouterr().err.strip()
@@ -244,9 +273,10 @@ def test_engine_run_compiles_the_engine_programs():
     """A run that generates with the rollout engine (tool use: one host, multi-turn) compiles the engine's decode
     and prefill programs at their largest shapes, with the page pool the run allocates as their argument (each data
     shard's pool on its own devices), instead of the static sampler's; the sampling phase holds the larger."""
-    cfg = load_config("configs/tiny_cpu_tool_stare.yaml", ["model.dtype=bfloat16",
-                                                           "sampling.engine.max_slots=16",
-                                                           "rl.micro_batch_size=16", "launch.accelerator=v5p-8"])
+    cfg = load_config(
+        "configs/tiny_cpu_tool_stare.yaml",
+        ["model.dtype=bfloat16", "sampling.engine.max_slots=16", "rl.micro_batch_size=16", "launch.accelerator=v5p-8"],
+    )
     r = aot.compile_run(cfg, log=lambda _: None)  # the topology of launch.accelerator: v5p:2x2x1
     assert r["generator"] == "engine" and r["topology"] == "v5p:2x2x1"
     assert "peak_bytes_per_device" in r["estimate"], r["estimate"]  # the plan's estimate beside the compiler's
@@ -263,8 +293,9 @@ def test_engine_run_compiles_the_engine_programs():
     assert r["fits"] is True
 
 
-@pytest.mark.parametrize("mesh", [dict(data=1, fsdp=1, tensor=4), dict(data=2, fsdp=1, tensor=2)],
-                         ids=["tensor4", "data2-tensor2"])
+@pytest.mark.parametrize(
+    "mesh", [dict(data=1, fsdp=1, tensor=4), dict(data=2, fsdp=1, tensor=2)], ids=["tensor4", "data2-tensor2"]
+)
 def test_engine_decode_compiles_the_pallas_paged_attention_kernel(mesh):
     """On a TPU slice, sampling.engine.attention=auto with head_dim 128 and a bfloat16 KV cache decodes through the
     Pallas paged-attention kernel: the engine's decode program contains the Mosaic kernel (tpu_custom_call), run
@@ -272,12 +303,29 @@ def test_engine_decode_compiles_the_pallas_paged_attention_kernel(mesh):
     of the pool); the prefill program gathers (no kernel), as does the whole engine with attention=gather."""
     from stare_jax import models
 
-    model_cfg = models.ModelConfig(vocab_size=512, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=4,
-                                   head_dim=128, intermediate_size=512, max_position_embeddings=1024,
-                                   architecture="Qwen2ForCausalLM", qkv_bias=True, dtype="bfloat16")
-    cfg = load_config("configs/tiny_cpu_tool_stare.yaml", [
-        "model.dtype=bfloat16", "sampling.kv_cache_dtype=bfloat16", "sampling.engine.max_slots=8",
-        "launch.accelerator=v5p-8", *(f"mesh.{k}={v}" for k, v in mesh.items())])
+    model_cfg = models.ModelConfig(
+        vocab_size=512,
+        hidden_size=512,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=512,
+        max_position_embeddings=1024,
+        architecture="Qwen2ForCausalLM",
+        qkv_bias=True,
+        dtype="bfloat16",
+    )
+    cfg = load_config(
+        "configs/tiny_cpu_tool_stare.yaml",
+        [
+            "model.dtype=bfloat16",
+            "sampling.kv_cache_dtype=bfloat16",
+            "sampling.engine.max_slots=8",
+            "launch.accelerator=v5p-8",
+            *(f"mesh.{k}={v}" for k, v in mesh.items()),
+        ],
+    )
     r = aot.compile_engine(cfg, model_cfg=model_cfg, log=lambda _: None)
     assert r["attention"] == "pallas" and r["mesh"] == mesh and r["topology"] == "v5p:2x2x1"
     decode, prefill = r["compiled"]["sampler"], r["compiled"]["sampler_prefill"]
@@ -296,12 +344,32 @@ def test_engine_programs_keep_the_page_pool_in_place():
     index all-reduced the gathered pages of every layer over the tensor axis)."""
     from stare_jax import models
 
-    model_cfg = models.ModelConfig(vocab_size=512, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=8,
-                                   head_dim=128, intermediate_size=512, max_position_embeddings=1024,
-                                   architecture="Qwen2ForCausalLM", qkv_bias=True, dtype="bfloat16")
-    cfg = load_config("configs/tiny_cpu_tool_stare.yaml", [
-        "model.dtype=bfloat16", "sampling.kv_cache_dtype=bfloat16", "sampling.engine.max_slots=32",
-        "sampling.max_new_tokens=512", "launch.accelerator=v5p-8", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2"])
+    model_cfg = models.ModelConfig(
+        vocab_size=512,
+        hidden_size=512,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=512,
+        max_position_embeddings=1024,
+        architecture="Qwen2ForCausalLM",
+        qkv_bias=True,
+        dtype="bfloat16",
+    )
+    cfg = load_config(
+        "configs/tiny_cpu_tool_stare.yaml",
+        [
+            "model.dtype=bfloat16",
+            "sampling.kv_cache_dtype=bfloat16",
+            "sampling.engine.max_slots=32",
+            "sampling.max_new_tokens=512",
+            "launch.accelerator=v5p-8",
+            "mesh.data=2",
+            "mesh.fsdp=1",
+            "mesh.tensor=2",
+        ],
+    )
     r = aot.compile_engine(cfg, model_cfg=model_cfg, log=lambda _: None)
     decode, prefill = r["compiled"]["sampler"], r["compiled"]["sampler_prefill"]
     pool_b = decode["alias_bytes"]  # the donated pool per device (37 MiB; before the fix: decode temps 25 MiB)
@@ -317,13 +385,32 @@ def test_sft_step_compiles_sharded_with_micro_batches(tmp_path):
     from stare_jax import models
     from stare_jax.training.sft import load_sft_config
 
-    model_cfg = models.ModelConfig(vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4,
-                                   head_dim=128, intermediate_size=256, max_position_embeddings=1024,
-                                   architecture="Qwen2ForCausalLM", qkv_bias=True, tie_word_embeddings=True)
+    model_cfg = models.ModelConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=256,
+        max_position_embeddings=1024,
+        architecture="Qwen2ForCausalLM",
+        qkv_bias=True,
+        tie_word_embeddings=True,
+    )
     models.save_pretrained(models.init_model(model_cfg), tmp_path)  # plan reads only its config.json
-    cfg = load_sft_config("configs/sft_tool_cold_start.yaml", [
-        f"model.path={tmp_path}", "model.attention_impl=splash", "max_len=256", "chunk_size=64", "batch_size=8",
-        "micro_batch_size=1", "launch.accelerator=v5p-8"])
+    cfg = load_sft_config(
+        "configs/sft_tool_cold_start.yaml",
+        [
+            f"model.path={tmp_path}",
+            "model.attention_impl=splash",
+            "max_len=256",
+            "chunk_size=64",
+            "batch_size=8",
+            "micro_batch_size=1",
+            "launch.accelerator=v5p-8",
+        ],
+    )
     r = aot.compile_sft(cfg, log=lambda _: None)
     assert r["topology"] == "v5p:2x2x1" and r["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
     assert r["batch"] == [8, 257] and r["micro_batches"] == 2

@@ -12,6 +12,7 @@ magnitude ~4-10, <= 3e-7 on losses/metrics, <= 1e-7 on parameters). Continuous v
 |a - b| <= 1e-6 + 1e-6 * |b| (absolute 1e-6 below 1, relative 1e-6 ~ 8 float32 ulps above); the discrete
 ones (token weights omega, selection counts, the gate, W, M, masks) must be exactly equal.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,19 +23,28 @@ import time
 
 import numpy as np
 import pytest
+
 from support.multihost import REPO, TIMEOUT_S, Launch
 
 WORKER = REPO / "tests" / "system" / "_multihost_worker.py"
 STEPS = 3
 ATOL = RTOL = 1e-6
-EXACT = ("debug/omega", "debug/loss_mask", "gate_on", "stare_w", "stare_m", "response_tokens", "stare/n_pos",
-         "stare/n_neg", "stare/gate_frac", "skipped_updates", "num_updates", "state/gate_on", "state/w", "state/m")
-
-
-
-
-
-
+EXACT = (
+    "debug/omega",
+    "debug/loss_mask",
+    "gate_on",
+    "stare_w",
+    "stare_m",
+    "response_tokens",
+    "stare/n_pos",
+    "stare/n_neg",
+    "stare/gate_frac",
+    "skipped_updates",
+    "num_updates",
+    "state/gate_on",
+    "state/w",
+    "state/m",
+)
 
 
 def _worker(*args: str) -> list[str]:
@@ -53,17 +63,24 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("multihost")
     ckpt = d / "ckpt"
     t0 = time.time()
-    ref = Launch("reference_1x8", d, 1, _worker("--phase", "train", "--out", str(d / "ref"),
-                                                "--steps", str(STEPS + 1)))
-    mp = Launch("train_2x4", d, 2, _worker("--phase", "train", "--out", str(d / "mp"), "--steps", str(STEPS),
-                                           "--ckpt", str(ckpt)))
+    ref = Launch("reference_1x8", d, 1, _worker("--phase", "train", "--out", str(d / "ref"), "--steps", str(STEPS + 1)))
+    mp = Launch(
+        "train_2x4",
+        d,
+        2,
+        _worker("--phase", "train", "--out", str(d / "mp"), "--steps", str(STEPS), "--ckpt", str(ckpt)),
+    )
     mp.wait()
     ref.wait(max(TIMEOUT_S - (time.time() - t0), 1.0))
     rs = Launch("restore_2x4", d, 2, _worker("--phase", "restore", "--out", str(d / "rs"), "--ckpt", str(ckpt)))
     rs.wait()
     print(f"multihost launches took {time.time() - t0:.1f} s")
-    return {"ref": _load(d / "ref" / "result.npz"), "mp": _load(d / "mp" / "result.npz"),
-            "rs": _load(d / "rs" / "result.npz"), "dir": d}
+    return {
+        "ref": _load(d / "ref" / "result.npz"),
+        "mp": _load(d / "mp" / "result.npz"),
+        "rs": _load(d / "rs" / "result.npz"),
+        "dir": d,
+    }
 
 
 def _close(name, a, b):
@@ -82,8 +99,17 @@ def _compare_step(got: dict, want: dict, i: int) -> dict:
     assert keys and keys == sorted(k for k in got if k.startswith(f"s{i}/")), i
     worst = {}
     for k in keys:
-        group = ("params" if "/params/" in k else "omega" if k.endswith("debug/omega") else
-                 "per_token" if "/debug/" in k else "loss" if k.endswith("/loss") else "metrics")
+        group = (
+            "params"
+            if "/params/" in k
+            else "omega"
+            if k.endswith("debug/omega")
+            else "per_token"
+            if "/debug/" in k
+            else "loss"
+            if k.endswith("/loss")
+            else "metrics"
+        )
         worst[group] = max(worst.get(group, 0.0), _close(k, got[k], want[k]))
     return worst
 
@@ -137,8 +163,7 @@ def test_checkpoint_saved_by_two_processes_restores_and_continues(runs):
 def test_process_local_helpers_in_one_process():
     """stare_jax.distributed in a single process: every row is local and the global batch equals device_put."""
     import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from stare_jax.distributed import global_batch_from_process_local, process_batch_rows
     from stare_jax.models.sharding import make_mesh
@@ -162,20 +187,56 @@ def test_process_local_helpers_in_one_process():
 # The embedded tiny model (toy defaults: SFT warm start, 150 steps) with small batches; H_tgt = 5 nats keeps the
 # batch gate of STARE-O1 on at every step, so the reweighting is really exercised.
 TRAIN_OVERRIDES = [
-    "rl.train_batch_size=4", "rl.group_size=4", "rl.gen_batch_size=8", "rl.micro_batch_size=2",
-    "rl.dynamic_sampling=false", "rl.stare.target_entropy=5.0", "logging.eval_every_steps=2",
-    "logging.tensorboard=false", "logging.progress_bar=false", "checkpoint.every_steps=1", "checkpoint.keep=5",
-    "sampling.eval_num_samples=2", "toy.num_eval=16",
+    "rl.train_batch_size=4",
+    "rl.group_size=4",
+    "rl.gen_batch_size=8",
+    "rl.micro_batch_size=2",
+    "rl.dynamic_sampling=false",
+    "rl.stare.target_entropy=5.0",
+    "logging.eval_every_steps=2",
+    "logging.tensorboard=false",
+    "logging.progress_bar=false",
+    "checkpoint.every_steps=1",
+    "checkpoint.keep=5",
+    "sampling.eval_num_samples=2",
+    "toy.num_eval=16",
 ]
 # values that come from discrete choices (sampled tokens, rewards, selections, the gate): exactly equal
-TRAIN_EXACT = ("accuracy", "train_accuracy", "reward_mean", "response_len_mean", "gate_on", "stare_w", "stare_m",
-               "selected_frac_pos", "selected_frac_neg", "kept_groups_frac", "num_gen_batches", "skipped_updates",
-               "stare/n_pos", "stare/n_neg", "stare/gate_frac", "stare/frac_reweighted", "eval/accuracy")
+TRAIN_EXACT = (
+    "accuracy",
+    "train_accuracy",
+    "reward_mean",
+    "response_len_mean",
+    "gate_on",
+    "stare_w",
+    "stare_m",
+    "selected_frac_pos",
+    "selected_frac_neg",
+    "kept_groups_frac",
+    "num_gen_batches",
+    "skipped_updates",
+    "stare/n_pos",
+    "stare/n_neg",
+    "stare/gate_frac",
+    "stare/frac_reweighted",
+    "eval/accuracy",
+)
 
 
 def _train_cli(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "stare_jax.cli", "train", "--config", str(REPO / "configs" / "tiny_cpu_stare.yaml"),
-            "--run-dir", str(run_dir), f"toy.cache_dir={cache}", *TRAIN_OVERRIDES, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "stare_jax.cli",
+        "train",
+        "--config",
+        str(REPO / "configs" / "tiny_cpu_stare.yaml"),
+        "--run-dir",
+        str(run_dir),
+        f"toy.cache_dir={cache}",
+        *TRAIN_OVERRIDES,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -253,11 +314,15 @@ def test_train_cli_two_processes_equal_one_process(train_runs):
                 continue
             np.testing.assert_allclose(got[k], want[k], rtol=RTOL, atol=1e-5, err_msg=f"step {step} {k}")
             worst_params = max(worst_params, float(np.max(np.abs(got[k] - want[k]))))
-    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(_params(train_runs["ref"], 4).values(),
-                                                               _params(train_runs["ref"], 1).values()))
+    moved = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(_params(train_runs["ref"], 4).values(), _params(train_runs["ref"], 1).values())
+    )
     assert moved > 100 * ATOL, moved
-    print(f"max |2x4 - 1x8| over 4 RL steps (3 + resume + 1): metrics {worst_metrics:.3g}, params "
-          f"{worst_params:.3g}; max parameter change over the run {moved:.3g}")
+    print(
+        f"max |2x4 - 1x8| over 4 RL steps (3 + resume + 1): metrics {worst_metrics:.3g}, params "
+        f"{worst_params:.3g}; max parameter change over the run {moved:.3g}"
+    )
 
 
 def test_train_cli_with_the_rollout_engine_two_processes_equal_one_process(train_runs):
@@ -265,8 +330,12 @@ def test_train_cli_with_the_rollout_engine_two_processes_equal_one_process(train
     over the processes, stare_jax.sampling.engine) as 2 processes x 4 devices == 1 x 8: two steps, the same
     sampled responses (exact metrics) and parameters."""
     d = train_runs["dir"]
-    extra = ["total_steps=2", "sampling.engine.enabled=true", "sampling.engine.max_slots=16",
-             "logging.eval_every_steps=0"]
+    extra = [
+        "total_steps=2",
+        "sampling.engine.enabled=true",
+        "sampling.engine.max_slots=16",
+        "logging.eval_every_steps=0",
+    ]
     t0 = time.time()
     ref = Launch("train_engine_1x8", d, 1, _train_cli(d / "engine_ref", d / "toy", *extra))
     mp = Launch("train_engine_2x4", d, 2, _train_cli(d / "engine_mp", d / "toy", *extra))
@@ -316,9 +385,22 @@ def test_eval_cli_two_processes_equal_one_process(train_runs, shared_data_dir):
     """`stare-jax eval` of the 2-process run's checkpoint, as 2 processes x 4 devices and as 1 x 8: the same
     table (sampled tokens, scores and lengths are gathered from both processes; process 0 alone writes it)."""
     d = train_runs["dir"]
-    common = ["--checkpoint", str(train_runs["mp"]), "--benchmarks", "gsm8k", "--data-dir",
-              str(shared_data_dir / "math"), "--limit", "6", "--n", "2", "--max-new-tokens", "8",
-              "--max-prompt-len", "512"]
+    common = [
+        "--checkpoint",
+        str(train_runs["mp"]),
+        "--benchmarks",
+        "gsm8k",
+        "--data-dir",
+        str(shared_data_dir / "math"),
+        "--limit",
+        "6",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--max-prompt-len",
+        "512",
+    ]
     cli = [sys.executable, "-m", "stare_jax.cli", "eval"]
     Launch("eval_cli_1x8", d, 1, [*cli, *common, "--out", str(d / "ev_ref")]).wait()
     Launch("eval_cli_2x4", d, 2, [*cli, *common, "--out", str(d / "ev_mp")]).wait()

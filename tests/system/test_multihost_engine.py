@@ -8,6 +8,7 @@ and temperature 1 with long-tailed lengths and Engine.generate_arrays on a data 
 tool_rollouts with the local sandbox on a data 2 x fsdp 2 x tensor 2 mesh. Tokens, lengths, finish reasons,
 masks and call statuses must be exactly equal; log-probs to 1e-5 (cross-process collectives may sum in another
 order than in-process ones)."""
+
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+
 from support.multihost import REPO, Launch
 
 WORKER = REPO / "tests" / "system" / "_multihost_engine_worker.py"

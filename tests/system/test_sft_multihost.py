@@ -5,6 +5,7 @@ mesh; process 0 alone writes the output folder (weights gathered to it, log, sum
 Every process reads the same conversations, draws the same batches (same seed) and feeds the rows its devices hold
 (stare_jax.distributed.global_batch), as the RL step does. Tolerance: cross-process all-reduces (gloo) sum in
 another order than the in-process ones (a few float32 ulps per step; see tests/system/test_multihost.py)."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,10 @@ import sys
 
 import numpy as np
 import pytest
-from support.conversations import CONVERSATIONS, _tiny_model
-from support.multihost import Launch
 
 from stare_jax.data.tokenizer import load_tokenizer
+from support.conversations import CONVERSATIONS, _tiny_model
+from support.multihost import Launch
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -34,9 +35,11 @@ def runs(qwen_sft_dir, tmp_path_factory):
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS))
     cfg = d / "sft.yaml"
     # 8 conversations a step, 1 per data shard and micro-batch: 2 micro-batches over the 4 batch shards
-    cfg.write_text(f"model: {{path: {model_dir}}}\ntrain_path: {data}\nsteps: {STEPS}\nbatch_size: 8\n"
-                   f"micro_batch_size: 1\nlr: 3.0e-3\nmax_len: 1024\nchunk_size: 128\n"
-                   f"mesh: {{data: 2, fsdp: 2, tensor: 2}}\ntools: none\n")
+    cfg.write_text(
+        f"model: {{path: {model_dir}}}\ntrain_path: {data}\nsteps: {STEPS}\nbatch_size: 8\n"
+        f"micro_batch_size: 1\nlr: 3.0e-3\nmax_len: 1024\nchunk_size: 128\n"
+        f"mesh: {{data: 2, fsdp: 2, tensor: 2}}\ntools: none\n"
+    )
     ref = Launch("sft_1x8", d, 1, CLI + ["sft", "--config", str(cfg), f"out_dir={d / 'ref'}"])
     mp = Launch("sft_2x4", d, 2, CLI + ["sft", "--config", str(cfg), f"out_dir={d / 'mp'}"])
     mp.wait()

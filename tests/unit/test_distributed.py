@@ -1,6 +1,7 @@
 """stare_jax.distributed: the helpers in one process (identities), and their cross-process behaviour in a REAL
 3-process jax.distributed launch (uneven shares, sums, a stop flag raised by one process only, a global array
 fetched to every host). The 2 x 4 vs 1 x 8 runs of the whole train step / RL loop are in test_multihost.py."""
+
 from __future__ import annotations
 
 import json
@@ -53,11 +54,21 @@ def _free_port() -> int:
 
 
 def test_helpers_across_three_real_processes():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=str(REPO))
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2", PYTHONPATH=str(REPO)
+    )
     addr = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, addr, str(i)], env=env, cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, addr, str(i)],
+            env=env,
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(3)
+    ]
     outs = []
     for p in procs:
         try:
@@ -99,8 +110,7 @@ def test_global_from_host_and_broadcast_in_one_process():
     """One process: global_from_host is device_put into the sharding, broadcast_from_process0 the identity,
     fetch_global copies host values and local arrays as they are."""
     import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from stare_jax import distributed as d
     from stare_jax.models.sharding import make_mesh

@@ -16,6 +16,7 @@ longest prefix listed):
   9 the command line
 Plus: rewards never import tasks (the caller hands the judge a task's check); rewards, sampling and tasks stay off
 the checkpoint import/export (models.hf_io); only the entry points (cli, the demo) import the training loop."""
+
 from __future__ import annotations
 
 import ast
@@ -40,8 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
 )
 # (importer prefix, imported prefix) pairs forbidden even where the layers allow them
-FORBIDDEN = (("rewards", "tasks"), ("rewards", "models.hf_io"), ("sampling", "models.hf_io"),
-             ("tasks", "models.hf_io"))
+FORBIDDEN = (("rewards", "tasks"), ("rewards", "models.hf_io"), ("sampling", "models.hf_io"), ("tasks", "models.hf_io"))
 # (importer, imported) pairs that are allowed anyway, each with its reason.  Keep this empty unless truly needed.
 ALLOWED: dict[tuple[str, str], str] = {}
 
@@ -132,8 +132,12 @@ def test_every_module_has_a_layer():
 
 @pytest.mark.parametrize("importer", sorted(MODULES))
 def test_no_direct_import_reaches_up(importer):
-    bad = [f"{MODULES[importer].relative_to(PKG_DIR.parent)}:{line} imports {mod}: {why}"
-           for mod, line in _imports(importer) for why in [_violation(importer, mod)] if why]
+    bad = [
+        f"{MODULES[importer].relative_to(PKG_DIR.parent)}:{line} imports {mod}: {why}"
+        for mod, line in _imports(importer)
+        for why in [_violation(importer, mod)]
+        if why
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -170,14 +174,21 @@ def test_the_layers_say_what_the_issue_asked():
 
 
 def test_the_check_sees_function_local_relative_and_dynamic_imports():
-    source = ("import os\n"
-              "def f():\n    from stare_jax.training import loop\n    from .. import toy\n"
-              "    import stare_jax.planning.estimate\n"
-              "    if True:\n        import importlib; importlib.import_module('stare_jax.cli')\n"
-              "class C:\n    def g(self):\n        from ..models import hf_io\n")
+    source = (
+        "import os\n"
+        "def f():\n    from stare_jax.training import loop\n    from .. import toy\n"
+        "    import stare_jax.planning.estimate\n"
+        "    if True:\n        import importlib; importlib.import_module('stare_jax.cli')\n"
+        "class C:\n    def g(self):\n        from ..models import hf_io\n"
+    )
     found = {m for m, _ in _imports_in_source(source, "stare_jax.rewards.probe", is_package=False)}
-    assert found == {"stare_jax.training.loop", "stare_jax.toy", "stare_jax.planning.estimate", "stare_jax.cli",
-                     "stare_jax.models.hf_io"}
+    assert found == {
+        "stare_jax.training.loop",
+        "stare_jax.toy",
+        "stare_jax.planning.estimate",
+        "stare_jax.cli",
+        "stare_jax.models.hf_io",
+    }
     assert _violation("stare_jax.rewards.probe", "stare_jax.models.hf_io")
     assert not _violation("stare_jax.rl.probe", "stare_jax.models.hf_io")
 
@@ -193,18 +204,18 @@ def test_only_the_entry_points_import_the_training_loop():
 LOCAL_IMPORTS_ALLOWED: dict[tuple[str, str], str] = {
     ("stare_jax.training.metrics", "wandb"): "optional extra [wandb]: only logging.wandb_project needs it",
     ("stare_jax.training.metrics", "tensorboardX"): "only with logging.tensorboard; it imports torch when torch is "
-                                                     "installed "
-                                           "(~2 s on every CLI start, --help included, otherwise)",
+    "installed "
+    "(~2 s on every CLI start, --help included, otherwise)",
     ("stare_jax.training.aot", "libtpu"): "optional (test dependency): only `plan --compile` needs it; the "
-                                          "import names "
-                                 "the package to install when it is missing",
+    "import names "
+    "the package to install when it is missing",
     ("stare_jax.models.gguf_convert", "torch"): "optional extra [convert]",
     ("stare_jax.models.gguf_convert", "transformers"): "optional extra [convert]",
     ("stare_jax.models.gguf_convert", "gguf"): "optional extra [convert]",
     ("stare_jax.models.gguf_convert", "fcntl"): "POSIX only; without it (Windows) the lock is skipped",
     ("stare_jax.rewards.pool", "resource"): "POSIX only, in the sandboxed worker process",
     ("stare_jax.rewards.math", "math_verify"): "the LaTeX grammar (seconds to load) only where math answers are "
-                                               "scored: the reward workers, not the toy tasks' runs",
+    "scored: the reward workers, not the toy tasks' runs",
     ("stare_jax.rewards.math", "sympy"): "as math_verify (sympy is its dependency)",
     ("stare_jax.rewards._sympy_budget", "sympy"): "as math_verify: only inside the scoring of a math answer",
 }
@@ -217,8 +228,10 @@ def _function_local_imports(name: str) -> list[tuple[str, int]]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for sub in ast.walk(node):
                 if isinstance(sub, ast.Import):
-                    found += [(a.name.split(".")[0] if not a.name.startswith("stare_jax") else a.name, sub.lineno)
-                              for a in sub.names]
+                    found += [
+                        (a.name.split(".")[0] if not a.name.startswith("stare_jax") else a.name, sub.lineno)
+                        for a in sub.names
+                    ]
                 elif isinstance(sub, ast.ImportFrom) and sub.module:
                     top = sub.module if sub.module.startswith("stare_jax") or sub.level else sub.module.split(".")[0]
                     found.append((top, sub.lineno))
@@ -226,8 +239,12 @@ def _function_local_imports(name: str) -> list[tuple[str, int]]:
 
 
 def test_imports_are_at_module_level_unless_truly_optional():
-    bad = [f"{MODULES[m].relative_to(PKG_DIR.parent)}:{line} imports {mod} inside a function"
-           for m in MODULES for mod, line in _function_local_imports(m) if (m, mod) not in LOCAL_IMPORTS_ALLOWED]
+    bad = [
+        f"{MODULES[m].relative_to(PKG_DIR.parent)}:{line} imports {mod} inside a function"
+        for m in MODULES
+        for mod, line in _function_local_imports(m)
+        if (m, mod) not in LOCAL_IMPORTS_ALLOWED
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -235,8 +252,7 @@ def test_the_tools_package_needs_only_the_standard_library():
     """`import stare_jax.tools` (the sandbox, the pool, call parsing) loads no jax or numpy: the unprivileged sandbox
     test (tests/unit/tools/test_sandbox.py::test_user_namespace_mode_without_root) imports it with the system
     interpreter, which has neither, and skips (hiding the attacks it runs) when the import fails."""
-    code = ("import sys; import stare_jax.tools; "
-            "print(sorted(m for m in ('jax', 'numpy', 'flax') if m in sys.modules))")
+    code = "import sys; import stare_jax.tools; print(sorted(m for m in ('jax', 'numpy', 'flax') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PKG_DIR.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"

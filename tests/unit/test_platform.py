@@ -1,6 +1,7 @@
 """stare_jax._platform: JAX_PLATFORMS=cpu exactly when libtpu is installed but no TPU is present (and no CUDA plugin
 could claim a GPU) and the user set nothing; and, in a fresh process on this machine, `import stare_jax` then jax
 starts the CPU backend without libtpu's start-up errors."""
+
 import os
 import subprocess
 import sys
@@ -10,14 +11,17 @@ import pytest
 from stare_jax._platform import default_platforms
 
 
-@pytest.mark.parametrize("environ,libtpu,tpu,cuda,expected", [
-    ({}, True, False, False, "cpu"),          # the test set-up on a laptop / CPU VM: no libtpu noise
-    ({}, True, True, False, None),            # a TPU VM keeps the TPU
-    ({}, False, False, False, None),          # no libtpu: jax's default is already quiet
-    ({}, True, False, True, None),            # a CUDA plugin may claim a GPU: jax's own choice
-    ({"JAX_PLATFORMS": "tpu"}, True, False, False, None),  # the user's word wins
-    ({"JAX_PLATFORMS": ""}, True, False, False, None),
-])
+@pytest.mark.parametrize(
+    "environ,libtpu,tpu,cuda,expected",
+    [
+        ({}, True, False, False, "cpu"),  # the test set-up on a laptop / CPU VM: no libtpu noise
+        ({}, True, True, False, None),  # a TPU VM keeps the TPU
+        ({}, False, False, False, None),  # no libtpu: jax's default is already quiet
+        ({}, True, False, True, None),  # a CUDA plugin may claim a GPU: jax's own choice
+        ({"JAX_PLATFORMS": "tpu"}, True, False, False, None),  # the user's word wins
+        ({"JAX_PLATFORMS": ""}, True, False, False, None),
+    ],
+)
 def test_default_platforms(environ, libtpu, tpu, cuda, expected):
     assert default_platforms(environ, libtpu_installed=libtpu, has_tpu=tpu, cuda_plugin_installed=cuda) == expected
 

@@ -1,5 +1,6 @@
 """The STARE closed-loop controller (STARE-semantics.md, "Closed-loop gate" and "Weights"): the batch gate
 g_k = 1[H_bar_k < H_tgt] and the adaptive W/M schedule, as a pytree state carried (and checkpointed) across steps."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,7 @@ class StareState:
     w, m: the W and M the latest step used (W_0 = cfg.w, M_0 = cfg.m before the first step).
     last_entropy: the latest finite batch entropy H_bar (NaN before the first one); drives next_step timing.
     """
+
     gate_on: jax.Array
     w: jax.Array
     m: jax.Array
@@ -27,8 +29,12 @@ class StareState:
 
 def init_stare_state(cfg: StareConfig | None = None) -> StareState:
     cfg = cfg or StareConfig()
-    return StareState(gate_on=jnp.asarray(False), w=jnp.asarray(cfg.w, jnp.float32),
-                      m=jnp.asarray(cfg.m, jnp.float32), last_entropy=jnp.asarray(jnp.nan, jnp.float32))
+    return StareState(
+        gate_on=jnp.asarray(False),
+        w=jnp.asarray(cfg.w, jnp.float32),
+        m=jnp.asarray(cfg.m, jnp.float32),
+        last_entropy=jnp.asarray(jnp.nan, jnp.float32),
+    )
 
 
 def update_controller(state: StareState, batch_entropy, cfg: StareConfig | None = None) -> StareState:
@@ -63,6 +69,5 @@ def update_controller(state: StareState, batch_entropy, cfg: StareConfig | None 
         m = jnp.clip(state.m - cfg.alpha * sign, cfg.m_min, 1.0)
     else:
         w, m = state.w, state.m
-    new = StareState(gate_on=gate_on, w=jnp.asarray(w, jnp.float32), m=jnp.asarray(m, jnp.float32),
-                     last_entropy=h)
+    new = StareState(gate_on=gate_on, w=jnp.asarray(w, jnp.float32), m=jnp.asarray(m, jnp.float32), last_entropy=h)
     return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, state)

@@ -17,6 +17,7 @@ token sets").
   a few million candidates; beyond that the neighbouring order statistic can be picked, which changes at most the
   tokens tied at the threshold). exact_top_k always uses the bisection (jnp.quantile has no position tie-break).
 """
+
 from __future__ import annotations
 
 from fractions import Fraction
@@ -65,6 +66,7 @@ def _from_key(k):
 def _order_stat_keys(key_N, group_N, gid_K, rank_K):
     """Key of the rank_K-th smallest (0-indexed) element of group gid_K, for K targets at once, by bisection on the
     32-bit key space: 32 rounds of a masked count (elementwise + one reduction each; no sort, shards cleanly)."""
+
     def body(_, lohi):
         lo, hi = lohi
         mid = lo + (hi - lo) // 2
@@ -110,8 +112,9 @@ def _thresholds_bisect(s_N, cands, counts, names, num, den):
     # the next order statistic: the same key if it repeats, else the smallest key above it
     in_grp_KxN = group_N[None, :] == gid_K[:, None]
     n_le_K = jnp.sum(in_grp_KxN & (key_N[None, :] <= klo_K[:, None]), axis=1, dtype=jnp.int32)
-    above_K = jnp.min(jnp.where(in_grp_KxN & (key_N[None, :] > klo_K[:, None]), key_N[None, :],
-                                jnp.uint32(_UMAX)), axis=1)
+    above_K = jnp.min(
+        jnp.where(in_grp_KxN & (key_N[None, :] > klo_K[:, None]), key_N[None, :], jnp.uint32(_UMAX)), axis=1
+    )
     n_K = jnp.stack([counts[nm.split("_")[0]] for nm in names])
     khi_K = jnp.where((rank_K + 1 <= n_K - 1) & (n_le_K < rank_K + 2), above_K, klo_K)
     x_lo, x_hi = _from_key(klo_K), _from_key(khi_K)
@@ -131,8 +134,7 @@ def _thresholds_jnp_quantile(s_N, cands, counts, names, num, den):
     return [thr_QxS[i, signs.index(nm.split("_")[0])] for i, nm in enumerate(names)]
 
 
-def _select_flat(s_N, cand_pos_N, cand_neg_N, *, top_p: float, rule: str, need: tuple[str, ...],
-                 impl: str = "bisect"):
+def _select_flat(s_N, cand_pos_N, cand_neg_N, *, top_p: float, rule: str, need: tuple[str, ...], impl: str = "bisect"):
     """{name: bool_N} for the set names in `need`, over one flat token array."""
     num, den = p_fraction(top_p)
     cands = {"pos": cand_pos_N, "neg": cand_neg_N}
@@ -196,8 +198,14 @@ def top_fraction_mask(values_BxT, flag_BxT, fraction: float, *, rule: str = "qua
     Bisection on the float keys, no sort (the 80/20 token filter of stare_jax.rl.loss_terms)."""
     v = jnp.asarray(values_BxT, jnp.float32)
     flag = (jnp.asarray(flag_BxT) > 0) & jnp.isfinite(v)
-    sel = _select_flat(jnp.where(flag, v, 0.0).reshape(-1), flag.reshape(-1), jnp.zeros(flag.size, bool),
-                       top_p=fraction, rule=rule, need=("pos_high",))
+    sel = _select_flat(
+        jnp.where(flag, v, 0.0).reshape(-1),
+        flag.reshape(-1),
+        jnp.zeros(flag.size, bool),
+        top_p=fraction,
+        rule=rule,
+        need=("pos_high",),
+    )
     return sel["pos_high"].reshape(v.shape)
 
 
@@ -216,8 +224,7 @@ def candidates(logprobs_BxT, advantages_B, mask_BxT):
     return s, valid & (adv_B[:, None] > 0), valid & (adv_B[:, None] < 0)
 
 
-def select(logprobs_BxT, advantages_B, mask_BxT, cfg: StareConfig, *, need: tuple[str, ...],
-           scope: str | None = None):
+def select(logprobs_BxT, advantages_B, mask_BxT, cfg: StareConfig, *, need: tuple[str, ...], scope: str | None = None):
     """({name: bool [B, T]} for the names in `need`, T+ mask, T- mask); scope overrides cfg.scope."""
     for name in need:
         if name not in SET_NAMES:
@@ -237,15 +244,21 @@ def select(logprobs_BxT, advantages_B, mask_BxT, cfg: StareConfig, *, need: tupl
             raise ValueError("STARE scope='micro_batch' needs micro_batch_size >= 1 (sequences per selection group)")
         if B % g:
             raise ValueError(f"scope='micro_batch': batch size {B} is not a multiple of micro_batch_size={g}")
-        sets = jax.vmap(fn)(s.reshape(B // g, g * T), cand_pos.reshape(B // g, g * T),
-                            cand_neg.reshape(B // g, g * T))
+        sets = jax.vmap(fn)(s.reshape(B // g, g * T), cand_pos.reshape(B // g, g * T), cand_neg.reshape(B // g, g * T))
     else:
         raise ValueError(f"STARE scope={scope!r} is not supported; accepted values: ['batch', 'micro_batch']")
     return {k: v.reshape(B, T) for k, v in sets.items()}, cand_pos, cand_neg
 
 
-def selection_sets(logprobs_BxT, advantages_B, mask_BxT, cfg: StareConfig, *, which: tuple[str, ...] = SET_NAMES,
-                   scope: str | None = None) -> dict:
+def selection_sets(
+    logprobs_BxT,
+    advantages_B,
+    mask_BxT,
+    cfg: StareConfig,
+    *,
+    which: tuple[str, ...] = SET_NAMES,
+    scope: str | None = None,
+) -> dict:
     """Boolean selection sets {pos_high, pos_low, neg_high, neg_low} [B, T] (those in `which`) under cfg's top_p,
     rule, scope and select_impl, and metrics: n_pos / n_neg (candidate counts) and frac_<set> = |set| / |candidates|
     (0 when there are no candidates). Independent of cfg.enabled and of the gate."""
@@ -259,5 +272,7 @@ def selection_sets(logprobs_BxT, advantages_B, mask_BxT, cfg: StareConfig, *, wh
 def set_fractions(sets: dict, n_pos, n_neg) -> dict:
     """frac_<set> = |set| / |its candidates| (0 when there are none)."""
     n = {"pos": n_pos, "neg": n_neg}
-    return {"frac_" + name: jnp.sum(sel, dtype=jnp.int32) / jnp.maximum(n[name.split("_")[0]], 1).astype(jnp.float32)
-            for name, sel in sets.items()}
+    return {
+        "frac_" + name: jnp.sum(sel, dtype=jnp.int32) / jnp.maximum(n[name.split("_")[0]], 1).astype(jnp.float32)
+        for name, sel in sets.items()
+    }

@@ -1,5 +1,6 @@
 """STARE per-token weights omega (STARE-semantics.md, "Variants" and "Closed-loop gate"): W or M on the variant's
 selected sets where the gate is on, 1 everywhere else; omega == 1 when STARE is disabled (GRPO(-ds))."""
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -32,8 +33,16 @@ def gate_mask(cfg: StareConfig, shape, *, gate_on=True, entropy_BxT=None, mask_B
     raise ValueError(f"STARE option gate={gate!r} is not supported; accepted values: {list(GATES)}")
 
 
-def stare_omega(logprobs_BxT, advantages_B, mask_BxT, state: StareState, cfg: StareConfig, entropy_BxT=None,
-                extra_sets: tuple[str, ...] = (), scope: str | None = None):
+def stare_omega(
+    logprobs_BxT,
+    advantages_B,
+    mask_BxT,
+    state: StareState,
+    cfg: StareConfig,
+    entropy_BxT=None,
+    extra_sets: tuple[str, ...] = (),
+    scope: str | None = None,
+):
     """(omega [B, T] float32 stop-gradient, info) for a config and controller state (W = state.w, M = state.m, the
     batch gate's flag = state.gate_on); omega == 1 when cfg.enabled is False. sample/token gates need entropy_BxT.
 
@@ -45,8 +54,10 @@ def stare_omega(logprobs_BxT, advantages_B, mask_BxT, state: StareState, cfg: St
     n_valid = jnp.maximum(jnp.sum(valid), 1).astype(jnp.float32)
     if not cfg.enabled and not extra_sets:
         return jnp.ones(shape, jnp.float32), {
-            "sets": {}, "gate": jnp.zeros(shape, bool),
-            "metrics": {"omega_mean": jnp.float32(1.0), "frac_reweighted": jnp.float32(0.0)}}
+            "sets": {},
+            "gate": jnp.zeros(shape, bool),
+            "metrics": {"omega_mean": jnp.float32(1.0), "frac_reweighted": jnp.float32(0.0)},
+        }
     w_sets, m_sets = VARIANT_SETS[cfg.variant]
     need = tuple(dict.fromkeys(w_sets + m_sets + tuple(extra_sets)))
     g = gate_mask(cfg, shape, gate_on=state.gate_on, entropy_BxT=entropy_BxT, mask_BxT=mask_BxT)
@@ -63,9 +74,12 @@ def stare_omega(logprobs_BxT, advantages_B, mask_BxT, state: StareState, cfg: St
     else:  # disabled, but the caller wants the sets (theory diagnostics of a GRPO-ds run)
         omega = jnp.ones(shape, jnp.float32)
     n_pos, n_neg = jnp.sum(cand_pos, dtype=jnp.int32), jnp.sum(cand_neg, dtype=jnp.int32)
-    metrics = {"n_pos": n_pos, "n_neg": n_neg,
-               "omega_mean": jnp.sum(jnp.where(valid, omega, 0.0)) / n_valid,
-               "frac_reweighted": jnp.sum(valid & (omega != 1.0)) / n_valid,
-               "gate_frac": jnp.sum(valid & g) / n_valid,
-               **set_fractions(sets, n_pos, n_neg)}
+    metrics = {
+        "n_pos": n_pos,
+        "n_neg": n_neg,
+        "omega_mean": jnp.sum(jnp.where(valid, omega, 0.0)) / n_valid,
+        "frac_reweighted": jnp.sum(valid & (omega != 1.0)) / n_valid,
+        "gate_frac": jnp.sum(valid & g) / n_valid,
+        **set_fractions(sets, n_pos, n_neg),
+    }
     return omega, {"sets": sets, "gate": g, "metrics": metrics}

@@ -85,10 +85,22 @@ Design (host scheduler + three jitted programs):
 - Ahead of time: `Engine.trace_programs` traces the decode and prefill programs at their largest shapes on an
   abstract engine (models.abstract_model), for stare_jax.training.aot to compile for a TPU slice on a CPU host.
 """
+
 from stare_jax.config.engine import EngineConfig
 from stare_jax.sampling.engine.api import Engine, engine_unsupported, generate, kv_bytes, make_generator
 from stare_jax.sampling.engine.programs import Device, compiled_programs
 from stare_jax.sampling.engine.scheduler import Conversation, Scheduler, assign_shards
 
-__all__ = ["Conversation", "Device", "Engine", "EngineConfig", "Scheduler", "assign_shards", "compiled_programs",
-           "engine_unsupported", "generate", "kv_bytes", "make_generator"]
+__all__ = [
+    "Conversation",
+    "Device",
+    "Engine",
+    "EngineConfig",
+    "Scheduler",
+    "assign_shards",
+    "compiled_programs",
+    "engine_unsupported",
+    "generate",
+    "kv_bytes",
+    "make_generator",
+]

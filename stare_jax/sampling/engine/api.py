@@ -11,6 +11,7 @@ live in programs.py. Sampling options arrive as one `SamplingParams` and go down
 - `generate`, `make_generator` (engine or static sampler per sampling.engine.enabled), `engine_unsupported`,
   `kv_bytes`.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,20 +45,36 @@ class Engine:
     prefills, recomputes (preemptions), decode chunks/steps and the peak number of pages in use.
     """
 
-    def __init__(self, model: nnx.Module, *, config: EngineConfig | None = None, mesh: Mesh | None = None,
-                 cache_dtype=jnp.float32, pad_id: int | None = None):
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        config: EngineConfig | None = None,
+        mesh: Mesh | None = None,
+        cache_dtype=jnp.float32,
+        pad_id: int | None = None,
+    ):
         self.config = model_config(model)
         self.engine_config = config if config is not None else EngineConfig()
         if self.engine_config.max_slots == "auto":
-            raise ValueError("sampling.engine.max_slots=auto reached the engine unresolved: resolve it with "
-                             "stare_jax.planning.estimate.resolve_max_slots (the run does) or give a number")
+            raise ValueError(
+                "sampling.engine.max_slots=auto reached the engine unresolved: resolve it with "
+                "stare_jax.planning.estimate.resolve_max_slots (the run does) or give a number"
+            )
         self.mesh = mesh
         self.cache_dtype = jnp.dtype(cache_dtype).name
         cfg_pad = getattr(self.config, "pad_token_id", None)
         self.pad_id = int(pad_id if pad_id is not None else (cfg_pad if cfg_pad is not None else 0))
         graphdef, state = nnx.split(model)
-        self.device = Device(self.config, graphdef, state, engine_config=self.engine_config, mesh=mesh,
-                             cache_dtype=self.cache_dtype, pad_id=self.pad_id)
+        self.device = Device(
+            self.config,
+            graphdef,
+            state,
+            engine_config=self.engine_config,
+            mesh=mesh,
+            cache_dtype=self.cache_dtype,
+            pad_id=self.pad_id,
+        )
         self.scheduler = Scheduler(self.device, self.engine_config)
 
     # ------------------------------------------------------------------ state, read-only views
@@ -146,9 +163,17 @@ class Engine:
         """The engine needs no batch padding (requests are queued): the number of prompts itself."""
         return max(int(num_prompts), 1)
 
-    def generate_arrays(self, prompt_ids_PxT, prompt_mask_PxT, *, max_new_tokens: int, num_samples: int = 1,
-                        sampling: SamplingParams = SamplingParams(), prompt_index_P=None,
-                        active_P=None) -> SampleArrays:
+    def generate_arrays(
+        self,
+        prompt_ids_PxT,
+        prompt_mask_PxT,
+        *,
+        max_new_tokens: int,
+        num_samples: int = 1,
+        sampling: SamplingParams = SamplingParams(),
+        prompt_index_P=None,
+        active_P=None,
+    ) -> SampleArrays:
         """Sampler.generate_arrays: LEFT-padded prompts [P, T] -> SampleArrays with P * num_samples rows
         (prompt-major) and max_new_tokens columns; inactive prompts give length-0 rows."""
         check_counts(max_new_tokens, num_samples)
@@ -163,13 +188,20 @@ class Engine:
         prompts = [ids[p][mask[p] > 0].tolist() for p in range(P)]
         max_pos = getattr(self.config, "max_position_embeddings", None)
         if max_pos is not None and max_new_tokens >= max_pos:  # as Sampler.generate_arrays: prompt + response
-            raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's "  # may
-                             f"context {max_pos}")  # run past the context (the caller warns), not the budget alone
+            raise ValueError(
+                f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's "  # may
+                f"context {max_pos}"
+            )  # run past the context (the caller warns), not the budget alone
         for p in range(P):
             if active[p] and not prompts[p]:
                 raise ValueError(f"prompt {p} has no tokens (its mask is all 0)")
-        convs = self._run_fresh([(p, prompts[p], int(index[p])) for p in range(P) if active[p]], max_new_tokens,
-                                num_samples, keep=False, sampling=sampling)
+        convs = self._run_fresh(
+            [(p, prompts[p], int(index[p])) for p in range(P) if active[p]],
+            max_new_tokens,
+            num_samples,
+            keep=False,
+            sampling=sampling,
+        )
         G, N = num_samples, max_new_tokens
         tokens = np.full((P * G, N), self.pad_id, np.int32)
         logprobs = np.zeros((P * G, N), np.float32)
@@ -183,14 +215,24 @@ class Engine:
         put = self.device.put
         return SampleArrays(put(tokens), put(logprobs), put(lengths), put(finished))
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
-                 sampling: SamplingParams = SamplingParams()) -> SampleOutput:
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        num_samples: int = 1,
+        sampling: SamplingParams = SamplingParams(),
+    ) -> SampleOutput:
         """Sampler.generate: token-id lists -> SampleOutput (prompt-major, index p * num_samples + g)."""
-        convs = self.start(prompt_ids, max_new_tokens=max_new_tokens, num_samples=num_samples, sampling=sampling,
-                           keep=False)
-        return SampleOutput(tokens=[c.turn_tokens for c in convs], logprobs=[c.turn_logprobs for c in convs],
-                            finish_reasons=["eos" if c.finished_eos else "length" for c in convs],
-                            lengths=[len(c.turn_tokens) for c in convs])
+        convs = self.start(
+            prompt_ids, max_new_tokens=max_new_tokens, num_samples=num_samples, sampling=sampling, keep=False
+        )
+        return SampleOutput(
+            tokens=[c.turn_tokens for c in convs],
+            logprobs=[c.turn_logprobs for c in convs],
+            finish_reasons=["eos" if c.finished_eos else "length" for c in convs],
+            lengths=[len(c.turn_tokens) for c in convs],
+        )
 
     def trace_programs(self, longest_tokens: int) -> dict[str, Any]:
         """The jax `Traced` decode and prefill programs (lower them under program_context()) at their largest
@@ -202,26 +244,50 @@ class Engine:
         if not self.abstract:
             raise ValueError("Engine.trace_programs needs an abstract engine (built from models.abstract_model)")
         ec, sch = self.engine_config, self.scheduler
-        return self.device.trace(sch.pages_per_shard(longest_tokens), sch.slots_per_shard(),
-                                 sch.width(paged_kv.pages_for(longest_tokens, ec.page_size)),
-                                 ec.prefill_width(longest_tokens))
+        return self.device.trace(
+            sch.pages_per_shard(longest_tokens),
+            sch.slots_per_shard(),
+            sch.width(paged_kv.pages_for(longest_tokens, ec.page_size)),
+            ec.prefill_width(longest_tokens),
+        )
 
     # ------------------------------------------------------------------ multi-turn API
-    def start(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
-              sampling: SamplingParams = SamplingParams(), keep: bool = True, prompt_index=None,
-              wait: bool = True) -> list[Conversation]:
+    def start(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        num_samples: int = 1,
+        sampling: SamplingParams = SamplingParams(),
+        keep: bool = True,
+        prompt_index=None,
+        wait: bool = True,
+    ) -> list[Conversation]:
         """Sample the first turn of num_samples conversations per prompt (prompt-major). keep=True keeps each
         conversation's pages alive for `extend` (free them with `close`). wait=False only queues them: `advance`
         runs the scheduler round by round (an event-driven multi-turn rollout)."""
         check_counts(max_new_tokens, num_samples)
         prompts = _check_prompts(prompt_ids, self.config, max_new_tokens)
         index = range(len(prompts)) if prompt_index is None else [int(i) for i in prompt_index]
-        return self._run_fresh(list(zip(range(len(prompts)), prompts, index)), max_new_tokens, num_samples,
-                               keep=keep, sampling=sampling, wait=wait)
+        return self._run_fresh(
+            list(zip(range(len(prompts)), prompts, index)),
+            max_new_tokens,
+            num_samples,
+            keep=keep,
+            sampling=sampling,
+            wait=wait,
+        )
 
-    def extend(self, convs: Sequence[Conversation], appended: Sequence[Sequence[int]], *,
-               max_new_tokens: int | Sequence[int], sampling: SamplingParams = SamplingParams(), keep: bool = True,
-               wait: bool = True) -> list[Conversation]:
+    def extend(
+        self,
+        convs: Sequence[Conversation],
+        appended: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int | Sequence[int],
+        sampling: SamplingParams = SamplingParams(),
+        keep: bool = True,
+        wait: bool = True,
+    ) -> list[Conversation]:
         """Append the given tokens (e.g. a tool's output; not sampled: mask 0, log-prob NaN) to each live
         conversation and sample its next turn. Only the new tokens (and the previous turn's last token) are
         prefilled into the conversation's pages. Use the same SamplingParams (seed) as `start` for reproducible
@@ -229,8 +295,9 @@ class Engine:
         of each response's token budget in a multi-turn rollout). wait=False queues them into the running batch
         (or a new one) while its other rows go on decoding: the conversations whose turn ended (handed out by
         `advance`) rejoin decoding at the next round; same SamplingParams and keep as the running batch."""
-        limits = ([max_new_tokens] * len(convs) if isinstance(max_new_tokens, (int, np.integer))
-                  else list(max_new_tokens))
+        limits = (
+            [max_new_tokens] * len(convs) if isinstance(max_new_tokens, (int, np.integer)) else list(max_new_tokens)
+        )
         if len(limits) != len(convs):
             raise ValueError(f"{len(limits)} max_new_tokens for {len(convs)} conversations")
         for n in limits or [1]:
@@ -271,16 +338,25 @@ class Engine:
         running batch first (every row of it stops)."""
         self.scheduler.close(convs)
 
-    def _run_fresh(self, prompts, max_new_tokens: int, G: int, *, keep: bool, sampling: SamplingParams,
-                   wait: bool = True) -> list[Conversation]:
+    def _run_fresh(
+        self, prompts, max_new_tokens: int, G: int, *, keep: bool, sampling: SamplingParams, wait: bool = True
+    ) -> list[Conversation]:
         """Queue num_samples conversations of every (output position, prompt, prompt index) and run them (wait) or
         leave them queued; each prompt's samples on one data shard (assign_shards by prompt + response tokens)."""
         shard_P = assign_shards([len(prompt) + max_new_tokens for _, prompt, _ in prompts], self.data_shards)
         convs = []
         for (p, prompt, pidx), d in zip(prompts, shard_P):
             for g in range(G):
-                c = Conversation(index=p * G + g, prompt_index=pidx, sample=g, prompt_len=len(prompt),
-                                 seq=list(prompt), shareable=len(prompt) > 1, prompt_pos=p, shard=d)
+                c = Conversation(
+                    index=p * G + g,
+                    prompt_index=pidx,
+                    sample=g,
+                    prompt_len=len(prompt),
+                    seq=list(prompt),
+                    shareable=len(prompt) > 1,
+                    prompt_pos=p,
+                    shard=d,
+                )
                 c.new_turn(max_new_tokens)
                 convs.append(c)
         self.scheduler.run(convs, keep=keep, sampling=sampling, wait=wait)
@@ -289,12 +365,22 @@ class Engine:
 
 # ----------------------------------------------------------------------------------------------- helpers
 
-def generate(model: nnx.Module, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, num_samples: int = 1,
-             sampling: SamplingParams = SamplingParams(), mesh: Mesh | None = None, cache_dtype=jnp.float32,
-             config: EngineConfig | None = None) -> SampleOutput:
+
+def generate(
+    model: nnx.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    num_samples: int = 1,
+    sampling: SamplingParams = SamplingParams(),
+    mesh: Mesh | None = None,
+    cache_dtype=jnp.float32,
+    config: EngineConfig | None = None,
+) -> SampleOutput:
     """sampling.generate through the engine."""
     return Engine(model, mesh=mesh, cache_dtype=cache_dtype, config=config).generate(
-        prompt_ids, max_new_tokens=max_new_tokens, num_samples=num_samples, sampling=sampling)
+        prompt_ids, max_new_tokens=max_new_tokens, num_samples=num_samples, sampling=sampling
+    )
 
 
 def engine_unsupported(mesh: Mesh | None) -> str | None:
@@ -306,9 +392,16 @@ def engine_unsupported(mesh: Mesh | None) -> str | None:
     return None
 
 
-def make_generator(model: nnx.Module, *, config: EngineConfig, max_new_tokens: int, mesh: Mesh | None = None,
-                   cache_dtype=jnp.float32, pad_id: int | None = None,
-                   resolve: Callable[[EngineConfig], EngineConfig] | None = None) -> Engine | Sampler:
+def make_generator(
+    model: nnx.Module,
+    *,
+    config: EngineConfig,
+    max_new_tokens: int,
+    mesh: Mesh | None = None,
+    cache_dtype=jnp.float32,
+    pad_id: int | None = None,
+    resolve: Callable[[EngineConfig], EngineConfig] | None = None,
+) -> Engine | Sampler:
     """The generator for `config.enabled`: the engine (true), the static sampler (false), or (auto) the engine
     wherever it runs (any mesh, in one process or several: over data shards each has its own slots and page pool)
     and the responses may be long enough to pay (max_new_tokens >= auto_min_new_tokens), the static sampler
@@ -320,8 +413,13 @@ def make_generator(model: nnx.Module, *, config: EngineConfig, max_new_tokens: i
         raise ValueError(f"sampling.engine.enabled=true: {reason}; set it to auto or false")
     if config.enabled is False or reason or (config.enabled == "auto" and max_new_tokens < config.auto_min_new_tokens):
         return Sampler(model, mesh=mesh, cache_dtype=cache_dtype, pad_id=pad_id)
-    return Engine(model, mesh=mesh, cache_dtype=cache_dtype, pad_id=pad_id,
-                  config=resolve(config) if resolve is not None else config)
+    return Engine(
+        model,
+        mesh=mesh,
+        cache_dtype=cache_dtype,
+        pad_id=pad_id,
+        config=resolve(config) if resolve is not None else config,
+    )
 
 
 def kv_bytes(engine: Engine) -> int:

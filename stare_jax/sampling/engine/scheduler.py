@@ -19,6 +19,7 @@ chunk over every row with conversation tokens still to write, attach rows whose 
 parked rows, then preempting the most recently admitted ones on a short pool), decode one chunk, and retire the
 rows whose turn ended (their slots free at once; their pages kept with keep=True, for a later `extend`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -39,6 +40,7 @@ MIN_WIDTH = 1  # smallest page-table width (pages) of a program (buckets: powers
 
 
 # ----------------------------------------------------------------------------------------------- host state
+
 
 @dataclasses.dataclass
 class _Prefix:
@@ -93,7 +95,7 @@ class Conversation:
 
     @property
     def response_tokens(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+        return self.tokens[self.prompt_len :]
 
     @property
     def step(self) -> int:
@@ -165,6 +167,7 @@ def assign_shards(work_P: Sequence[int], shards: int) -> list[int]:
 
 # ----------------------------------------------------------------------------------------------- the scheduler
 
+
 class Scheduler:
     """The host side of one engine: its page pools (one per data shard), the running batch, the rows parked
     between turns, and `stats` (per batch: prefix prefills, recomputes, evictions, prefill calls / tokens, decode
@@ -190,8 +193,11 @@ class Scheduler:
         """Pages of each data shard's pool for requests of up to `longest_tokens` tokens: num_pages / D, or in auto
         mode (num_pages 0) enough for every slot of the shard (EngineConfig.pool_pages)."""
         ec, D = self.engine_config, self.device.data_shards
-        return (-(-ec.num_pages // D) if ec.num_pages else
-                dataclasses.replace(ec, max_slots=self.slots_per_shard()).pool_pages(longest_tokens))
+        return (
+            -(-ec.num_pages // D)
+            if ec.num_pages
+            else dataclasses.replace(ec, max_slots=self.slots_per_shard()).pool_pages(longest_tokens)
+        )
 
     def row_bucket(self, num_rows: int) -> int:
         """Rows of a prefill or decode call (per shard): a power-of-two bucket of the rows with work (at least
@@ -203,8 +209,9 @@ class Scheduler:
         """Page-table width of a call: a power-of-two bucket of the live pages, at least MIN_WIDTH pages (few
         programs), at most the context's pages."""
         max_pos = getattr(self.device.config, "max_position_embeddings", None) or 1 << 20
-        return paged_kv.width_bucket(max(num_pages, MIN_WIDTH), paged_kv.pages_for(max_pos,
-                                                                                   self.engine_config.page_size))
+        return paged_kv.width_bucket(
+            max(num_pages, MIN_WIDTH), paged_kv.pages_for(max_pos, self.engine_config.page_size)
+        )
 
     def live_pools(self) -> list[paged_kv.PagePool]:
         if self.pools is None:
@@ -224,13 +231,17 @@ class Scheduler:
                 num = self.pools[0].num_pages  # never shrink; with live conversations keep it (preemption copes)
         if num - 1 < one:
             per_shard = f" ({num} pages for each of {D} data shards)" if D > 1 else ""
-            raise ValueError(f"sampling.engine.num_pages={ec.num_pages or num}{per_shard} cannot hold one request of "
-                             f"{longest} tokens with sampling.engine.page_size={ec.page_size}: needs >= "
-                             f"{D * (one + 1)}")
+            raise ValueError(
+                f"sampling.engine.num_pages={ec.num_pages or num}{per_shard} cannot hold one request of "
+                f"{longest} tokens with sampling.engine.page_size={ec.page_size}: needs >= "
+                f"{D * (one + 1)}"
+            )
         if self.pools is None or self.pools[0].num_pages != num:
             if self.pools is not None and not all(p.all_free() for p in self.pools):
-                raise RuntimeError("the page pool must grow but live conversations hold pages: close them first "
-                                   "or set sampling.engine.num_pages")
+                raise RuntimeError(
+                    "the page pool must grow but live conversations hold pages: close them first "
+                    "or set sampling.engine.num_pages"
+                )
             self.device.init_pages(num)
             self.pools = [paged_kv.PagePool(num) for _ in range(D)]
 
@@ -249,16 +260,31 @@ class Scheduler:
             raise RuntimeError("the engine's weights were released: call update_params(params) first")
         b = self.batch
         if b is not None and (wait or (b.sampling, b.keep) != (sampling, keep)):
-            raise ValueError("the engine is running conversations queued with wait=False: queue more with "
-                             "wait=False and the same sampling arguments and keep, and drive them with advance()")
+            raise ValueError(
+                "the engine is running conversations queued with wait=False: queue more with "
+                "wait=False and the same sampling arguments and keep, and drive them with advance()"
+            )
         if not convs:
             return
         self.ensure_pool(convs)
         if b is None:
-            self.stats = dict(prefix_prefills=0, recomputes=0, evictions=0, prefill_calls=0, prefill_tokens=0,
-                              decode_chunks=0, decode_steps=0, peak_pages=0, rounds=0)
-            b = _Batch([_Shard(pool, [None] * self.slots_per_shard()) for pool in self.live_pools()], sampling,
-                       self.device.draw_inputs(sampling), keep)
+            self.stats = dict(
+                prefix_prefills=0,
+                recomputes=0,
+                evictions=0,
+                prefill_calls=0,
+                prefill_tokens=0,
+                decode_chunks=0,
+                decode_steps=0,
+                peak_pages=0,
+                rounds=0,
+            )
+            b = _Batch(
+                [_Shard(pool, [None] * self.slots_per_shard()) for pool in self.live_pools()],
+                sampling,
+                self.device.draw_inputs(sampling),
+                keep,
+            )
             for sh in b.shards:
                 sh.pool.peak_used = sh.pool.num_used
             self.batch = b
@@ -289,7 +315,8 @@ class Scheduler:
                 raise paged_kv.PagesExhausted(
                     f"the page pool ({[sh.pool.num_pages for sh in b.shards]} pages per shard, "
                     f"{[sh.pool.num_free for sh in b.shards]} free) cannot make progress: raise "
-                    f"sampling.engine.num_pages")
+                    f"sampling.engine.num_pages"
+                )
         except BaseException:
             self.cancel()
             raise
@@ -350,8 +377,10 @@ class Scheduler:
         """(row, pages it still needs for its next decode chunk) for every ready row, oldest admission first."""
         ec = self.engine_config
         ready = sorted((c for c in slots if c is not None and c.ready), key=lambda c: c.admitted)
-        return [(c, paged_kv.pages_for(c.written + min(ec.decode_chunk, c.budget - c.step), ec.page_size)
-                 - len(c.pages)) for c in ready]
+        return [
+            (c, paged_kv.pages_for(c.written + min(ec.decode_chunk, c.budget - c.step), ec.page_size) - len(c.pages))
+            for c in ready
+        ]
 
     def _grow(self, sh: _Shard) -> None:
         """Give every ready row of a shard the pages its next chunk writes into. On a short pool free the pages of
@@ -373,8 +402,8 @@ class Scheduler:
                 continue
             if not self._drop_idle_prefix(sh):
                 raise paged_kv.PagesExhausted(
-                    f"one row needs {growth[0][1]} more pages, {sh.pool.num_free} free: raise "
-                    f"sampling.engine.num_pages")
+                    f"one row needs {growth[0][1]} more pages, {sh.pool.num_free} free: raise sampling.engine.num_pages"
+                )
 
     def _drop_idle_prefix(self, sh: _Shard) -> bool:
         """Free the pages of one of a shard's prefix entries that no row in a slot waits for (it is prefilled
@@ -447,9 +476,12 @@ class Scheduler:
         """(owner, tokens, start, pages) of a shard's unfinished prefix entries and of its slot rows that still
         have conversation tokens to write; at most one program's rows (the rest next round)."""
         jobs: list = [(e, e.tokens, e.written, e.pages) for e in sh.prefixes.values() if not e.complete]
-        jobs += [(c, c.tokens[:-1], c.written, c.pages) for c in sh.slots
-                 if c is not None and c.prefix is None and c.written < len(c.tokens) - 1]
-        return jobs[:len(sh.slots)]
+        jobs += [
+            (c, c.tokens[:-1], c.written, c.pages)
+            for c in sh.slots
+            if c is not None and c.prefix is None and c.written < len(c.tokens) - 1
+        ]
+        return jobs[: len(sh.slots)]
 
     def _prefill_round(self, shards: list[_Shard]) -> bool:
         """One chunk of up to prefill_chunk tokens for every unfinished prefix entry and every slot row that still
@@ -467,10 +499,10 @@ class Scheduler:
         table = np.zeros((D, R, width), np.int32)
         for d, jobs in enumerate(jobs_D):
             for r, (owner, toks, start, _) in enumerate(jobs):
-                chunk = toks[start:start + C]
-                ids[d, r, :len(chunk)] = chunk
-                pos[d, r, :len(chunk)] = np.arange(start, start + len(chunk))
-                valid[d, r, :len(chunk)] = 1
+                chunk = toks[start : start + C]
+                ids[d, r, : len(chunk)] = chunk
+                pos[d, r, : len(chunk)] = np.arange(start, start + len(chunk))
+                valid[d, r, : len(chunk)] = 1
                 owner.written = start + len(chunk)
                 self.stats["prefill_tokens"] += len(chunk)
             table[d] = paged_kv.page_table([j[3] for j in jobs] + [[]] * (R - len(jobs)), width)
@@ -507,8 +539,10 @@ class Scheduler:
             rows = len(shards[0].slots)
             n = -(-longest // rows) * rows  # one program shape
             pad = lambda x: x + [pa.TRASH_PAGE] * (n - len(x))  # noqa: E731
-            self.device.copy(np.asarray([pad(src) for src, _ in copies_D], np.int32),
-                             np.asarray([pad(dst) for _, dst in copies_D], np.int32))
+            self.device.copy(
+                np.asarray([pad(src) for src, _ in copies_D], np.int32),
+                np.asarray([pad(dst) for _, dst in copies_D], np.int32),
+            )
 
     @staticmethod
     def _exit_after(queue, num_rows: int) -> int:
@@ -552,12 +586,19 @@ class Scheduler:
     def _decode_rows(live_D: list[list[Conversation | None]]) -> dict[str, np.ndarray]:
         """The per-row inputs [D, S] of a decode chunk (0 in the padding rows): the last token, its position,
         the response index of the next draw, the turn's budget, liveness and the draw keys' prompt / sample."""
+
         def arr(f, dt=np.int32):
             return np.asarray([[f(c) if c else 0 for c in live] for live in live_D], dt)
 
-        return dict(tok=arr(lambda c: c.tokens[-1]), pos=arr(lambda c: c.written), step=arr(lambda c: c.step),
-                    budget=arr(lambda c: c.budget), live=arr(lambda c: True, bool),
-                    prompt_index=arr(lambda c: c.prompt_index, np.uint32), sample=arr(lambda c: c.sample, np.uint32))
+        return dict(
+            tok=arr(lambda c: c.tokens[-1]),
+            pos=arr(lambda c: c.written),
+            step=arr(lambda c: c.step),
+            budget=arr(lambda c: c.budget),
+            live=arr(lambda c: True, bool),
+            prompt_index=arr(lambda c: c.prompt_index, np.uint32),
+            sample=arr(lambda c: c.sample, np.uint32),
+        )
 
     @staticmethod
     def _retire(sh: _Shard, s: int, c: Conversation, *, finished_eos: bool, keep: bool) -> None:

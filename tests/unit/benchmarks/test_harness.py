@@ -1,4 +1,5 @@
 """benchmarks/harness.py: interleaving, statistics, ratios, the busy flag and the JSON record (tiny callables)."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ import harness  # noqa: E402
 
 def test_interleave_alternates_sides_after_warmup():
     calls = []
-    runs, loads = harness.interleave({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
-                                     repeats=3, warmup=2)
+    runs, loads = harness.interleave(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=2
+    )
     assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3
     assert [len(r["times_s"]) for r in runs.values()] == [3, 3]
     assert len(loads) == 3 and all(len(la) == 3 for la in loads)
@@ -37,8 +39,13 @@ def test_is_busy():
 
 def test_compare_record_is_json_ready(capsys, monkeypatch):
     monkeypatch.setattr(harness, "load_average", lambda: [0.5, 0.5, 0.5])
-    res = harness.compare({"x": lambda: sum(range(1000)), "y": lambda: sum(range(2000))}, repeats=4,
-                          label="tiny", units=1000, unit_name="items")
+    res = harness.compare(
+        {"x": lambda: sum(range(1000)), "y": lambda: sum(range(2000))},
+        repeats=4,
+        label="tiny",
+        units=1000,
+        unit_name="items",
+    )
     assert res["reference"] == "y" and res["repeats"] == 4 and res["busy"] is False
     assert set(res["sides"]) == {"x", "y"} and set(res["ratios"]) == {"x"}
     for s in res["sides"].values():

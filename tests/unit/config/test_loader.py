@@ -1,5 +1,6 @@
 """Config loading: YAML + base chains + dotted overrides, and errors that name the key, the source and what is
 accepted."""
+
 import pathlib
 
 import pytest
@@ -139,32 +140,47 @@ def test_rl_stare_is_the_step_stare_config():
     assert train_step_config(own).stare.micro_batch_size == 2
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("rl.stare.target_entropy=-0.1", r"'rl.stare.target_entropy' = -0.1 is out of range; accepted: \[0.0, inf\]"),
-    ("rl.stare.select_impl=sort", r"accepted values: 'bisect', 'jnp_quantile'"),
-    ("rl.stare.micro_batch_size=0", r"'rl.stare.micro_batch_size' = 0 is out of range"),
-    ("rl.stare.selct_impl=bisect", r"did you mean 'rl.stare.select_impl'"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("rl.stare.target_entropy=-0.1", r"'rl.stare.target_entropy' = -0.1 is out of range; accepted: \[0.0, inf\]"),
+        ("rl.stare.select_impl=sort", r"accepted values: 'bisect', 'jnp_quantile'"),
+        ("rl.stare.micro_batch_size=0", r"'rl.stare.micro_batch_size' = 0 is out of range"),
+        ("rl.stare.selct_impl=bisect", r"did you mean 'rl.stare.select_impl'"),
+    ],
+)
 def test_stare_options_errors_name_key_and_source(override, fragment):
     with pytest.raises(ConfigError, match=fragment) as e:
         load_config(None, [override])
     assert f"command-line override '{override}'" in str(e.value)
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (["rl.policy_loss.name=vanila"], r"'rl.policy_loss.name' = 'vanila' is not accepted.*did you mean 'vanilla'"),
-    (["rl.policy_loss.clip_cov_ratio=0.1"], r"rl.policy_loss.clip_cov_ratio do not belong to policy loss 'vanilla'"),
-    (["rl.policy_loss.name=gspo", "rl.policy_loss.tau_pos=2"], r"rl.policy_loss.tau_pos do not belong to policy "
-                                                               r"loss 'gspo'"),
-    (["rl.policy_loss.name=stare"], r"'stare' needs rl.stare.enabled: true"),
-    (["rl.policy_loss.name=geo_mean", "rl.stare.enabled=true"], r"rl.stare.enabled: true cannot be combined with "
-                                                                r"rl.policy_loss.name = 'geo_mean'"),
-    (["rl.policy_loss.name=geo_mean", "rl.token_filter.enabled=true"], r"rl.token_filter.enabled: true cannot"),
-    (["rl.policy_loss.name=clip_cov", "rl.policy_loss.clip_cov_lb=6"], r"clip_cov_lb=6.0 must be < clip_cov_ub"),
-    (["rl.entropy_coeff=-0.1"], r"'rl.entropy_coeff' = -0.1 is out of range"),
-    (["rl.token_filter.rho=0"], r"'rl.token_filter.rho' = 0.0 is out of range"),
-    (["rl.token_filter.rule=top_k"], r"accepted values: 'quantile', 'exact_top_k'"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["rl.policy_loss.name=vanila"], r"'rl.policy_loss.name' = 'vanila' is not accepted.*did you mean 'vanilla'"),
+        (
+            ["rl.policy_loss.clip_cov_ratio=0.1"],
+            r"rl.policy_loss.clip_cov_ratio do not belong to policy loss 'vanilla'",
+        ),
+        (
+            ["rl.policy_loss.name=gspo", "rl.policy_loss.tau_pos=2"],
+            r"rl.policy_loss.tau_pos do not belong to policy "
+            r"loss 'gspo'",
+        ),
+        (["rl.policy_loss.name=stare"], r"'stare' needs rl.stare.enabled: true"),
+        (
+            ["rl.policy_loss.name=geo_mean", "rl.stare.enabled=true"],
+            r"rl.stare.enabled: true cannot be combined with "
+            r"rl.policy_loss.name = 'geo_mean'",
+        ),
+        (["rl.policy_loss.name=geo_mean", "rl.token_filter.enabled=true"], r"rl.token_filter.enabled: true cannot"),
+        (["rl.policy_loss.name=clip_cov", "rl.policy_loss.clip_cov_lb=6"], r"clip_cov_lb=6.0 must be < clip_cov_ub"),
+        (["rl.entropy_coeff=-0.1"], r"'rl.entropy_coeff' = -0.1 is out of range"),
+        (["rl.token_filter.rho=0"], r"'rl.token_filter.rho' = 0.0 is out of range"),
+        (["rl.token_filter.rule=top_k"], r"accepted values: 'quantile', 'exact_top_k'"),
+    ],
+)
 def test_policy_loss_options_errors_name_key_and_source(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment) as e:
         load_config(None, overrides)
@@ -174,34 +190,66 @@ def test_policy_loss_options_errors_name_key_and_source(overrides, fragment):
 def test_policy_loss_sections_reach_the_step_config():
     from stare_jax.training.setup import train_step_config
 
-    cfg = load_config(None, ["rl.policy_loss.name=kl_cov", "rl.policy_loss.kl_cov_ratio=0.01",
-                             "rl.entropy_coeff=0.001", "rl.token_filter.enabled=true", "rl.micro_batch_size=4",
-                             "rl.policy_loss.scope=micro_batch", "seed=3"])
+    cfg = load_config(
+        None,
+        [
+            "rl.policy_loss.name=kl_cov",
+            "rl.policy_loss.kl_cov_ratio=0.01",
+            "rl.entropy_coeff=0.001",
+            "rl.token_filter.enabled=true",
+            "rl.micro_batch_size=4",
+            "rl.policy_loss.scope=micro_batch",
+            "seed=3",
+        ],
+    )
     t = train_step_config(cfg)
     assert t.policy_loss.name == "kl_cov" and t.policy_loss.micro_batch_size == 4 and t.seed == 3
-    assert t.policy_loss.options() == {"kl_cov_ratio": 0.01, "ppo_kl_coef": 0.1, "scope": "micro_batch",
-                                       "micro_batch_size": 4}
+    assert t.policy_loss.options() == {
+        "kl_cov_ratio": 0.01,
+        "ppo_kl_coef": 0.1,
+        "scope": "micro_batch",
+        "micro_batch_size": 4,
+    }
     assert t.entropy_coeff == 0.001 and t.token_filter is cfg.rl.token_filter and t.token_filter.rho == 0.2
     assert train_step_config(load_config()).policy_loss.micro_batch_size is None  # vanilla: nothing filled in
 
 
-@pytest.mark.parametrize("overrides, fragment", [
-    (["rl.kl.coef=0.001"], r"rl.kl.coef = 0.001 needs a reference policy: set rl.kl.reference"),
-    (["rl.kl.estimator=low_var"], r"'rl.kl.estimator' = 'low_var' is not accepted.*did you mean 'low_var_kl'"),
-    (["rl.kl.use_as=advantage"], r"'rl.kl.use_as' = 'advantage' is not accepted"),
-    (["rl.kl.coef=-1", "rl.kl.reference=initial"], r"'rl.kl.coef' = -1.0 is out of range"),
-    (["rl.advantage.estimator=w_reinforce", "rl.kl.coef=0.001", "rl.kl.reference=initial", "rl.kl.use_as=reward"],
-     r"rl.kl.use_as = 'reward' cannot be combined with rl.advantage.estimator = 'w_reinforce'"),
-    (["rl.advantage.estimator=w_reinforce", "rl.overlong_buffer=4"], r"rl.overlong_buffer = 4 cannot be combined"),
-    (["rl.advantage.w_reinforce_lambda=0.5"], r"rl.advantage.w_reinforce_lambda = 0.5 belongs to "
-                                              r"rl.advantage.estimator = 'w_reinforce'"),
-    (["rl.advantage.entropy_adv_kappa=3"], r"rl.advantage.entropy_adv_kappa only apply with "
-                                           r"rl.advantage.entropy_adv: true"),
-    (["rl.advantage.entropy_adv=true", "rl.stare.enabled=true"], r"rl.advantage.entropy_adv: true cannot be "
-                                                                 r"combined with rl.stare.enabled: true"),
-    (["rl.advantage.entropy_adv=true", "rl.policy_loss.name=geo_mean"], r"entropy_adv: true needs a token-level"),
-    (["rl.advantage.estimator=reinforce"], r"'rl.advantage.estimator' = 'reinforce' is not accepted"),
-])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["rl.kl.coef=0.001"], r"rl.kl.coef = 0.001 needs a reference policy: set rl.kl.reference"),
+        (["rl.kl.estimator=low_var"], r"'rl.kl.estimator' = 'low_var' is not accepted.*did you mean 'low_var_kl'"),
+        (["rl.kl.use_as=advantage"], r"'rl.kl.use_as' = 'advantage' is not accepted"),
+        (["rl.kl.coef=-1", "rl.kl.reference=initial"], r"'rl.kl.coef' = -1.0 is out of range"),
+        (
+            [
+                "rl.advantage.estimator=w_reinforce",
+                "rl.kl.coef=0.001",
+                "rl.kl.reference=initial",
+                "rl.kl.use_as=reward",
+            ],
+            r"rl.kl.use_as = 'reward' cannot be combined with rl.advantage.estimator = 'w_reinforce'",
+        ),
+        (["rl.advantage.estimator=w_reinforce", "rl.overlong_buffer=4"], r"rl.overlong_buffer = 4 cannot be combined"),
+        (
+            ["rl.advantage.w_reinforce_lambda=0.5"],
+            r"rl.advantage.w_reinforce_lambda = 0.5 belongs to "
+            r"rl.advantage.estimator = 'w_reinforce'",
+        ),
+        (
+            ["rl.advantage.entropy_adv_kappa=3"],
+            r"rl.advantage.entropy_adv_kappa only apply with "
+            r"rl.advantage.entropy_adv: true",
+        ),
+        (
+            ["rl.advantage.entropy_adv=true", "rl.stare.enabled=true"],
+            r"rl.advantage.entropy_adv: true cannot be "
+            r"combined with rl.stare.enabled: true",
+        ),
+        (["rl.advantage.entropy_adv=true", "rl.policy_loss.name=geo_mean"], r"entropy_adv: true needs a token-level"),
+        (["rl.advantage.estimator=reinforce"], r"'rl.advantage.estimator' = 'reinforce' is not accepted"),
+    ],
+)
 def test_kl_and_advantage_errors_name_key_and_source(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment) as e:
         load_config(None, overrides)
@@ -209,8 +257,16 @@ def test_kl_and_advantage_errors_name_key_and_source(overrides, fragment):
 
 
 def test_kl_and_advantage_sections_reach_the_step_config():
-    cfg = load_config(None, ["rl.kl.coef=0.001", "rl.kl.reference=initial", "rl.advantage.entropy_adv=true",
-                             "rl.group_size=4", "rl.norm_adv_by_std=false"])
+    cfg = load_config(
+        None,
+        [
+            "rl.kl.coef=0.001",
+            "rl.kl.reference=initial",
+            "rl.advantage.entropy_adv=true",
+            "rl.group_size=4",
+            "rl.norm_adv_by_std=false",
+        ],
+    )
     t = train_step_config(cfg)
     assert t.kl is cfg.rl.kl and t.kl.as_loss and t.kl.kind == "low_var_kl"  # verl's kl_loss_type default
     assert t.advantage is cfg.rl.advantage and t.group_size == 4 and t.norm_adv_by_std is False
@@ -221,6 +277,10 @@ def test_kl_and_advantage_sections_reach_the_step_config():
 def test_model_section_overrides_the_architecture_by_field_name():
     """The run's model section and the architecture config share exactly these fields (derived by name)."""
     cfg = load_config(None, ["model.dtype=bfloat16", "model.scan_layers=true", "model.attention_impl=dot_product"])
-    assert cfg.model.architecture_overrides() == {"dtype": "bfloat16", "param_dtype": "float32",
-                                                  "attention_impl": "dot_product", "remat_policy": "none",
-                                                  "scan_layers": True}
+    assert cfg.model.architecture_overrides() == {
+        "dtype": "bfloat16",
+        "param_dtype": "float32",
+        "attention_impl": "dot_product",
+        "remat_policy": "none",
+        "scan_layers": True,
+    }

@@ -1,5 +1,6 @@
 """Prompt data: readers (jsonl/parquet) with file:line errors, prompt formatting, grain streams (shuffle per epoch,
 per-process sharding, exact resume from the checkpointed iterator state)."""
+
 import json
 
 import pytest

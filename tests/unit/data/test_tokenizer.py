@@ -9,7 +9,6 @@ import shutil
 
 import numpy as np
 import pytest
-from support.tokenizers import QWEN25_TEMPLATE, QWEN_PATTERN, _added_tokens_decoder, _corpus, _train_bpe
 
 from stare_jax.data.tokenizer import (
     HFTokenizer,
@@ -19,6 +18,7 @@ from stare_jax.data.tokenizer import (
     render_chat_template,
     train_sentencepiece,
 )
+from support.tokenizers import QWEN25_TEMPLATE, QWEN_PATTERN, _added_tokens_decoder, _corpus, _train_bpe
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,12 +84,6 @@ LLAMA3_PATTERN = (
 )
 
 
-
-
-
-
-
-
 @pytest.fixture(scope="module")
 def qwen_dir(tmp_path_factory):
     """Qwen2.5-Instruct-style folder: no BOS, eos <|im_end|>, pad <|endoftext|>, generation eos list."""
@@ -112,8 +106,11 @@ def qwen_dir(tmp_path_factory):
         "unk_token": None,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2))
-    gen = {"bos_token_id": tok.token_to_id("<|endoftext|>"), "pad_token_id": tok.token_to_id("<|endoftext|>"),
-           "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]}
+    gen = {
+        "bos_token_id": tok.token_to_id("<|endoftext|>"),
+        "pad_token_id": tok.token_to_id("<|endoftext|>"),
+        "eos_token_id": [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],
+    }
     (folder / "generation_config.json").write_text(json.dumps(gen))
     return folder
 
@@ -125,12 +122,19 @@ def llama3_dir(tmp_path_factory):
     from tokenizers import processors
 
     folder = tmp_path_factory.mktemp("llama3_style")
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                "<|eom_id|>"]
+    specials = [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+    ]
     tok = _train_bpe(LLAMA3_PATTERN, specials)
     bos = tok.token_to_id("<|begin_of_text|>")
     tok.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
+        single="<|begin_of_text|> $A",
+        pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
         special_tokens=[("<|begin_of_text|>", bos)],
     )
     tok.save(str(folder / "tokenizer.json"))
@@ -226,8 +230,12 @@ def test_qwen_tools_and_tojson(qwen_dir):
     ours = load_tokenizer(qwen_dir)
     ref = transformers.AutoTokenizer.from_pretrained(str(qwen_dir))
     params = {"type": "object", "properties": {"a": {"type": "number"}}}
-    tools = [{"type": "function",
-              "function": {"name": "add", "description": "Add two numbers → sum (ü)", "parameters": params}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "add", "description": "Add two numbers → sum (ü)", "parameters": params},
+        }
+    ]
     call = {"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
     messages = [
         {"role": "user", "content": "add 2 and 3"},
@@ -420,8 +428,10 @@ def test_sentencepiece_matches_transformers_llama(sp_model, tmp_path):
 
 def test_sentencepiece_folder_with_chat_template(sp_model, tmp_path):
     shutil.copy(sp_model, tmp_path / "tokenizer.model")
-    template = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}" \
-               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     config = {"chat_template": template, "eos_token": "<|im_end|>", "add_bos_token": False}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2]}))

@@ -22,8 +22,15 @@ from stare_jax.eval.benchmarks import (
 
 # ------------------------------------------------------------------------------------------- loading
 def test_load_real_benchmarks(shared_data_dir):
-    expected = {"aime24": 30, "aime25": 30, "amc23": 40, "math500": 500, "minerva": 272, "olympiadbench": 675,
-                "gsm8k": 1319}
+    expected = {
+        "aime24": 30,
+        "aime25": 30,
+        "amc23": 40,
+        "math500": 500,
+        "minerva": 272,
+        "olympiadbench": 675,
+        "gsm8k": 1319,
+    }
     for name, n in expected.items():
         rows = load_benchmark(shared_data_dir / "math" / DEFAULT_PROTOCOL[name]["file"])
         assert len(rows) == n
@@ -39,8 +46,14 @@ def _write(tmp_path, lines):
 
 
 def test_load_benchmark_ok_and_blank_lines(tmp_path):
-    p = _write(tmp_path, [json.dumps({"id": "a", "problem": "1+1?", "answer": "2", "level": 1}), "",
-                          json.dumps({"id": "b", "problem": "2+2?", "answer": "4"})])
+    p = _write(
+        tmp_path,
+        [
+            json.dumps({"id": "a", "problem": "1+1?", "answer": "2", "level": 1}),
+            "",
+            json.dumps({"id": "b", "problem": "2+2?", "answer": "4"}),
+        ],
+    )
     rows = load_benchmark(p)
     assert [r["id"] for r in rows] == ["a", "b"] and rows[0]["level"] == 1 and rows[1]["answers"] == ["4"]
 
@@ -52,7 +65,7 @@ def test_load_benchmark_ok_and_blank_lines(tmp_path):
         ('{"id": "b", "problem": "x"}', r"bench\.jsonl:2: missing field 'answer'"),
         ('{"problem": "x", "answer": "1"}', r"bench\.jsonl:2: missing field 'id'"),
         ('{"id": "b", "problem": "x", "answer": 3}', r"bench\.jsonl:2: field 'answer' must be a string"),
-        ('[1, 2]', r"bench\.jsonl:2: expected a JSON object"),
+        ("[1, 2]", r"bench\.jsonl:2: expected a JSON object"),
         ('{"id": "a", "problem": "x", "answer": "1"}', r"bench\.jsonl:2: duplicate id 'a' \(first on line 1\)"),
     ],
 )
@@ -135,7 +148,14 @@ def test_formatters():
 
 def test_default_protocol():
     assert {k: v["n"] for k, v in DEFAULT_PROTOCOL.items()} == {
-        "aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4, "gsm8k": 4}
+        "aime24": 32,
+        "aime25": 32,
+        "amc23": 32,
+        "math500": 4,
+        "minerva": 4,
+        "olympiadbench": 4,
+        "gsm8k": 4,
+    }
     assert all(v["temperature"] == 0.7 and v["top_p"] == 0.95 for v in DEFAULT_PROTOCOL.values())
     p = protocol_for("aime24")
     p["n"] = 1

@@ -2,16 +2,26 @@
 claim's
 value, bound, pass and margin, and the overall verdict line. The demo itself, end to end, is
 tests/system/test_demo_claims.py (system tier)."""
+
 import pytest
 
 from stare_jax.experiments.demo import Check, demo_checks, format_checks
 from stare_jax.training.metrics import MetricsWriter
 
 
-@pytest.mark.parametrize("op,value,bound,passed,margin", [
-    (">=", 0.9, 0.9, True, 0.0), (">=", 0.8, 0.9, False, -0.1), (">", 0.0, 0.0, False, 0.0),
-    (">", 0.5, 0.0, True, 0.5), ("<", 0.5, 0.5, False, 0.0), ("<", 0.25, 0.5, True, 0.25),
-    ("<=", 0.2, 0.2, True, 0.0), ("<=", 0.3, 0.2, False, -0.1)])
+@pytest.mark.parametrize(
+    "op,value,bound,passed,margin",
+    [
+        (">=", 0.9, 0.9, True, 0.0),
+        (">=", 0.8, 0.9, False, -0.1),
+        (">", 0.0, 0.0, False, 0.0),
+        (">", 0.5, 0.0, True, 0.5),
+        ("<", 0.5, 0.5, False, 0.0),
+        ("<", 0.25, 0.5, True, 0.25),
+        ("<=", 0.2, 0.2, True, 0.0),
+        ("<=", 0.3, 0.2, False, -0.1),
+    ],
+)
 def test_check_pass_and_margin(op, value, bound, passed, margin):
     c = Check("x", value, op, bound)
     assert c.passed is passed and c.margin == pytest.approx(margin) and c.need == f"{op} {bound:g}"

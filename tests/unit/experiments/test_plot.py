@@ -1,6 +1,7 @@
 """plot_runs / summary_table on synthetic runs written by MetricsWriter: the drawn data equal the logged
 series, the target band sits at target +-30%, the PNG decodes, the table matches a NumPy re-derivation,
 and bad runs give errors naming the run and line."""
+
 import json
 import math
 

@@ -1,4 +1,5 @@
 """Full-size configs built abstractly with eval_shape (no memory allocated): parameter counts and shardings."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

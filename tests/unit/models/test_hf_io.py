@@ -1,5 +1,6 @@
 """HF import/export: config conversion, sharded-index checkpoints, bf16 files, export round trip through
 transformers, and clear errors for broken folders."""
+
 import json
 import shutil
 
@@ -8,10 +9,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from support.models import hf_logits, padded_batch
 
 from stare_jax.models import ModelConfig, from_pretrained, hf_io, save_pretrained
 from stare_jax.models.config import PRESETS, get_preset
+from support.models import hf_logits, padded_batch
 
 
 @jax.jit
@@ -41,27 +42,53 @@ def test_config_roundtrip_all_families(hf_checkpoints):
     llama = ModelConfig.from_hf_config(json.loads((hf_checkpoints["llama"][0] / "config.json").read_text()))
     assert llama.rope_type == "llama3" and llama.rope_theta == 5e5
     # transformers 4.x style keys
-    legacy = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 16, "rope_theta": 500000.0,
-              "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    legacy = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 16,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     c = ModelConfig.from_hf_config(legacy)
     assert c.rope_theta == 5e5 and c.rope_scaling["factor"] == 32.0 and c.num_kv_heads == 2
 
 
 def test_unsupported_architecture_error_names_field():
-    bad = {"architectures": ["MistralForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-           "num_attention_heads": 2, "intermediate_size": 16}
+    bad = {
+        "architectures": ["MistralForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 16,
+    }
     with pytest.raises(ValueError, match=r"architectures.*MistralForCausalLM.*Qwen2ForCausalLM"):
         ModelConfig.from_hf_config(bad)
     with pytest.raises(ValueError, match="rope_type"):
-        ModelConfig.from_hf_config({**bad, "architectures": ["LlamaForCausalLM"],
-                                    "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        ModelConfig.from_hf_config(
+            {**bad, "architectures": ["LlamaForCausalLM"], "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+        )
 
 
 def test_presets_shapes():
-    assert set(PRESETS) >= {"qwen2.5-7b", "qwen2.5-32b", "qwen2.5-math-7b", "qwen2.5-14b", "qwen3-8b",
-                            "r1-distill-qwen-1.5b", "llama-3.2-1b"}
+    assert set(PRESETS) >= {
+        "qwen2.5-7b",
+        "qwen2.5-32b",
+        "qwen2.5-math-7b",
+        "qwen2.5-14b",
+        "qwen3-8b",
+        "r1-distill-qwen-1.5b",
+        "llama-3.2-1b",
+    }
     assert get_preset("qwen2.5-7b").num_params() == 7_615_616_512
     assert get_preset("qwen2.5-32b").num_params() == 32_763_876_352
     assert get_preset("r1-distill-qwen-1.5b").vocab_size == 151936
@@ -108,12 +135,15 @@ def test_export_roundtrip_through_transformers(hf_checkpoints, tmp_path, family)
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids, mask, pos = padded_batch([5, 9], 9, left=True, seed=3)
     real = mask.astype(bool)
-    np.testing.assert_allclose(hf_logits(back, ids, mask, pos)[real], np.asarray(_fwd(model, ids, mask))[real],
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        hf_logits(back, ids, mask, pos)[real], np.asarray(_fwd(model, ids, mask))[real], atol=1e-4
+    )
     # and our own reader gets the identical parameters back
     again = from_pretrained(out)
-    np.testing.assert_array_equal(np.asarray(again.layers[0].self_attn.q_proj.kernel[...]),
-                                  np.asarray(model.layers[0].self_attn.q_proj.kernel[...]))
+    np.testing.assert_array_equal(
+        np.asarray(again.layers[0].self_attn.q_proj.kernel[...]),
+        np.asarray(model.layers[0].self_attn.q_proj.kernel[...]),
+    )
 
 
 def test_export_bf16(hf_checkpoints, tmp_path):

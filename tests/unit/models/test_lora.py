@@ -1,6 +1,7 @@
 """LoRA adapters (stare_jax.models.lora): zero-B identity, parity with transformers + peft on Llama / Qwen2 / Qwen3
 (all seven targets), merged export, sharding on an 8-device mesh, scan_layers and KV-cache decode, config errors,
 bf16 base with fp32 adapters, and the adapter-only gradient the train step takes."""
+
 import json
 
 import jax
@@ -9,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from support.models import FAMILIES, hf_logits, make_hf_model, padded_batch
 
 from stare_jax.models import LORA_TARGETS, ModelConfig, from_pretrained, hf_io, lora, save_pretrained
 from stare_jax.models.sharding import DEFAULT_RULES, activation_rules, logical_to_spec, make_mesh
 from stare_jax.models.transformer import LoRAParam, Transformer
+from support.models import FAMILIES, hf_logits, make_hf_model, padded_batch
 
 RANK, ALPHA = 4, 8.0
 LORA = dict(lora_rank=RANK, lora_alpha=ALPHA, lora_targets=LORA_TARGETS)
@@ -40,8 +41,10 @@ def _randomize(model, seed=0, scale=0.1):
     """Random non-zero A and B (so the adapters change every projection's output)."""
     rng = np.random.default_rng(seed)
     state = nnx.state(model, LoRAParam)
-    new = [(p, v.replace(jnp.asarray(rng.normal(0, scale, v.get_value().shape), jnp.float32)))
-           for p, v in nnx.to_flat_state(state)]
+    new = [
+        (p, v.replace(jnp.asarray(rng.normal(0, scale, v.get_value().shape), jnp.float32)))
+        for p, v in nnx.to_flat_state(state)
+    ]
     nnx.update(model, nnx.from_flat_state(new))
     return model
 
@@ -89,8 +92,9 @@ def test_random_init_keeps_base_weights_and_loop_scan_agree():
     base = Transformer(cfg, rngs=nnx.Rngs(3))
     with_lora = Transformer(cfg.replace(lora_rank=2, lora_targets=("q_proj", "down_proj")), rngs=nnx.Rngs(3))
     jax.tree.map(np.testing.assert_array_equal, nnx.state(base), nnx.state(with_lora, lora.FROZEN))
-    scanned = Transformer(cfg.replace(lora_rank=2, lora_targets=("q_proj", "down_proj"), scan_layers=True),
-                          rngs=nnx.Rngs(3))
+    scanned = Transformer(
+        cfg.replace(lora_rank=2, lora_targets=("q_proj", "down_proj"), scan_layers=True), rngs=nnx.Rngs(3)
+    )
     a, b = lora.peft_adapter_state_dict(with_lora), lora.peft_adapter_state_dict(scanned)
     assert sorted(a) == sorted(b) and len(a) == 2 * 2 * 2
     for k in a:
@@ -190,14 +194,17 @@ def test_adapters_shard_like_their_base_layer(ckpts):
         lin = getattr(getattr(block, grp), name)
         a, b, k = lin.lora_a[...], lin.lora_b[...], lin.kernel[...]
         assert a.sharding.spec == a_spec and b.sharding.spec == b_spec, (name, a.sharding.spec, b.sharding.spec)
-        assert a.sharding.spec[:-1] == k.sharding.spec[:lin.n_in]  # input axes follow the kernel
-        assert b.sharding.spec[1:] == k.sharding.spec[lin.n_in:]  # output axes follow the kernel
+        assert a.sharding.spec[:-1] == k.sharding.spec[: lin.n_in]  # input axes follow the kernel
+        assert b.sharding.spec[1:] == k.sharding.spec[lin.n_in :]  # output axes follow the kernel
         names = lin.lora_a.get_metadata()["out_sharding"]
         assert a.sharding.spec == logical_to_spec(names, DEFAULT_RULES, a.shape, mesh)
     # the same adapters as the unsharded load, and the same logits
     host = from_pretrained(folder, **LORA)
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-                 nnx.state(model, LoRAParam), nnx.state(host, LoRAParam))
+    jax.tree.map(
+        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+        nnx.state(model, LoRAParam),
+        nnx.state(host, LoRAParam),
+    )
     _randomize(model, seed=6)
     _randomize(host, seed=6)
     ids, mask, _ = padded_batch(LENGTHS, T, left=True, seed=7)
@@ -214,8 +221,7 @@ def test_adapters_shard_like_their_base_layer(ckpts):
 # ----------------------------------------------------------------------------- (e) scan_layers and decode
 def _stack_into(scanned, looped):
     """Copy the python-loop model's adapters into the scan model's stacked ones."""
-    loop_flat = {tuple(str(x) for x in p): v.get_value()
-                 for p, v in nnx.to_flat_state(nnx.state(looped, LoRAParam))}
+    loop_flat = {tuple(str(x) for x in p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(looped, LoRAParam))}
     new = []
     for p, v in nnx.to_flat_state(nnx.state(scanned, LoRAParam)):
         rest = tuple(str(x) for x in p[1:])
@@ -245,7 +251,7 @@ def _check_decode(model, ref_model, n_new=3):
     for t in range(n_new):
         idx = p_len + t
         kv_mask[:, idx] = 1
-        logits, cache = step(model, new_ids[:, t:t + 1], full_pos[:, idx:idx + 1], cache, idx, kv_mask)
+        logits, cache = step(model, new_ids[:, t : t + 1], full_pos[:, idx : idx + 1], cache, idx, kv_mask)
         np.testing.assert_allclose(np.asarray(logits)[:, 0], ref[:, idx], atol=1e-5)
 
 
@@ -284,9 +290,12 @@ def test_config_errors_name_the_field_and_allowed_values():
         ModelConfig(**kw, lora_rank=-2, lora_targets=("q_proj",))
     with pytest.raises(ValueError, match=r"lora_rank must be an int"):
         ModelConfig(**kw, lora_rank=2.0, lora_targets=("q_proj",))
-    with pytest.raises(ValueError, match=r"lora_targets has unknown module name\(s\) \['qkv'\]; allowed: "
-                                         r"\['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
-                                         r"'down_proj'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"lora_targets has unknown module name\(s\) \['qkv'\]; allowed: "
+        r"\['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', "
+        r"'down_proj'\]",
+    ):
         ModelConfig(**kw, lora_rank=4, lora_targets=("q_proj", "qkv"))
     with pytest.raises(ValueError, match=r"lora_targets must name at least one of \['q_proj'"):
         ModelConfig(**kw, lora_rank=4)
@@ -303,8 +312,10 @@ def test_config_errors_name_the_field_and_allowed_values():
     plain = ModelConfig(**kw)
     assert cfg.to_hf_config() == plain.to_hf_config()
     assert ModelConfig.from_hf_config(cfg.to_hf_config()) == plain
-    assert ModelConfig.from_hf_config(cfg.to_hf_config(), lora_rank=4, lora_alpha=8,
-                                      lora_targets=("v_proj", "q_proj")) == cfg
+    assert (
+        ModelConfig.from_hf_config(cfg.to_hf_config(), lora_rank=4, lora_alpha=8, lora_targets=("v_proj", "q_proj"))
+        == cfg
+    )
     assert ModelConfig(**kw).lora_scale == 0.0
 
 
@@ -316,8 +327,11 @@ def test_bf16_base_fp32_adapters_and_adapter_only_grads(ckpts):
     assert m16.layers[0].self_attn.q_proj.kernel[...].dtype == jnp.bfloat16
     for _, v in nnx.to_flat_state(nnx.state(m16, LoRAParam)):
         assert v.get_value().dtype == jnp.float32
-    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
-                 nnx.state(m16, LoRAParam), nnx.state(m32, LoRAParam))
+    jax.tree.map(
+        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+        nnx.state(m16, LoRAParam),
+        nnx.state(m32, LoRAParam),
+    )
     _randomize(m16, seed=12)
     _randomize(m32, seed=12)
     ids, mask, _ = padded_batch(LENGTHS, T, left=True, seed=13)

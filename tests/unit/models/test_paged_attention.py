@@ -2,6 +2,7 @@
 token, and compare hidden states / logits with Transformer.__call__ on the whole sequence, with the key pool
 [K, N, P, Dh] and transposed [K, N, Dh, P] (the CPU's). The pool layout (kv heads first), and the TPU Pallas decode
 kernel (Pallas interpret mode on CPU) == the gather path."""
+
 from __future__ import annotations
 
 import jax
@@ -9,15 +10,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stare_jax.models import ModelConfig, init_model
-from stare_jax.models import paged_attention as pa
+from stare_jax.models import ModelConfig, init_model, paged_attention as pa
 from stare_jax.models.sharding import make_mesh, program_context
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=64, max_position_embeddings=64, qkv_bias=True, initializer_range=0.1)
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        qkv_bias=True,
+        initializer_range=0.1,
+    )
     return init_model(cfg, seed=1)
 
 
@@ -40,8 +49,9 @@ def test_keys_are_transposed_for_the_cpu_gather_path_only():
 @pytest.mark.parametrize("transposed", [False, True], ids=["PxDh", "DhxP"])
 def test_gather_and_write_layout(transposed):
     pages = jnp.zeros((2, 5, 1, 2) if transposed else (2, 5, 2, 1))  # [K, N, P, Dh] or [K, N, Dh, P]
-    page, off = pa.write_slots(jnp.asarray([[3, 1, 0]]), jnp.asarray([[0, 1, 2, 3]]), jnp.asarray([[1, 1, 1, 0]]) > 0,
-                               2)
+    page, off = pa.write_slots(
+        jnp.asarray([[3, 1, 0]]), jnp.asarray([[0, 1, 2, 3]]), jnp.asarray([[1, 1, 1, 0]]) > 0, 2
+    )
     np.testing.assert_array_equal(page, [[3, 3, 1, 0]])  # the invalid token goes to the trash page
     np.testing.assert_array_equal(off, [[0, 1, 0, 1]])
     new_BxTxKxD = jnp.stack([jnp.arange(1.0, 5.0), 10 * jnp.arange(1.0, 5.0)], axis=-1).reshape(1, 4, 2, 1)
@@ -68,8 +78,10 @@ def test_transposed_key_pages_gather_to_the_transposed_sequence():
     std = pa.write_pages(jnp.zeros((K, N, P, D)), new, page, off)
     tr = pa.write_pages(jnp.zeros((K, N, D, P)), new, page, off, transposed=True)
     np.testing.assert_array_equal(np.swapaxes(np.asarray(tr), -1, -2), np.asarray(std))
-    np.testing.assert_array_equal(np.asarray(pa.gather_pages(tr, table, transposed=True)),
-                                  np.swapaxes(np.asarray(pa.gather_pages(std, table)), -1, -2))
+    np.testing.assert_array_equal(
+        np.asarray(pa.gather_pages(tr, table, transposed=True)),
+        np.swapaxes(np.asarray(pa.gather_pages(std, table)), -1, -2),
+    )
 
 
 @pytest.mark.parametrize("keys_transposed", [False, True], ids=["keys-PxDh", "keys-DhxP"])
@@ -81,17 +93,26 @@ def test_chunked_paged_prefill_and_decode_match_full_forward(model, keys_transpo
     table = jnp.asarray([[7, 2, 5, 8]])  # scattered physical pages, logical order
     hidden = []
     for start in (0, 5, 10):  # chunks of 5, 5, 1 (the last padded to 5: padding writes go to the trash page)
-        chunk = ids[start:min(start + 5, L)]
+        chunk = ids[start : min(start + 5, L)]
         n = len(chunk)
         tok = np.zeros((1, 5), np.int32)
         tok[0, :n] = chunk
         pos = np.arange(start, start + 5)[None]
         valid = np.arange(5)[None] < n
-        h, pages = pa.paged_forward(model, tok, pos, jnp.asarray(valid), pages, table, ps,
-                                    keys_transposed=keys_transposed)
+        h, pages = pa.paged_forward(
+            model, tok, pos, jnp.asarray(valid), pages, table, ps, keys_transposed=keys_transposed
+        )
         hidden.append(np.asarray(h[0, :n]))
-    h_dec, pages = pa.paged_forward(model, ids[None, L:L + 1], np.asarray([[L]]), jnp.ones((1, 1), bool), pages,
-                                    table, ps, keys_transposed=keys_transposed)
+    h_dec, pages = pa.paged_forward(
+        model,
+        ids[None, L : L + 1],
+        np.asarray([[L]]),
+        jnp.ones((1, 1), bool),
+        pages,
+        table,
+        ps,
+        keys_transposed=keys_transposed,
+    )
     full = np.asarray(model.hidden_states(jnp.asarray(ids[None])))[0]
     np.testing.assert_allclose(np.concatenate(hidden + [np.asarray(h_dec[0])]), full, atol=2e-5)
     # the trash page absorbed the padding; nothing was written to pages outside the table
@@ -127,7 +148,7 @@ def _decode_case(num_heads: int, num_kv_heads: int, seed: int = 0, head_dim: int
     used = 0
     for b, n in enumerate(lengths):
         m = -(-n // page_size)
-        table[b, :m] = perm[used:used + m]
+        table[b, :m] = perm[used : used + m]
         used += m
     q = jnp.asarray(rng.normal(size=(4, 1, num_heads, head_dim)), jnp.float32)
     return q, kp, vp, jnp.asarray(table), jnp.asarray(lengths[:, None] - 1, jnp.int32)
@@ -163,12 +184,14 @@ def test_decode_attends_over_the_fewest_pages_that_hold_every_row():
     picked = jax.jit(lambda pos: pa.over_live_pages(lambda m: jnp.float32(m), pos, 16, 4))
     for longest, m in [(1, 8), (32, 8), (33, 10), (40, 10), (41, 12), (56, 14), (57, 16), (64, 16)]:
         assert int(picked(jnp.asarray([[0], [longest - 1]]))) == m, longest
-    assert int(pa.over_live_pages(lambda m: jnp.float32(m), jnp.zeros((2, 1), jnp.int32), 16, 4,
-                                  batch_axes=("data",))) == 16  # one width inside the data-shard vmap
+    assert (
+        int(pa.over_live_pages(lambda m: jnp.float32(m), jnp.zeros((2, 1), jnp.int32), 16, 4, batch_axes=("data",)))
+        == 16
+    )  # one width inside the data-shard vmap
     rng = np.random.default_rng(5)
     ps, width, n_pages = 4, 16, 40
     kp, vp = (jnp.asarray(rng.normal(size=pa.pool_shape(n_pages, ps, 2, 8)), jnp.float32) for _ in range(2))
-    table = jnp.asarray(rng.permutation(np.arange(1, n_pages))[:2 * width].reshape(2, width))
+    table = jnp.asarray(rng.permutation(np.arange(1, n_pages))[: 2 * width].reshape(2, width))
     attend = jax.jit(lambda q, pos: pa.paged_attention("xla", q, kp, vp, table, pos))
     k = np.moveaxis(np.asarray(pa.gather_pages(kp, table), np.float64), 0, 2)  # [B, S, K, Dh]
     v = np.moveaxis(np.asarray(pa.gather_pages(vp, table), np.float64), 0, 2)
@@ -203,8 +226,10 @@ def test_pallas_decode_under_vmap_over_data_shards_matches_gather():
     mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
 
     def attend(attention):
-        f = jax.vmap(lambda *a: pa.paged_attention("xla", *a, attention=attention, batch_axes=("data",)),
-                     spmd_axis_name=("data",))
+        f = jax.vmap(
+            lambda *a: pa.paged_attention("xla", *a, attention=attention, batch_axes=("data",)),
+            spmd_axis_name=("data",),
+        )
         return jax.jit(f)(q, kp, vp, table, pos)
 
     ref = attend("gather")
@@ -219,8 +244,10 @@ def test_pallas_decode_rejects_prefill_and_resolve_attention():
         pa.pallas_decode_attention(jnp.concatenate([q, q], axis=1), kp, vp, table, jnp.concatenate([pos, pos], 1))
     # prefill (T > 1) with attention=pallas gathers
     q2, p2 = jnp.concatenate([q, q], axis=1), jnp.concatenate([pos - 1, pos], axis=1)
-    np.testing.assert_array_equal(pa.paged_attention("xla", q2, kp, vp, table, p2, attention="pallas"),
-                                  pa.paged_attention("xla", q2, kp, vp, table, p2, attention="gather"))
+    np.testing.assert_array_equal(
+        pa.paged_attention("xla", q2, kp, vp, table, p2, attention="pallas"),
+        pa.paged_attention("xla", q2, kp, vp, table, p2, attention="gather"),
+    )
     auto = dict(platform="tpu", head_dim=128, cache_dtype="bfloat16")
     assert pa.resolve_attention("auto", **auto) == "pallas"
     assert pa.resolve_attention("auto", **{**auto, "platform": "cpu"}) == "gather"

@@ -1,11 +1,11 @@
 """Mesh helpers, logical->mesh rules, sharded HF loading (slice reads) and sharded-forward parity."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from support.models import hf_logits, padded_batch
 
 from stare_jax.models import from_pretrained, hf_io, init_model
 from stare_jax.models.sharding import (
@@ -17,6 +17,7 @@ from stare_jax.models.sharding import (
     shard_model,
     state_shardings,
 )
+from support.models import hf_logits, padded_batch
 
 needs8 = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (fake) devices")
 
@@ -39,11 +40,11 @@ def test_make_mesh_fills_standard_axes():
 @needs8
 def test_logical_to_spec_rules_and_divisibility():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    assert logical_to_spec(("embed", "q_heads", "head_dim"), DEFAULT_RULES, (64, 4, 16), mesh) == \
-        P("fsdp", "tensor", None)
+    assert logical_to_spec(("embed", "q_heads", "head_dim"), DEFAULT_RULES, (64, 4, 16), mesh) == P(
+        "fsdp", "tensor", None
+    )
     # 3 kv heads do not split over tensor=2 -> replicated on that dim
-    assert logical_to_spec(("embed", "kv_heads", "head_dim"), DEFAULT_RULES, (64, 3, 16), mesh) == \
-        P("fsdp", None, None)
+    assert logical_to_spec(("embed", "kv_heads", "head_dim"), DEFAULT_RULES, (64, 3, 16), mesh) == P("fsdp", None, None)
     assert logical_to_spec(("batch", "seq"), DEFAULT_RULES, (4, 8), mesh) == P(("data", "fsdp"), None)
     assert logical_to_spec(("batch", "seq"), DEFAULT_RULES, (2, 8), mesh) == P("data", None)
     assert logical_to_spec(("embed", "mlp"), no_sharding(), (64, 128), mesh) == P(None, None)
@@ -51,8 +52,10 @@ def test_logical_to_spec_rules_and_divisibility():
         logical_to_spec(("nope",), DEFAULT_RULES)
 
 
-@pytest.mark.parametrize("kind,shape", [("in_heads", (8, 4, 6)), ("out_heads", (4, 6, 8)), ("T", (8, 10)),
-                                        ("heads", (4, 6)), ("same", (10, 8))])
+@pytest.mark.parametrize(
+    "kind,shape",
+    [("in_heads", (8, 4, 6)), ("out_heads", (4, 6, 8)), ("T", (8, 10)), ("heads", (4, 6)), ("same", (10, 8))],
+)
 def test_slice_reads_equal_full_transform(tmp_path, kind, shape):
     """_read_view(slice) == full HF->ours transform, then slice (for every kind of layout)."""
     hf_shape, r_shape, perm, _ = hf_io._recipe(kind, shape)
@@ -68,8 +71,9 @@ def test_slice_reads_equal_full_transform(tmp_path, kind, shape):
 
 
 @needs8
-@pytest.mark.parametrize("mesh_shape", [{"data": 2, "fsdp": 2, "tensor": 2}, {"data": 2, "fsdp": 4}],
-                         ids=["d2f2t2", "d2f4"])
+@pytest.mark.parametrize(
+    "mesh_shape", [{"data": 2, "fsdp": 2, "tensor": 2}, {"data": 2, "fsdp": 4}], ids=["d2f2t2", "d2f4"]
+)
 def test_sharded_load_same_logits(hf_checkpoints, mesh_shape):
     folder, hf_model = hf_checkpoints["qwen2"]
     mesh = make_mesh(mesh_shape)
@@ -99,15 +103,17 @@ def test_sharded_load_same_logits(hf_checkpoints, mesh_shape):
 def test_init_model_on_mesh_and_shard_model():
     from stare_jax.models import ModelConfig
 
-    cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                      intermediate_size=64)
+    cfg = ModelConfig(vocab_size=128, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
     m_mesh = init_model(cfg, seed=3, mesh=mesh)
     m_host = init_model(cfg, seed=3)
     emb = m_mesh.embed_tokens[...]
     assert emb.sharding.spec == P("tensor", "fsdp")
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8),
-                 nnx.state(m_mesh, nnx.Param), nnx.state(m_host, nnx.Param))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-8),
+        nnx.state(m_mesh, nnx.Param),
+        nnx.state(m_host, nnx.Param),
+    )
     shard_model(m_host, mesh)
     assert m_host.layers[0].mlp.down_proj.kernel[...].sharding.spec == P("tensor", "fsdp")
     sh = state_shardings(nnx.state(m_host), mesh)

@@ -1,13 +1,14 @@
 """Transformer forward vs transformers (PyTorch fp32), hidden/unembed identity, bf16, remat, KV-cache decode."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from support.models import FAMILIES, hf_logits, padded_batch
 
 from stare_jax.models import ModelConfig, from_pretrained, init_model
 from stare_jax.models.transformer import rope_inv_freq
+from support.models import FAMILIES, hf_logits, padded_batch
 
 LENGTHS = [5, 12, 1, 9]
 T = 12
@@ -65,8 +66,9 @@ def test_hidden_states_times_unembed_is_logits(loaded, family):
     assert w.shape == (model.config.vocab_size, model.config.hidden_size)
     if model.config.tie_word_embeddings:
         assert w is model.embed_tokens[...]
-    np.testing.assert_allclose(np.asarray(hidden.astype(jnp.float32) @ w.astype(jnp.float32).T),
-                               np.asarray(_fwd(model, ids, mask)), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(hidden.astype(jnp.float32) @ w.astype(jnp.float32).T), np.asarray(_fwd(model, ids, mask)), atol=1e-5
+    )
 
 
 def test_bf16_compute_close(hf_checkpoints, loaded):
@@ -137,15 +139,16 @@ def _check_decode(model, static_index, n_new=5):
     cache = model.init_cache(b, s, dtype=jnp.float32)
     kv_mask = np.zeros((b, s), np.int32)
     kv_mask[:, :p_len] = mask
-    step = jax.jit(lambda m, i, p, c, ci, km: m.decode_step(i, p, c, ci, km),
-                   static_argnums=(4,) if static_index else ())
+    step = jax.jit(
+        lambda m, i, p, c, ci, km: m.decode_step(i, p, c, ci, km), static_argnums=(4,) if static_index else ()
+    )
     logits, cache = step(model, ids, full_pos[:, :p_len], cache, 0, kv_mask)
     real = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(logits)[real], ref[:, :p_len][real], atol=1e-5)
     for t in range(n_new):
         idx = p_len + t
         kv_mask[:, idx] = 1
-        logits, cache = step(model, new_ids[:, t:t + 1], full_pos[:, idx:idx + 1], cache, idx, kv_mask)
+        logits, cache = step(model, new_ids[:, t : t + 1], full_pos[:, idx : idx + 1], cache, idx, kv_mask)
         np.testing.assert_allclose(np.asarray(logits)[:, 0], ref[:, idx], atol=1e-5)
     assert cache[0]["k"].shape == (b, s, model.config.num_kv_heads, model.config.head_dim)
 
@@ -156,13 +159,21 @@ def test_dot_product_impl_matches_xla(hf_checkpoints, loaded, impl):
     m = from_pretrained(folder, attention_impl=impl)
     ids, mask, _ = padded_batch(LENGTHS, T, left=True, seed=8)
     real = mask.astype(bool)
-    np.testing.assert_allclose(np.asarray(_fwd(m, ids, mask))[real],
-                               np.asarray(_fwd(loaded["qwen2"], ids, mask))[real], atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(_fwd(m, ids, mask))[real], np.asarray(_fwd(loaded["qwen2"], ids, mask))[real], atol=1e-5
+    )
 
 
 def test_init_model_and_config_validation():
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                      intermediate_size=48, tie_word_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=48,
+        tie_word_embeddings=True,
+    )
     model = init_model(cfg, seed=0)
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n == cfg.num_params()
@@ -221,8 +232,7 @@ def test_kv_major_attention_matches_reference(t, keys_transposed):
             for j in range(h):
                 logits = kk[r, :n, j // (h // k)] @ qq[r, i, j] / np.sqrt(d)
                 p = np.exp(logits - logits.max())
-                np.testing.assert_allclose(np.asarray(out[r, i, j]), p / p.sum() @ vv[r, :n, j // (h // k)],
-                                           atol=1e-5)
+                np.testing.assert_allclose(np.asarray(out[r, i, j]), p / p.sum() @ vv[r, :n, j // (h // k)], atol=1e-5)
 
 
 @pytest.mark.parametrize("s, block", [(40, 8), (37, 8), (9, 16)], ids=["whole-blocks", "padded-tail", "one-block"])
@@ -246,8 +256,9 @@ def test_blocked_kv_major_attention_matches_one_pass(s, block):
     assert np.all(np.isfinite(np.asarray(out)))
     real = np.asarray(mask).any(-1)
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=2e-6, rtol=1e-5)
-    out_t = A.attention_kv_major_blocked(q, jnp.swapaxes(k_KxBxSxD, -1, -2), v_KxBxSxD, mask, block=block,
-                                         keys_transposed=True)  # the CPU's transposed key pool, gathered
+    out_t = A.attention_kv_major_blocked(
+        q, jnp.swapaxes(k_KxBxSxD, -1, -2), v_KxBxSxD, mask, block=block, keys_transposed=True
+    )  # the CPU's transposed key pool, gathered
     np.testing.assert_allclose(np.asarray(out_t)[real], np.asarray(ref)[real], atol=2e-6, rtol=1e-5)
     bf = [x.astype(jnp.bfloat16) for x in (q, k_KxBxSxD, v_KxBxSxD)]
     out_bf = A.attention_kv_major_blocked(*bf, mask, block=block).astype(jnp.float32)
@@ -311,10 +322,15 @@ def test_scan_layers_matches_transformers_and_loop(hf_checkpoints, loaded, scann
     remat = from_pretrained(hf_checkpoints["qwen2"][0], scan_layers=True, remat_policy="dots_saveable")
     l1, g1 = _loss_and_grads(remat, jnp.asarray(ids), jnp.asarray(mask))
     np.testing.assert_allclose(l0, l1, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(g1["layers"]["mlp"]["up_proj"]["kernel"][...][1]),
-                               np.asarray(g0["layers"][1]["mlp"]["up_proj"]["kernel"][...]), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(g1["embed_tokens"][...]), np.asarray(g0["embed_tokens"][...]),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(g1["layers"]["mlp"]["up_proj"]["kernel"][...][1]),
+        np.asarray(g0["layers"][1]["mlp"]["up_proj"]["kernel"][...]),
+        rtol=1e-4,
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        np.asarray(g1["embed_tokens"][...]), np.asarray(g0["embed_tokens"][...]), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_scan_layers_decode(scanned):

@@ -1,5 +1,6 @@
 """`stare-jax plan`: accelerator parsing, mesh resolution, eval_shape parameter counts, and the activation model
 checked against XLA's compiled memory analysis on small configs."""
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -19,8 +20,15 @@ from stare_jax.planning.estimate import (
 
 @pytest.mark.parametrize(
     "name, devices, hosts, hbm_gb",
-    [("v5p-64", 32, 8, 102.8), ("v4-8", 4, 1, 32.75), ("v5litepod-16", 16, 4, 16.9), ("v6e-256", 256, 64, 33.55),
-     ("8xH100", 8, 1, 80), ("2x8xH100", 16, 2, 80), ("4xH200", 4, 1, 141)],
+    [
+        ("v5p-64", 32, 8, 102.8),
+        ("v4-8", 4, 1, 32.75),
+        ("v5litepod-16", 16, 4, 16.9),
+        ("v6e-256", 256, 64, 33.55),
+        ("8xH100", 8, 1, 80),
+        ("2x8xH100", 16, 2, 80),
+        ("4xH200", 4, 1, 141),
+    ],
 )
 def test_parse_accelerator(name, devices, hosts, hbm_gb):
     acc = parse_accelerator(name)
@@ -65,23 +73,47 @@ def _xla_temp_bytes(cfg, batch, seq):
 def test_activation_model_agrees_with_xla(layers, seq):
     """Without remat the analytic activation bytes are within 20% of XLA's compiled temp bytes. (The CPU
     backend's scheduler is not memory-aware, so remat savings are not visible there; they are not checked.)"""
-    cfg = ModelConfig(vocab_size=512, hidden_size=256, num_layers=layers, num_heads=4, num_kv_heads=2,
-                      intermediate_size=704, attention_impl="xla")
+    cfg = ModelConfig(
+        vocab_size=512,
+        hidden_size=256,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=704,
+        attention_impl="xla",
+    )
     ratio = training_activation_bytes(cfg, 4, seq) / _xla_temp_bytes(cfg, 4, seq)
     assert 0.8 <= ratio <= 1.2, ratio
 
 
 def test_plan_of_a_paper_like_config():
-    cfg = load_config(None, ["model.preset=qwen2.5-math-7b", "data.max_prompt_len=1024", "sampling.max_new_tokens=3072",
-                             "model.dtype=bfloat16", "model.remat_policy=full", "model.attention_impl=splash",
-                             "launch.accelerator=v5p-64", "rl.micro_batch_size=2"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=qwen2.5-math-7b",
+            "data.max_prompt_len=1024",
+            "sampling.max_new_tokens=3072",
+            "model.dtype=bfloat16",
+            "model.remat_policy=full",
+            "model.attention_impl=splash",
+            "launch.accelerator=v5p-64",
+            "rl.micro_batch_size=2",
+        ],
+    )
     plan = estimate(cfg, num_params=get_preset("qwen2.5-math-7b").num_params())
     assert plan["estimate"] and plan["devices"] == 32 and plan["mesh"] == {"data": 1, "fsdp": 32, "tensor": 1}
     assert plan["fits"] and 0 < plan["peak_bytes_per_device"] < plan["hbm_bytes_per_device"]
     assert plan["total_flops_per_step"] > 1e16
     assert "ESTIMATE" in format_plan(plan) and "fits" in format_plan(plan)
-    too_long = load_config(None, ["model.preset=qwen2.5-math-7b", "data.max_prompt_len=2048",
-                                  "sampling.max_new_tokens=3072", "launch.accelerator=v5p-64"])
+    too_long = load_config(
+        None,
+        [
+            "model.preset=qwen2.5-math-7b",
+            "data.max_prompt_len=2048",
+            "sampling.max_new_tokens=3072",
+            "launch.accelerator=v5p-64",
+        ],
+    )
     with pytest.raises(ValueError, match=r"5120 tokens exceeds the model's context \(4096\)"):
         estimate(too_long, num_params=1)
     with pytest.raises(ValueError, match="no accelerator"):
@@ -96,8 +128,9 @@ def test_plan_of_the_embedded_toy_config():
     from stare_jax.planning.estimate import estimate, param_count
     from stare_jax.toy.spec import ToyAssetConfig, model_config
 
-    cfg = load_config(pathlib.Path(__file__).resolve().parents[3] / "configs" / "tiny_cpu_stare.yaml",
-                      ["rl.micro_batch_size=16"])
+    cfg = load_config(
+        pathlib.Path(__file__).resolve().parents[3] / "configs" / "tiny_cpu_stare.yaml", ["rl.micro_batch_size=16"]
+    )
     plan = estimate(cfg, "v5p-8")
     assert plan["fits"] and plan["devices"] == 4 and plan["total_flops_per_step"] > 0
     assert param_count(model_config(ToyAssetConfig())) > 100_000
@@ -110,8 +143,15 @@ def test_plan_models_the_engine_page_pool():
     from stare_jax.config.engine import EngineConfig
     from stare_jax.models import get_preset
 
-    base = ["model.preset=qwen2.5-math-7b", "data.max_prompt_len=1024", "sampling.max_new_tokens=3072",
-            "model.dtype=bfloat16", "launch.accelerator=v5p-8", "rl.micro_batch_size=1", "rl.gen_batch_size=64"]
+    base = [
+        "model.preset=qwen2.5-math-7b",
+        "data.max_prompt_len=1024",
+        "sampling.max_new_tokens=3072",
+        "model.dtype=bfloat16",
+        "launch.accelerator=v5p-8",
+        "rl.micro_batch_size=1",
+        "rl.gen_batch_size=64",
+    ]
     n = get_preset("qwen2.5-math-7b").num_params()
     tp = estimate(load_config(None, base + ["mesh.fsdp=1", "mesh.tensor=4"]), num_params=n)
     mc = get_preset("qwen2.5-math-7b")
@@ -119,8 +159,9 @@ def test_plan_models_the_engine_page_pool():
     assert tp["generator"] == "engine" and "generator: engine" in format_plan(tp)
     pool = 2 * mc.num_layers * ec.pool_pages(4096) * ec.page_size * (mc.num_kv_heads / 4) * mc.head_dim * 2
     assert tp["memory_bytes"]["sample/kv_page_pool"] == pool
-    static = estimate(load_config(None, base + ["mesh.fsdp=1", "mesh.tensor=4", "sampling.engine.enabled=false"]),
-                      num_params=n)
+    static = estimate(
+        load_config(None, base + ["mesh.fsdp=1", "mesh.tensor=4", "sampling.engine.enabled=false"]), num_params=n
+    )
     assert static["generator"] == "static" and "sample/kv_page_pool" not in static["memory_bytes"]
     assert static["memory_bytes"]["sample/kv_cache"] > 4 * pool  # 512 rows x 4096 slots vs 65 slots' pages
     fsdp = estimate(load_config(None, base), num_params=n)  # fsdp=-1: 4 data shards of 16 slots, each its pool
@@ -147,8 +188,15 @@ def test_plan_reports_the_largest_max_slots_that_fit():
     from stare_jax.models import get_preset
     from stare_jax.planning.estimate import max_slots_that_fit, phase_peaks
 
-    base = ["model.preset=qwen2.5-math-7b", "data.max_prompt_len=1024", "sampling.max_new_tokens=3072",
-            "model.dtype=bfloat16", "rl.micro_batch_size=1", "rl.gen_batch_size=64", "mesh.fsdp=-1"]
+    base = [
+        "model.preset=qwen2.5-math-7b",
+        "data.max_prompt_len=1024",
+        "sampling.max_new_tokens=3072",
+        "model.dtype=bfloat16",
+        "rl.micro_batch_size=1",
+        "rl.gen_batch_size=64",
+        "mesh.fsdp=-1",
+    ]
     n = get_preset("qwen2.5-math-7b").num_params()
 
     def sampling(acc, slots):
@@ -167,7 +215,8 @@ def test_plan_reports_the_largest_max_slots_that_fit():
     assert roomy["max_slots"] == roomy["one_per_response"] == 512
     tiny = estimate(load_config(None, base), "v5e-1", num_params=n)["max_slots_that_fit"]  # 16 GB: no room
     assert tiny["max_slots"] == 0 and "not one slot per data shard fits" in format_plan(
-        estimate(load_config(None, base), "v5e-1", num_params=n))
+        estimate(load_config(None, base), "v5e-1", num_params=n)
+    )
     static = estimate(load_config(None, base + ["sampling.engine.enabled=false"]), "2xH100", num_params=n)
     assert "max_slots_that_fit" not in static
 
@@ -179,8 +228,15 @@ def test_auto_max_slots_resolves_to_what_fits():
     from stare_jax.models import get_preset
     from stare_jax.planning.estimate import Accelerator, max_slots_that_fit, resolve_max_slots
 
-    base = ["model.preset=qwen2.5-math-7b", "data.max_prompt_len=1024", "sampling.max_new_tokens=3072",
-            "model.dtype=bfloat16", "rl.micro_batch_size=1", "rl.gen_batch_size=64", "mesh.fsdp=-1"]
+    base = [
+        "model.preset=qwen2.5-math-7b",
+        "data.max_prompt_len=1024",
+        "sampling.max_new_tokens=3072",
+        "model.dtype=bfloat16",
+        "rl.micro_batch_size=1",
+        "rl.gen_batch_size=64",
+        "mesh.fsdp=-1",
+    ]
     n = get_preset("qwen2.5-math-7b").num_params()
     auto = load_config(None, base + ["sampling.engine.max_slots=auto"])
     fit = max_slots_that_fit(auto, "2xH100", num_params=n)["max_slots"]
@@ -197,6 +253,7 @@ def test_auto_max_slots_resolves_to_what_fits():
     # with the static sampler the slot count is moot: nothing to resolve, nothing to refuse
     static = load_config(None, base + ["sampling.engine.max_slots=auto", "sampling.engine.enabled=false"])
     assert estimate(static, "v5e-1", num_params=n)["generator"] == "static"
+
 
 def test_plan_models_packing_and_the_optimizer_offload():
     """rl.packing: the step's FLOPs count the packed rows first-fit-decreasing finds under the assumed lengths
@@ -223,8 +280,9 @@ def test_plan_models_packing_and_the_optimizer_offload():
     opt = padded["memory_bytes"]["train/optimizer"]
     assert p_on["sampling"] - p_off["sampling"] == pytest.approx(opt)
     mem = padded["memory_bytes"]
-    assert p_off["training"] == pytest.approx(max(p_on["training"] - opt,
-                                                  mem["train/params"] + mem["train/grads"] + opt))
+    assert p_off["training"] == pytest.approx(
+        max(p_on["training"] - opt, mem["train/params"] + mem["train/grads"] + opt)
+    )
     assert p_off["training"] < p_on["training"] and off["peak_bytes_per_device"] < padded["peak_bytes_per_device"]
     assert "optimizer offloaded" in format_plan(off) and "packing (assumed lengths" in format_plan(packed)
 
@@ -253,8 +311,10 @@ def test_plan_counts_the_kl_reference_with_packing():
 
     base = "configs/paper/qwen3-8b-base_stare_o1.yaml"
     kl = ["rl.kl.reference=initial", "rl.kl.coef=0.001"]
-    for packed in (["rl.packing.enabled=true", "rl.micro_batch_tokens=16384"],
-                   ["rl.packing.enabled=true", "rl.micro_batch_tokens=16384", "rl.offload.optimizer=true"]):
+    for packed in (
+        ["rl.packing.enabled=true", "rl.micro_batch_tokens=16384"],
+        ["rl.packing.enabled=true", "rl.micro_batch_tokens=16384", "rl.offload.optimizer=true"],
+    ):
         without, with_kl = estimate(load_config(base, packed)), estimate(load_config(base, packed + kl))
         ref = with_kl["memory_bytes"]["train/reference_params"]
         assert ref == pytest.approx(with_kl["memory_bytes"]["train/params"]) and ref > 0
@@ -274,8 +334,12 @@ def test_live_accelerator_reads_the_runtime_hbm():
     assert live_accelerator() is None  # the CPU reports no bytes_limit
 
     def gpu(i):
-        return SimpleNamespace(memory_stats=lambda: {"bytes_limit": 79 * 10**9}, device_kind="NVIDIA H100 80GB HBM3",
-                               platform="gpu", process_index=i // 8)
+        return SimpleNamespace(
+            memory_stats=lambda: {"bytes_limit": 79 * 10**9},
+            device_kind="NVIDIA H100 80GB HBM3",
+            platform="gpu",
+            process_index=i // 8,
+        )
 
     acc = live_accelerator([gpu(i) for i in range(16)])
     assert (acc.num_devices, acc.num_hosts, acc.hbm_bytes, acc.kind) == (16, 2, 79 * 10**9, "gpu")

@@ -37,9 +37,24 @@ def test_labelled_cases_are_many_and_balanced():
     kinds = {c["kind"] for c in cases}
     n_pos = sum(c["verdict"] for c in cases)
     assert 0.3 < n_pos / len(cases) < 0.7
-    for must in ["frac_slash", "frac_decimal", "frac_dfrac", "radical_merge", "list_reordered", "tuple_swapped",
-                 "interval_open_closed", "interval_endpoint", "text_plain", "units", "percent",
-                 "thousands_sep", "int_off_by_one", "int_wrong_sign", "tuple_left_right", "degrees_plain"]:
+    for must in [
+        "frac_slash",
+        "frac_decimal",
+        "frac_dfrac",
+        "radical_merge",
+        "list_reordered",
+        "tuple_swapped",
+        "interval_open_closed",
+        "interval_endpoint",
+        "text_plain",
+        "units",
+        "percent",
+        "thousands_sep",
+        "int_off_by_one",
+        "int_wrong_sign",
+        "tuple_left_right",
+        "degrees_plain",
+    ]:
         assert must in kinds, must
 
 

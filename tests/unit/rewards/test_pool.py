@@ -9,10 +9,10 @@ import threading
 import time
 
 import pytest
-from support.rewards import misbehaving_score
 
 from stare_jax.rewards.math import score
 from stare_jax.rewards.pool import RewardPool
+from support.rewards import misbehaving_score
 
 TIMEOUT_S = 3.0
 GRACE_S = 1.0
@@ -28,9 +28,7 @@ def pool():
 @pytest.fixture(scope="module")
 def test_pool():
     """A pool whose workers run tests/support/rewards.misbehaving_score (sleep/hang/raise/alloc/die)."""
-    with RewardPool(
-        num_workers=2, timeout_s=1.5, memory_mb=512, kill_grace_s=2.0, score_fn=misbehaving_score
-    ) as p:
+    with RewardPool(num_workers=2, timeout_s=1.5, memory_mb=512, kill_grace_s=2.0, score_fn=misbehaving_score) as p:
         yield p
 
 

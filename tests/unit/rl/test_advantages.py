@@ -1,4 +1,5 @@
 """GRPO advantages and DAPO dynamic sampling vs independent NumPy re-derivations."""
+
 import numpy as np
 import pytest
 
@@ -100,8 +101,9 @@ def test_outcome_advantages_of_each_estimator():
     rewards = np.array([[1.0, 0.0, 0.0, 1.0], [0.5, 0.0, 1.0, 1.0]], np.float32)
     correct = (rewards == 1.0).astype(np.float32)
     g = np.asarray(outcome_advantages(rewards, correct))
-    np.testing.assert_allclose(g, (rewards - rewards.mean(1, keepdims=True))
-                               / (rewards.std(1, ddof=1, keepdims=True) + 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(
+        g, (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, ddof=1, keepdims=True) + 1e-6), rtol=1e-6
+    )
     dr = np.asarray(outcome_advantages(rewards, correct, norm_by_std=False))
     np.testing.assert_allclose(dr, rewards - rewards.mean(1, keepdims=True), rtol=1e-6)
     w = np.asarray(outcome_advantages(rewards, correct, estimator="w_reinforce", w_reinforce_lambda=0.1))

@@ -1,4 +1,5 @@
 """Chunked log-prob / entropy pass == naive full-logits computation (values and gradients), theory outputs."""
+
 import re
 
 import jax
@@ -37,8 +38,9 @@ def test_values_match_numpy(chunk):
     np.testing.assert_allclose(np.asarray(ent), rent, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk, vchunk, wdtype", [(5, None, jnp.float32), (4, 16, jnp.float32),
-                                                  (13, 10, jnp.float32), (3, 7, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "chunk, vchunk, wdtype", [(5, None, jnp.float32), (4, 16, jnp.float32), (13, 10, jnp.float32), (3, 7, jnp.bfloat16)]
+)
 def test_gradients_match_naive(chunk, vchunk, wdtype):
     h, w, t, mask = _inputs(1)
     w = jnp.asarray(w, wdtype)
@@ -102,8 +104,7 @@ def test_vocab_split_backward_matches_naive_and_gathers_no_table(mesh_shape):
     """On a mesh that splits the vocab (tensor 4), the backward's vocab chunks stay inside each device's rows:
     gradients equal the naive full-logits ones, and the compiled program all-gathers nothing table-sized (chunks
     straddling shards made XLA gather the whole [V, D] table and the stacked d(unembed) every call)."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from stare_jax.models.sharding import make_mesh, program_context
 
@@ -134,6 +135,9 @@ def test_vocab_split_backward_matches_naive_and_gathers_no_table(mesh_shape):
     gn = jax.grad(naive, argnums=(0, 1))(h, w)
     for x, y in zip(gc, gn):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
-    gathered = [m for m in re.findall(r"= f32\[([\d,]+)\][^ ]* all-gather", hlo)
-                if np.prod([int(d) for d in m.split(",")]) >= V * D // 2]
+    gathered = [
+        m
+        for m in re.findall(r"= f32\[([\d,]+)\][^ ]* all-gather", hlo)
+        if np.prod([int(d) for d in m.split(",")]) >= V * D // 2
+    ]
     assert not gathered, f"table-sized all-gathers in the backward: {gathered}"

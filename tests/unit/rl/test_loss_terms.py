@@ -1,13 +1,12 @@
 """Terms beside the policy loss (entropy bonus, KL estimators / loss / reward penalty, the 80/20 token filter) and
 the advantage shapers (W-REINF, EntroAdv, Dr.GRPO) vs NumPy re-derivations and verl's / TRL's formulas in torch."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from support.rl import np_agg
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stare_jax.rl.advantages import entropy_advantage, grpo_advantages, w_reinforce_advantages
 from stare_jax.rl.loss_terms import (
@@ -19,6 +18,7 @@ from stare_jax.rl.loss_terms import (
     kl_reward_penalty,
 )
 from stare_jax.rl.losses import AGG_MODES, compute_policy_loss, policy_loss
+from support.rl import np_agg
 
 B, T = 8, 16
 
@@ -60,7 +60,8 @@ def _t_kl(lp, ref, kind):  # verl kl_penalty_forward
 def _np_kl(lp, ref, kind):
     d = lp.astype(np.float64) - ref
     return {"kl": d, "k1": d, "abs": np.abs(d), "mse": d * d / 2, "k2": d * d / 2}.get(
-        kind, np.clip(np.exp(np.clip(-d, -20, 20)) - np.clip(-d, -20, 20) - 1, -10, 10))
+        kind, np.clip(np.exp(np.clip(-d, -20, 20)) - np.clip(-d, -20, 20) - 1, -10, 10)
+    )
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
@@ -157,8 +158,9 @@ def test_filtered_loss_has_gradient_only_on_selected_tokens():
     g = np.asarray(g)
     assert (g[~np.asarray(keep)] == 0).all() and (g[np.asarray(keep) & (adv[:, None] != 0)] != 0).all()
     # the normaliser stays the count of every valid token: -A / N on the kept tokens (on-policy)
-    np.testing.assert_allclose(g[np.asarray(keep)], (-adv[:, None] / mask.sum() * np.ones_like(lp))[np.asarray(keep)],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        g[np.asarray(keep)], (-adv[:, None] / mask.sum() * np.ones_like(lp))[np.asarray(keep)], rtol=1e-5
+    )
 
 
 def test_w_reinforce_advantages_and_gradient():

@@ -1,4 +1,5 @@
 """Clipped (dual-clip) policy loss with omega, 4 aggregation modes, metrics, micro-batch accumulation."""
+
 import jax
 import numpy as np
 import pytest
@@ -29,8 +30,11 @@ def _np_loss(lp, old, adv, mask, omega, agg, const=None):
     else:
         loss = seq_sums.sum() / (const if const is not None else lp.shape[1])
     n = max(v.sum(), 1)
-    metrics = {"clipfrac": ((L2 > L1) & v).sum() / n, "clipfrac_lower": ((Lc > L3) & (A < 0) & v).sum() / n,
-               "approx_kl": (-lr)[v].sum() / n}
+    metrics = {
+        "clipfrac": ((L2 > L1) & v).sum() / n,
+        "clipfrac_lower": ((Lc > L3) & (A < 0) & v).sum() / n,
+        "approx_kl": (-lr)[v].sum() / n,
+    }
     return loss, metrics
 
 
@@ -64,8 +68,15 @@ def test_policy_loss_matches_numpy(agg, with_omega):
 
 def test_clip_regimes_and_omega_after_clipping():
     # one token per row: (ratio, A) -> expected per-token loss before omega
-    cases = [(0.5, 1.0, -0.5), (0.5, -1.0, 0.8), (1.5, 1.0, -1.28), (1.5, -1.0, 1.5), (50.0, -1.0, 10.0),
-             (50.0, 1.0, -1.28), (1.0, 2.0, -2.0)]
+    cases = [
+        (0.5, 1.0, -0.5),
+        (0.5, -1.0, 0.8),
+        (1.5, 1.0, -1.28),
+        (1.5, -1.0, 1.5),
+        (50.0, -1.0, 10.0),
+        (50.0, 1.0, -1.28),
+        (1.0, 2.0, -2.0),
+    ]
     r = np.array([c[0] for c in cases], np.float32)[:, None]
     adv = np.array([c[1] for c in cases], np.float32)
     want = np.array([c[2] for c in cases])
@@ -94,6 +105,7 @@ def test_on_policy_gradient_is_minus_omega_a():
 def test_micro_batch_accumulation_equals_full_batch(agg):
     lp, old, adv, mask, omega = _batch(2, B=8)
     norm = loss_normalizer(mask, agg)
+
     def f(x, sl, nm):
         return policy_loss(x, old[sl], adv[sl], mask[sl], omega_BxT=omega[sl], agg=agg, normalizer=nm)
 

@@ -3,23 +3,37 @@ in for each update inside the step; the training equals keeping them on device (
 runs inside a lax.cond, which XLA fuses differently), on one device and on a mesh, a non-finite step is skipped with
 the moments left where and as they were, and the state keeps its memory kind across steps (the step's outputs are
 its next inputs). The compiled TPU step's device peak drops by the moments: tests/system/test_aot.py."""
+
 import dataclasses
 
 import jax
 import numpy as np
 import pytest
-from support.rl import random_train_batch
 
 from stare_jax.config.offload import OffloadConfig
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.rl.stare import StareConfig, init_stare_state
 from stare_jax.rl.step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step, place_train_state
+from support.rl import random_train_batch
 
-MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                    intermediate_size=64, tie_word_embeddings=True, initializer_range=0.3, max_position_embeddings=64)
-CFG = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), stare=StareConfig(enabled=True, target_entropy=50.0),
-                      logprob_chunk_size=8, num_mini_batches=2)
+MODEL = ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    initializer_range=0.3,
+    max_position_embeddings=64,
+)
+CFG = TrainStepConfig(
+    optimizer=OptimizerConfig(lr=1e-3),
+    stare=StareConfig(enabled=True, target_entropy=50.0),
+    logprob_chunk_size=8,
+    num_mini_batches=2,
+)
 
 
 def _batch(seed):

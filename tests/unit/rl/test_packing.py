@@ -2,14 +2,13 @@
 model on packed rows (attention within a segment, positions restarting) on every attention path, and the train
 step on the packed layout == the padded one (log-probs, entropy, omega, loss, gradient, metrics) on one device and
 an 8-device mesh, every aggregation mode, STARE on, the sequence-level losses; 0 recompiles over varying lengths."""
+
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.models import COMMON
-from support.rl import random_train_batch
 
 from stare_jax.config.kl import KLConfig
 from stare_jax.config.packing import PackingConfig
@@ -33,27 +32,49 @@ from stare_jax.rl.step import (
     place_train_state,
     split_model,
 )
+from support.models import COMMON
+from support.rl import random_train_batch
 
 
 def _family(name: str, **kw) -> ModelConfig:
     """stare_jax configs with the shapes of _model_fixtures' tiny HF checkpoints (Qwen2: q/k/v bias, untied;
     Qwen3: q/k norm, head_dim 16, tied; Llama: llama3 RoPE scaling, untied)."""
-    c = dict(vocab_size=COMMON["vocab_size"], hidden_size=COMMON["hidden_size"], num_layers=COMMON["num_hidden_layers"],
-             num_heads=COMMON["num_attention_heads"], num_kv_heads=COMMON["num_key_value_heads"],
-             intermediate_size=COMMON["intermediate_size"], max_position_embeddings=COMMON["max_position_embeddings"],
-             initializer_range=COMMON["initializer_range"])
-    extra = {"qwen2": dict(qkv_bias=True, rope_theta=10000.0),
-             "qwen3": dict(qk_norm=True, head_dim=16, tie_word_embeddings=True, rope_theta=1e6),
-             "llama": dict(rope_theta=5e5, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                         "high_freq_factor": 4.0,
-                                                         "original_max_position_embeddings": 16})}[name]
+    c = dict(
+        vocab_size=COMMON["vocab_size"],
+        hidden_size=COMMON["hidden_size"],
+        num_layers=COMMON["num_hidden_layers"],
+        num_heads=COMMON["num_attention_heads"],
+        num_kv_heads=COMMON["num_key_value_heads"],
+        intermediate_size=COMMON["intermediate_size"],
+        max_position_embeddings=COMMON["max_position_embeddings"],
+        initializer_range=COMMON["initializer_range"],
+    )
+    extra = {
+        "qwen2": dict(qkv_bias=True, rope_theta=10000.0),
+        "qwen3": dict(qk_norm=True, head_dim=16, tie_word_embeddings=True, rope_theta=1e6),
+        "llama": dict(
+            rope_theta=5e5,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    }[name]
     return ModelConfig(**{**c, **extra, **kw})
 
 
 B, L, ROW = 16, 24, 40  # 16 sequences of <= 24 tokens, packed into rows of 40
 STARE_ON = StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=50.0)  # the batch gate is on
-BASE = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), stare=STARE_ON, logprob_chunk_size=8, debug_outputs=True,
-                       loss_agg_constant=float(L - 1))
+BASE = TrainStepConfig(
+    optimizer=OptimizerConfig(lr=1e-3),
+    stare=STARE_ON,
+    logprob_chunk_size=8,
+    debug_outputs=True,
+    loss_agg_constant=float(L - 1),
+)
 
 
 def _packed_cfg(cfg, tokens=2 * ROW):
@@ -98,16 +119,16 @@ def test_pack_batch_places_every_sequence_whole_with_its_segment():
         real = attn[b] > 0
         r, c, n = packed["seq_row_B"][b], packed["seq_col_B"][b], packed["seq_len_B"][b]
         assert n == real.sum()
-        np.testing.assert_array_equal(packed["input_ids_RxT"][r, c:c + n], batch["input_ids_BxT"][b, real])
-        np.testing.assert_array_equal(packed["response_mask_RxT"][r, c:c + n], batch["response_mask_BxT"][b, real])
-        seg = packed["segment_ids_RxT"][r, c:c + n]
+        np.testing.assert_array_equal(packed["input_ids_RxT"][r, c : c + n], batch["input_ids_BxT"][b, real])
+        np.testing.assert_array_equal(packed["response_mask_RxT"][r, c : c + n], batch["response_mask_BxT"][b, real])
+        seg = packed["segment_ids_RxT"][r, c : c + n]
         assert (seg == seg[0]).all() and seg[0] > 0
         assert (r // 8) == b // 8  # mini-batch j's sequences stay in mini-batch j's rows
     seg = packed["segment_ids_RxT"]
     # segment ids count up along each row, padding (0) only at the end
     for row in seg:
         used = row[row > 0]
-        assert (np.diff(used) >= 0).all() and (row[len(used):] == 0).all()
+        assert (np.diff(used) >= 0).all() and (row[len(used) :] == 0).all()
     stats = packed_stats(packed, 2)
     assert stats["tokens"] == attn.sum() and 0.5 < stats["fill_rate"] <= 1.0
 
@@ -135,8 +156,9 @@ def test_trim_padded_batch_keeps_the_sequences_in_a_power_of_two_length():
 # ------------------------------------------------------------------------------------------------ the model
 
 
-@pytest.mark.parametrize("family,impl", [("qwen2", "xla"), ("qwen3", "dot_product"), ("llama", "splash"),
-                                         ("qwen3", "xla")])
+@pytest.mark.parametrize(
+    "family,impl", [("qwen2", "xla"), ("qwen3", "dot_product"), ("llama", "splash"), ("qwen3", "xla")]
+)
 def test_packed_rows_give_each_sequence_its_own_hidden_states(family, impl):
     """Attention never crosses a segment and positions restart: each sequence's hidden states in a packed row are
     those of the sequence alone (xla mask, jax.nn.dot_product_attention, splash's segment ids)."""
@@ -150,13 +172,13 @@ def test_packed_rows_give_each_sequence_its_own_hidden_states(family, impl):
     seg = np.zeros((1, T), np.int32)
     col = 0
     for k, s in enumerate(seqs):
-        ids[0, col:col + len(s)], seg[0, col:col + len(s)] = s, k + 1
+        ids[0, col : col + len(s)], seg[0, col : col + len(s)] = s, k + 1
         col += len(s)
     packed = np.asarray(model.hidden_states(jnp.asarray(ids), attention_mask=jnp.asarray(seg)))
     col = 0
     for s in seqs:
         alone = np.asarray(model.hidden_states(jnp.asarray(s[None].astype(np.int32))))[0]
-        np.testing.assert_allclose(packed[0, col:col + len(s)], alone, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(packed[0, col : col + len(s)], alone, atol=2e-5, rtol=1e-5)
         col += len(s)
 
 
@@ -208,8 +230,15 @@ def _assert_same(padded, packed, tol=1e-5):
     assert np.linalg.norm(d2 - d1) <= 1e-3 * np.linalg.norm(d1 - p0)
 
 
-@pytest.mark.parametrize("family,agg", [("qwen2", "token-mean"), ("qwen3", "seq-mean-token-sum"),
-                                        ("llama", "seq-mean-token-mean"), ("qwen2", "seq-mean-token-sum-norm")])
+@pytest.mark.parametrize(
+    "family,agg",
+    [
+        ("qwen2", "token-mean"),
+        ("qwen3", "seq-mean-token-sum"),
+        ("llama", "seq-mean-token-mean"),
+        ("qwen2", "seq-mean-token-sum-norm"),
+    ],
+)
 def test_packed_step_equals_padded_step(family, agg):
     """One device, STARE-O1 on, each aggregation mode: packed == padded to 1e-5 (log-probs, entropy, omega, loss,
     gradient, the update), the selection identical."""
@@ -225,8 +254,14 @@ def test_packed_sequence_level_losses_equal_padded(name):
     from its segment: packed == padded; with the entropy bonus, 2 mini-batches and 2 epochs."""
     model_cfg = _family("qwen2", num_layers=1)
     batch = random_train_batch(model_cfg.vocab_size, B, L, 1)
-    cfg = dataclasses.replace(BASE, stare=StareConfig(), policy_loss=PolicyLossConfig(name=name),
-                              entropy_coeff=0.0 if name == "geo_mean" else 0.01, num_mini_batches=2, ppo_epochs=2)
+    cfg = dataclasses.replace(
+        BASE,
+        stare=StareConfig(),
+        policy_loss=PolicyLossConfig(name=name),
+        entropy_coeff=0.0 if name == "geo_mean" else 0.01,
+        num_mini_batches=2,
+        ppo_epochs=2,
+    )
     _assert_same(_run(cfg, batch, model_cfg), _run(_packed_cfg(cfg, tokens=ROW), batch, model_cfg))
 
 
@@ -237,8 +272,9 @@ def test_packed_step_equals_padded_on_an_8_device_mesh():
     update on the 8-device mesh in the default tier)."""
     model_cfg = _family("qwen3")
     batch = random_train_batch(model_cfg.vocab_size, B, L, 2)
-    cfg = dataclasses.replace(BASE, token_filter=TokenFilterConfig(enabled=True, rho=0.5), num_mini_batches=2,
-                              loss_agg="seq-mean-token-mean")
+    cfg = dataclasses.replace(
+        BASE, token_filter=TokenFilterConfig(enabled=True, rho=0.5), num_mini_batches=2, loss_agg="seq-mean-token-mean"
+    )
     mesh = make_mesh({"data": 2, "fsdp": 4})
     _assert_same(_run(cfg, batch, model_cfg), _run(_packed_cfg(cfg, tokens=ROW), batch, model_cfg, mesh=mesh))
 
@@ -262,8 +298,14 @@ def _kl_cfg(case, **kw):
     return dataclasses.replace(BASE, kl=kl, loss_agg=agg, group_size=4, **kw)
 
 
-@pytest.mark.parametrize("case", ["loss_low_var_kl", pytest.param("loss_k1", marks=pytest.mark.slow),
-                                  pytest.param("reward_kl", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "loss_low_var_kl",
+        pytest.param("loss_k1", marks=pytest.mark.slow),
+        pytest.param("reward_kl", marks=pytest.mark.slow),
+    ],
+)
 def test_packed_step_with_kl_equals_padded(case):
     """rl.kl with packing, one device, STARE-O1 on, 2 mini-batches: the reference's log-probs come from the packed
     rows (segment ids, per-segment positions), so kl, the KL loss term / the per-sequence KL-in-reward sums, the
@@ -297,8 +339,9 @@ def test_pack_batch_carries_the_rewards_for_the_kl_in_reward_advantage():
 
 def test_micro_batch_scoped_selections_are_refused_with_packing():
     with pytest.raises(ValueError, match="rl.stare.scope = 'micro_batch'"):
-        _packed_cfg(dataclasses.replace(BASE, stare=dataclasses.replace(STARE_ON, scope="micro_batch",
-                                                                        micro_batch_size=2)))
+        _packed_cfg(
+            dataclasses.replace(BASE, stare=dataclasses.replace(STARE_ON, scope="micro_batch", micro_batch_size=2))
+        )
     with pytest.raises(ValueError, match="loss_agg_constant"):
         _packed_cfg(dataclasses.replace(BASE, loss_agg="seq-mean-token-sum-norm", loss_agg_constant=None))
 
@@ -312,8 +355,8 @@ def _long_tailed_batch(seed, L_max=48):
     attn = np.zeros((B, L_max), np.int32)
     resp = np.zeros((B, L_max), np.int32)
     for i in range(B):
-        attn[i, 8 - plen[i]:8 + rlen[i]] = 1
-        resp[i, 8:8 + rlen[i]] = 1
+        attn[i, 8 - plen[i] : 8 + rlen[i]] = 1
+        resp[i, 8 : 8 + rlen[i]] = 1
     return dict(batch, attention_mask_BxT=attn, response_mask_BxT=resp)
 
 
@@ -321,8 +364,9 @@ def test_token_budget_micro_batches_compile_once_over_varying_lengths():
     """Packed: the shapes depend on the config only, so steps over batches of varying lengths add 0 compiles after
     the first; the number of micro-batches that run follows the tokens."""
     model_cfg = _family("qwen2", num_layers=1)
-    cfg = dataclasses.replace(BASE, debug_outputs=False, packing=PackingConfig(enabled=True, row_tokens=48),
-                              micro_batch_tokens=96)
+    cfg = dataclasses.replace(
+        BASE, debug_outputs=False, packing=PackingConfig(enabled=True, row_tokens=48), micro_batch_tokens=96
+    )
     graphdef, ts = init_train_state(init_model(model_cfg, seed=0), cfg)
     step = make_train_step(graphdef, cfg, donate=False)
     ss = init_stare_state(cfg.stare)

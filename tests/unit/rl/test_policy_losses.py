@@ -2,14 +2,13 @@
 clipping regime, padded masks) and vs verl's formulas transcribed to torch on identical inputs (loss to 1e-5
 relative, gradient w.r.t. the log-probs to 1e-4); both selection scopes of clip_cov / kl_cov; micro-batch
 accumulation; sharded (8 fake devices) == single device; bad input."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from support.rl import np_agg
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from stare_jax.rl.losses import (
     AGG_MODES,
@@ -20,6 +19,7 @@ from stare_jax.rl.losses import (
     kl_cov_mask,
     policy_loss_normalizer,
 )
+from support.rl import np_agg
 
 B, T = 8, 12
 LO, HI, C = 0.2, 0.28, 4.0  # no ratio of the test data sits on a clip boundary
@@ -128,8 +128,9 @@ def _np_loss(name, lp, old, adv, mask, mode, o, omega=None, detach=None):
                 per_seq.append(0.0)
                 continue
             # token-level clip in the direction that helps the objective: upper for A > 0, lower for A < 0
-            xc = np.where(a > 0, np.minimum(x, o["clip_ratio_high"]),
-                          np.where(a < 0, np.maximum(x, -o["clip_ratio_low"]), 0.0))
+            xc = np.where(
+                a > 0, np.minimum(x, o["clip_ratio_high"]), np.where(a < 0, np.maximum(x, -o["clip_ratio_low"]), 0.0)
+            )
             per_seq.append(-a.mean() * np.exp(xc.mean()))
         cl = (nk < -o["clip_ratio_low"]) | (nk > o["clip_ratio_high"])
         n = max(v.sum(), 1)
@@ -178,8 +179,21 @@ def test_clip_cov_random_choice_is_a_uniform_subset_of_the_eligible():
     valid = jnp.asarray(mask > 0)
     ratio = np.exp(lp - old)
     clipped = valid & jnp.asarray(-adv * np.clip(ratio, 1 - LO, 1 + HI) > -adv * ratio)
-    sels = [np.asarray(clip_cov_mask(jnp.where(valid, lp, 0.0), adv, valid, clipped, clip_cov_ratio=0.02,
-                                     clip_cov_lb=0.0, clip_cov_ub=5.0, key=clip_cov_key(0, s))) for s in range(4)]
+    sels = [
+        np.asarray(
+            clip_cov_mask(
+                jnp.where(valid, lp, 0.0),
+                adv,
+                valid,
+                clipped,
+                clip_cov_ratio=0.02,
+                clip_cov_lb=0.0,
+                clip_cov_ub=5.0,
+                key=clip_cov_key(0, s),
+            )
+        )
+        for s in range(4)
+    ]
     num = max(int(0.02 * mask.sum()), 1)
     assert num >= 2 and all(s.sum() == num for s in sels)
     assert len({s.tobytes() for s in sels}) > 1  # different steps draw different subsets
@@ -279,8 +293,7 @@ def verl_loss(name, old, lp, adv, m, mode, o, omega=None, **agg_kw):
 def _torch_value_and_grad(name, lp, old, adv, mask, mode, omega):
     t = {k: torch.tensor(v) for k, v in dict(lp=lp, old=old, adv=adv, m=mask, om=omega).items()}
     x = t["lp"].clone().requires_grad_(True)
-    loss = verl_loss(name, t["old"], x, t["adv"], t["m"], mode, OPTS[name],
-                     omega=t["om"] if name == "stare" else None)
+    loss = verl_loss(name, t["old"], x, t["adv"], t["m"], mode, OPTS[name], omega=t["om"] if name == "stare" else None)
     loss.backward()
     return float(loss.detach()), x.grad.numpy()
 
@@ -375,8 +388,11 @@ def test_sharded_equals_single_device(name):
 def test_jitted_step_count_traced_key():
     """The clip_cov key may be derived from a traced step inside jit (no retrace per step)."""
     lp, old, adv, mask, _ = _batch(4)
-    f = jax.jit(lambda step: compute_policy_loss("clip_cov", old, lp, adv, mask, key=clip_cov_key(0, step),
-                                                 **OPTS["clip_cov"])[0])
+    f = jax.jit(
+        lambda step: compute_policy_loss("clip_cov", old, lp, adv, mask, key=clip_cov_key(0, step), **OPTS["clip_cov"])[
+            0
+        ]
+    )
     assert np.isfinite(float(f(jnp.int32(1)))) and np.isfinite(float(f(jnp.int32(2))))
     assert f._cache_size() == 1
 

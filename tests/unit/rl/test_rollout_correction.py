@@ -1,6 +1,7 @@
 """stare_jax.rl.rollout_correction against verl's rollout_corr_helper.py (volcengine/verl, decoupled mode),
 transcribed to torch below on identical inputs (weights, masks and metrics to 1e-6), and against hand-derived
 values on tiny cases; plus the option parsing's errors."""
+
 import math
 
 import jax
@@ -50,10 +51,14 @@ def verl_is_weights(lr, m, level, thr, normalize):
     met["rollout_is_std"] = torch.sqrt(torch.clamp(t_masked_mean(c.square(), m) - mc.square(), min=0.0))
     met["rollout_is_eff_sample_size"] = 1.0 / t_masked_mean((c / (mc + 1e-8)).square(), m)
     sw = t_masked_mean(w, m, -1)
-    met.update(rollout_is_seq_mean=sw.mean(), rollout_is_seq_max=sw.max(), rollout_is_seq_min=sw.min(),
-               rollout_is_seq_max_deviation=(sw - 1.0).abs().max(),
-               rollout_is_seq_fraction_high=(sw > thr).double().mean(),
-               rollout_is_seq_fraction_low=(sw < low).double().mean())
+    met.update(
+        rollout_is_seq_mean=sw.mean(),
+        rollout_is_seq_max=sw.max(),
+        rollout_is_seq_min=sw.min(),
+        rollout_is_seq_max_deviation=(sw - 1.0).abs().max(),
+        rollout_is_seq_fraction_high=(sw > thr).double().mean(),
+        rollout_is_seq_fraction_low=(sw < low).double().mean(),
+    )
     w = w.clamp(max=thr)
     if normalize:
         if level == "token":
@@ -71,14 +76,14 @@ def verl_is_weights(lr, m, level, thr, normalize):
 
 def verl_rejection(lr, m, options, thresholds):
     s = torch.clamp(lr, -SB, SB)
-    k = {"k1": -s, "k2": 0.5 * s ** 2, "k3": torch.exp(s) - 1.0 - s}
+    k = {"k1": -s, "k2": 0.5 * s**2, "k3": torch.exp(s) - 1.0 - s}
     mb = m.bool()
     combined = torch.ones_like(m)
     met = {}
     for opt, spec in zip(options, thresholds):
         kind = opt[-2:]
         if kind == "k1":
-            lo, hi = (spec.split("_", 1) if "_" in spec else (str(1.0 / float(spec)), spec))
+            lo, hi = spec.split("_", 1) if "_" in spec else (str(1.0 / float(spec)), spec)
             lo, hi = math.log(float(lo)), math.log(float(hi))
         else:
             lo, hi = None, float(spec)
@@ -107,13 +112,21 @@ def verl_offpolicy(old, roll, m):
     mo, mr = t_masked_mean(old, m, -1), t_masked_mean(roll, m, -1)
     lr = old - roll
     d = mr - mo
-    return {"training_ppl": torch.exp(-mo).mean(), "training_log_ppl": (-mo).mean(),
-            "kl": t_masked_mean(roll - old, m), "k3_kl": t_masked_mean(torch.exp(lr) - lr - 1, m),
-            "rollout_ppl": torch.exp(-mr).mean(), "rollout_log_ppl": (-mr).mean(), "log_ppl_diff": d.mean(),
-            "log_ppl_abs_diff": d.abs().mean(), "log_ppl_diff_max": d.max(), "log_ppl_diff_min": d.min(),
-            "ppl_ratio": torch.exp(d).mean(),
-            "chi2_token": t_masked_mean(torch.exp(torch.clamp(lr, -SB, SB)).square(), m) - 1.0,
-            "chi2_seq": torch.exp(2.0 * torch.clamp(t_masked_sum(lr, m, -1), -SB, SB)).mean() - 1.0}
+    return {
+        "training_ppl": torch.exp(-mo).mean(),
+        "training_log_ppl": (-mo).mean(),
+        "kl": t_masked_mean(roll - old, m),
+        "k3_kl": t_masked_mean(torch.exp(lr) - lr - 1, m),
+        "rollout_ppl": torch.exp(-mr).mean(),
+        "rollout_log_ppl": (-mr).mean(),
+        "log_ppl_diff": d.mean(),
+        "log_ppl_abs_diff": d.abs().mean(),
+        "log_ppl_diff_max": d.max(),
+        "log_ppl_diff_min": d.min(),
+        "ppl_ratio": torch.exp(d).mean(),
+        "chi2_token": t_masked_mean(torch.exp(torch.clamp(lr, -SB, SB)).square(), m) - 1.0,
+        "chi2_seq": torch.exp(2.0 * torch.clamp(t_masked_sum(lr, m, -1), -SB, SB)).mean() - 1.0,
+    }
 
 
 # ------------------------------------------------------------------ inputs
@@ -145,20 +158,33 @@ def _x64():
 def test_is_weights_match_verl(level, normalize, threshold):
     old, roll, mask = _inputs(scale=0.3 if level == "token" else 0.05)
     lr = np.where(mask > 0, old - roll, 0.0)
-    w, met = rc.is_weights(jnp.asarray(lr), jnp.asarray(mask), level=level, threshold=threshold,
-                           batch_normalize=normalize)
+    w, met = rc.is_weights(
+        jnp.asarray(lr), jnp.asarray(mask), level=level, threshold=threshold, batch_normalize=normalize
+    )
     w_ref, met_ref = verl_is_weights(torch.tensor(lr), torch.tensor(mask), level, threshold, normalize)
     np.testing.assert_allclose(np.asarray(w), w_ref.numpy(), rtol=1e-6, atol=1e-9)
     assert set(met) == set(met_ref)
     _close(met, met_ref)
 
 
-@pytest.mark.parametrize("options,thresholds", [
-    (["token_k1"], ["0.8_1.25"]), (["token_k1"], ["1.5"]), (["token_k2"], ["0.02"]), (["token_k3"], ["0.01"]),
-    (["seq_sum_k1"], ["0.5_2.0"]), (["seq_sum_k2"], ["0.1"]), (["seq_sum_k3"], ["0.1"]),
-    (["seq_mean_k1"], ["0.9_1.1"]), (["seq_mean_k2"], ["0.02"]), (["seq_mean_k3"], ["0.02"]),
-    (["seq_max_k2"], ["0.05"]), (["seq_max_k3"], ["0.05"]), (["token_k1", "seq_mean_k3"], ["0.7_1.4", "0.03"]),
-])
+@pytest.mark.parametrize(
+    "options,thresholds",
+    [
+        (["token_k1"], ["0.8_1.25"]),
+        (["token_k1"], ["1.5"]),
+        (["token_k2"], ["0.02"]),
+        (["token_k3"], ["0.01"]),
+        (["seq_sum_k1"], ["0.5_2.0"]),
+        (["seq_sum_k2"], ["0.1"]),
+        (["seq_sum_k3"], ["0.1"]),
+        (["seq_mean_k1"], ["0.9_1.1"]),
+        (["seq_mean_k2"], ["0.02"]),
+        (["seq_mean_k3"], ["0.02"]),
+        (["seq_max_k2"], ["0.05"]),
+        (["seq_max_k3"], ["0.05"]),
+        (["token_k1", "seq_mean_k3"], ["0.7_1.4", "0.03"]),
+    ],
+)
 def test_rejection_mask_matches_verl(options, thresholds):
     old, roll, mask = _inputs(seed=3)
     lr = np.where(mask > 0, old - roll, 0.0)
@@ -178,8 +204,9 @@ def test_offpolicy_metrics_match_verl_and_subsets_split_the_tokens():
     lr = np.where(mask > 0, old - roll, 0.0)
     assert float(ours["max_abs_log_ratio"]) == pytest.approx(np.abs(lr).max())
     selected = (np.random.default_rng(1).uniform(size=mask.shape) < 0.3).astype(np.float64)
-    split = rc.offpolicy_metrics(jnp.asarray(old), jnp.asarray(roll), jnp.asarray(mask),
-                                 subsets={"selected": selected, "rest": 1 - selected})
+    split = rc.offpolicy_metrics(
+        jnp.asarray(old), jnp.asarray(roll), jnp.asarray(mask), subsets={"selected": selected, "rest": 1 - selected}
+    )
     n_sel, n_rest = (selected * mask).sum(), ((1 - selected) * mask).sum()
     k1 = lambda sub: ((np.where(mask > 0, roll - old, 0)) * sub * mask).sum() / (sub * mask).sum()  # noqa: E731
     assert float(split["selected_kl"]) == pytest.approx(k1(selected), rel=1e-6)
@@ -206,15 +233,23 @@ def test_weights_carry_no_gradient_and_jit():
     g = jax.grad(lambda x: jnp.sum(rc.is_weights(x, jnp.asarray(mask), level="token", threshold=2.0)[0]))(lr)
     assert float(jnp.abs(g).max()) == 0.0
     f = jax.jit(lambda x: rc.rejection_mask(x, jnp.asarray(mask), rc.parse_rejection("seq_sum_k3", 0.1))[0])
-    np.testing.assert_array_equal(np.asarray(f(lr)), np.asarray(rc.rejection_mask(
-        lr, jnp.asarray(mask), rc.parse_rejection("seq_sum_k3", 0.1))[0]))
+    np.testing.assert_array_equal(
+        np.asarray(f(lr)),
+        np.asarray(rc.rejection_mask(lr, jnp.asarray(mask), rc.parse_rejection("seq_sum_k3", 0.1))[0]),
+    )
 
 
-@pytest.mark.parametrize("rs,thr,msg", [
-    ("token_k4", 2.0, "unknown option 'token_k4'"), ("", 2.0, "at least one option"),
-    ("token_k1", None, "rollout_rs_threshold must be set"), ("token_k1,token_k2", "1,2,3", "one per option"),
-    ("token_k2", "0.1_0.2", "one positive number"), ("seq_sum_k1", "-1", "lower_upper"),
-])
+@pytest.mark.parametrize(
+    "rs,thr,msg",
+    [
+        ("token_k4", 2.0, "unknown option 'token_k4'"),
+        ("", 2.0, "at least one option"),
+        ("token_k1", None, "rollout_rs_threshold must be set"),
+        ("token_k1,token_k2", "1,2,3", "one per option"),
+        ("token_k2", "0.1_0.2", "one positive number"),
+        ("seq_sum_k1", "-1", "lower_upper"),
+    ],
+)
 def test_bad_options_are_named(rs, thr, msg):
     with pytest.raises(ValueError, match=msg):
         rc.parse_rejection(rs, thr)
@@ -227,15 +262,25 @@ def test_the_config_section_takes_verls_names_and_names_bad_values():
     from stare_jax.config.options import ConfigError
 
     sec = "rl.rollout_correction."
-    cfg = load_config(None, [sec + "rollout_is=sequence", sec + "rollout_rs=token_k1,seq_mean_k3",
-                             sec + "rollout_rs_threshold=0.5_2.0,0.01"]).rl.rollout_correction
+    cfg = load_config(
+        None,
+        [
+            sec + "rollout_is=sequence",
+            sec + "rollout_rs=token_k1,seq_mean_k3",
+            sec + "rollout_rs_threshold=0.5_2.0,0.01",
+        ],
+    ).rl.rollout_correction
     assert cfg.corrects and cfg.rollout_is_threshold == 2.0
-    assert cfg.rejection_options == (rc.RejectionOption("token_k1", math.log(0.5), math.log(2.0)),
-                                     rc.RejectionOption("seq_mean_k3", None, 0.01))
+    assert cfg.rejection_options == (
+        rc.RejectionOption("token_k1", math.log(0.5), math.log(2.0)),
+        rc.RejectionOption("seq_mean_k3", None, 0.01),
+    )
     assert not load_config(None, []).rl.rollout_correction.corrects  # off by default
-    for bad, msg in ([[sec + "rollout_rs=token_k9", sec + "rollout_rs_threshold=2"], "unknown option 'token_k9'"],
-                     [[sec + "rollout_is=geometric"], "accepted values: 'token', 'sequence'"],
-                     [[sec + "rollout_rs_threshold=2"], "rollout_rs is null"],
-                     [[sec + "rollout_is_threshold=0"], "rollout_is_threshold"]):
+    for bad, msg in (
+        [[sec + "rollout_rs=token_k9", sec + "rollout_rs_threshold=2"], "unknown option 'token_k9'"],
+        [[sec + "rollout_is=geometric"], "accepted values: 'token', 'sequence'"],
+        [[sec + "rollout_rs_threshold=2"], "rollout_rs is null"],
+        [[sec + "rollout_is_threshold=0"], "rollout_is_threshold"],
+    ):
         with pytest.raises(ConfigError, match=msg):
             load_config(None, bad)

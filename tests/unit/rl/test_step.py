@@ -1,12 +1,12 @@
 """The jitted train step on the real stare_jax model: sharded == single device, micro-batch accumulation == full
 batch, STARE-O1 raises entropy vs GRPO, NaN skip, PPO epochs / micro-batch scope."""
+
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.rl import random_train_batch
 
 from stare_jax import models
 from stare_jax.models import ModelConfig, init_model
@@ -22,13 +22,22 @@ from stare_jax.rl.step import (
     place_train_state,
     shift_batch,
 )
+from support.rl import random_train_batch
 
-MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                    intermediate_size=64, tie_word_embeddings=True, initializer_range=0.3, max_position_embeddings=64)
+MODEL = ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    initializer_range=0.3,
+    max_position_embeddings=64,
+)
 B, L = 16, 20
 STARE_ON = StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=50.0)  # H_bar < 50: the batch gate is on
-BASE = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), stare=STARE_ON, logprob_chunk_size=8,
-                       debug_outputs=True)
+BASE = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), stare=STARE_ON, logprob_chunk_size=8, debug_outputs=True)
 
 
 def _batch(seed=0):
@@ -71,6 +80,7 @@ def test_step_matches_manual_loss(single, batch):
     assert float(met["stare/frac_reweighted"]) > 0
     # naive reference: full logits from the model call, then policy_loss
     from flax import nnx
+
     model = nnx.merge(graphdef, ts.params, ts.rest)
     logits = np.asarray(model(ids, attention_mask=attn), np.float64)[:, :-1]
     logp = logits - logits.max(-1, keepdims=True)
@@ -104,8 +114,9 @@ def test_sharded_equals_single_device(single, batch):
     # same parameter values as the single-device run (jitted and eager init differ in the last bit)
     shard = jax.tree.map(lambda x: x.sharding, ts_s.params)
     ts_s = place_train_state(dataclasses.replace(ts_s, params=jax.device_put(ts.params, shard)), mesh)
-    assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
-               for x in jax.tree.leaves(ts_s.params))
+    assert any(
+        len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated for x in jax.tree.leaves(ts_s.params)
+    )
     np.testing.assert_array_equal(_flat(ts_s.params), _flat(ts.params))
     step = make_train_step(graphdef_s, BASE, mesh=mesh, train_state=ts_s, donate=False)
     new_s, ss, met_s = step(ts_s, batch, init_stare_state(STARE_ON))
@@ -143,16 +154,27 @@ def test_nonfinite_loss_skips_update(single, batch):
 def test_ppo_epochs_minibatches_and_micro_batch_scope(single, batch):
     graphdef, ts, _, _, _, _ = single
     cfg = dataclasses.replace(
-        BASE, ppo_epochs=2, num_mini_batches=2, num_micro_batches=2, debug_outputs=False,
-        stare=dataclasses.replace(STARE_ON, variant="C2", scope="micro_batch", micro_batch_size=2,
-                                  rule="exact_top_k", theory_diagnostics=True))
+        BASE,
+        ppo_epochs=2,
+        num_mini_batches=2,
+        num_micro_batches=2,
+        debug_outputs=False,
+        stare=dataclasses.replace(
+            STARE_ON, variant="C2", scope="micro_batch", micro_batch_size=2, rule="exact_top_k", theory_diagnostics=True
+        ),
+    )
     step = make_train_step(graphdef, cfg, donate=True)
     new, ss, met = step(jax.tree.map(jnp.copy, ts), batch, init_stare_state(cfg.stare))
     assert float(met["num_updates"]) == 4 and float(met["skipped_updates"]) == 0
     assert float(met["approx_kl"]) != 0.0  # later updates see a policy that moved: ratio departs from 1
     assert np.isfinite(float(met["loss"])) and float(met["omega_mean_used"]) != 1.0
-    for k in ("theory/lambda", "theory/gamma_pos", "theory/predicted_dH", "theory/s_star_mean",
-              "theory/frac_pos_high_above_sstar"):
+    for k in (
+        "theory/lambda",
+        "theory/gamma_pos",
+        "theory/predicted_dH",
+        "theory/s_star_mean",
+        "theory/frac_pos_high_above_sstar",
+    ):
         assert np.isfinite(float(met[k])), k
     with pytest.raises(ValueError, match="micro_batch_size"):
         bad = dataclasses.replace(cfg, stare=dataclasses.replace(cfg.stare, micro_batch_size=3))

@@ -3,6 +3,7 @@ use_kl_in_reward): the step's loss == a NumPy re-derivation for every estimator 
 GRPO advantage; its gradient == jax.grad of a naive full-logits loss; the reference is never updated; kl == 0 when the
 reference is the policy; sharded (8 devices) == single device; 0 recompiles after the first step; EntroAdv's token
 advantage through the step."""
+
 import dataclasses
 
 import jax
@@ -10,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from support.rl import np_agg, random_train_batch
 
 from stare_jax import models
 from stare_jax.config.advantage import AdvantageConfig
@@ -29,9 +29,19 @@ from stare_jax.rl.step import (
     split_model,
 )
 from stare_jax.training.setup import TrainingError, reference_params
+from support.rl import np_agg, random_train_batch
 
-MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                    intermediate_size=64, tie_word_embeddings=True, initializer_range=0.3, max_position_embeddings=64)
+MODEL = ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    initializer_range=0.3,
+    max_position_embeddings=64,
+)
 B, L, G = 16, 20, 4
 BASE = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), logprob_chunk_size=8, debug_outputs=True, group_size=G)
 KL_LOSS = KLConfig(coef=0.05, reference="initial")
@@ -69,9 +79,16 @@ def _np_kl(lp, ref, kind):
     return np.clip(np.exp(x) - x - 1, -10, 10)
 
 
-@pytest.mark.parametrize("kind,agg", [("kl", "token-mean"), ("abs", "seq-mean-token-sum"),
-                                      ("mse", "seq-mean-token-mean"), ("low_var_kl", "token-mean"),
-                                      ("k3", "seq-mean-token-sum-norm")])
+@pytest.mark.parametrize(
+    "kind,agg",
+    [
+        ("kl", "token-mean"),
+        ("abs", "seq-mean-token-sum"),
+        ("mse", "seq-mean-token-mean"),
+        ("low_var_kl", "token-mean"),
+        ("k3", "seq-mean-token-sum-norm"),
+    ],
+)
 def test_kl_loss_term_matches_numpy(setup, kind, agg):
     batch, graphdef, ts, ref = setup
     cfg = dataclasses.replace(BASE, kl=dataclasses.replace(KL_LOSS, estimator=kind), loss_agg=agg)
@@ -174,8 +191,7 @@ def test_entropy_advantage_through_the_step(setup):
     adv = np.broadcast_to(np.asarray(batch["advantages_B"], np.float64)[:, None], ent.shape)
     tok_adv = adv + np.minimum(0.4 * ent, np.abs(adv) / 2.0)
     np.testing.assert_allclose(float(met["loss"]), np_agg(-tok_adv * lm, lm, "token-mean"), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(float(met["entropy_adv/bonus_mean"]), ((tok_adv - adv) * lm).sum() / lm.sum(),
-                               rtol=1e-5)
+    np.testing.assert_allclose(float(met["entropy_adv/bonus_mean"]), ((tok_adv - adv) * lm).sum() / lm.sum(), rtol=1e-5)
 
 
 def test_reference_from_a_folder_or_initial_and_bad_references(tmp_path):
@@ -183,8 +199,7 @@ def test_reference_from_a_folder_or_initial_and_bad_references(tmp_path):
     weights on the policy's shardings; another architecture or a missing folder is a TrainingError naming
     rl.kl.reference."""
     models.save_pretrained(init_model(MODEL, seed=1), tmp_path / "ref")
-    models.save_pretrained(init_model(MODEL.replace(hidden_size=16), seed=1),
-                           tmp_path / "other")
+    models.save_pretrained(init_model(MODEL.replace(hidden_size=16), seed=1), tmp_path / "other")
     params = split_model(init_model(MODEL, seed=0))[1]
     init = reference_params(load_config(None, ["rl.kl.reference=initial"]), params)
     for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(params)):

@@ -2,23 +2,37 @@
 TrainState.rest and comes out bit-identical, the optimizer state covers the adapters alone), the first step's
 forward metrics equal the full-parameter step's (B starts at zero: the adapted policy is the base), and a KL
 reference 'initial' (a copy of the starting adapters over the same frozen base) is the base policy itself."""
+
 import dataclasses
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from support.rl import random_train_batch
 
 from stare_jax.config.kl import KLConfig
 from stare_jax.models import ModelConfig, init_model
 from stare_jax.rl.stare import StareConfig, init_stare_state
 from stare_jax.rl.step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step, trainable
+from support.rl import random_train_batch
 
-MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                    tie_word_embeddings=True, initializer_range=0.3, max_position_embeddings=64)
-LORA = dataclasses.replace(MODEL, lora_rank=4, lora_alpha=8.0,
-                           lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+MODEL = ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    initializer_range=0.3,
+    max_position_embeddings=64,
+)
+LORA = dataclasses.replace(
+    MODEL,
+    lora_rank=4,
+    lora_alpha=8.0,
+    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+)
 STARE_ON = StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=50.0)
 CFG = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-2), stare=STARE_ON, logprob_chunk_size=8)
 B, L = 16, 20

@@ -1,13 +1,13 @@
 """The jitted train step with the other policy losses (rl.policy_loss), the entropy bonus and the 80/20 token filter:
 the step's loss == compute_policy_loss + entropy_bonus on a naive full-logits forward, composed with STARE's omega;
 clip_cov / kl_cov in both scopes; 0 recompiles across steps; sharded (8 devices) == single device."""
+
 import dataclasses
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from support.rl import random_train_batch
 
 from stare_jax.config.policy_loss import PolicyLossConfig, TokenFilterConfig
 from stare_jax.models import ModelConfig, init_model
@@ -23,9 +23,19 @@ from stare_jax.rl.step import (
     place_train_state,
     shift_batch,
 )
+from support.rl import random_train_batch
 
-MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                    intermediate_size=64, tie_word_embeddings=True, initializer_range=0.3, max_position_embeddings=64)
+MODEL = ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    initializer_range=0.3,
+    max_position_embeddings=64,
+)
 B, L = 16, 20
 STARE_ON = StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=50.0)
 BASE = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), logprob_chunk_size=8, debug_outputs=True)
@@ -52,8 +62,14 @@ def _naive_lp_ent(graphdef, ts, batch):
 @pytest.mark.parametrize("name", ["cispo", "gspo"])
 def test_step_loss_is_compute_policy_loss_plus_entropy_bonus_with_stare_and_filter(setup, name):
     batch, graphdef, ts = setup
-    cfg = dataclasses.replace(BASE, stare=STARE_ON, policy_loss=PolicyLossConfig(name=name), entropy_coeff=0.01,
-                              token_filter=TokenFilterConfig(enabled=True, rho=0.3), loss_agg="seq-mean-token-sum")
+    cfg = dataclasses.replace(
+        BASE,
+        stare=STARE_ON,
+        policy_loss=PolicyLossConfig(name=name),
+        entropy_coeff=0.01,
+        token_filter=TokenFilterConfig(enabled=True, rho=0.3),
+        loss_agg="seq-mean-token-sum",
+    )
     _, _, met = make_train_step(graphdef, cfg, donate=False)(ts, batch, init_stare_state(STARE_ON))
     lp, ent, lm, adv = _naive_lp_ent(graphdef, ts, batch)
     old = np.asarray(met["debug/old_logprobs"])
@@ -62,20 +78,45 @@ def test_step_loss_is_compute_policy_loss_plus_entropy_bonus_with_stare_and_filt
     assert 0.2 < float(met["token_filter/frac_kept"]) < 0.4
     om = np.asarray(token_weights(old, adv, lm, variant="O1", w=1.5, gate_on=True)) * keep
     np.testing.assert_array_equal(np.asarray(met["debug/omega"]), om)
-    want, _ = compute_policy_loss(name, old, lp, adv, lm, loss_agg_mode="seq-mean-token-sum", omega_BxT=om,
-                                  clip_ratio_low=0.2, clip_ratio_high=0.28)
+    want, _ = compute_policy_loss(
+        name,
+        old,
+        lp,
+        adv,
+        lm,
+        loss_agg_mode="seq-mean-token-sum",
+        omega_BxT=om,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+    )
     want = want + entropy_bonus(ent, lm, 0.01, loss_agg_mode="seq-mean-token-sum")[0]
     np.testing.assert_allclose(float(met["loss"]), float(want), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name,scope", [("clip_cov", "batch"), ("clip_cov", "micro_batch"), ("kl_cov", "batch"),
-                                        ("geo_mean", "batch"), ("sapo", "batch"), ("gpg", "batch")])
+@pytest.mark.parametrize(
+    "name,scope",
+    [
+        ("clip_cov", "batch"),
+        ("clip_cov", "micro_batch"),
+        ("kl_cov", "batch"),
+        ("geo_mean", "batch"),
+        ("sapo", "batch"),
+        ("gpg", "batch"),
+    ],
+)
 def test_every_loss_steps_finite_without_recompiling(setup, name, scope):
     batch, graphdef, ts = setup
-    opts = {"clip_cov": dict(clip_cov_ratio=0.05, clip_cov_lb=0.0, scope=scope, micro_batch_size=2),
-            "kl_cov": dict(kl_cov_ratio=0.05, scope=scope, micro_batch_size=2)}.get(name, {})
-    cfg = dataclasses.replace(BASE, policy_loss=PolicyLossConfig(name=name, **opts), num_micro_batches=2,
-                              num_mini_batches=2, debug_outputs=False)
+    opts = {
+        "clip_cov": dict(clip_cov_ratio=0.05, clip_cov_lb=0.0, scope=scope, micro_batch_size=2),
+        "kl_cov": dict(kl_cov_ratio=0.05, scope=scope, micro_batch_size=2),
+    }.get(name, {})
+    cfg = dataclasses.replace(
+        BASE,
+        policy_loss=PolicyLossConfig(name=name, **opts),
+        num_micro_batches=2,
+        num_mini_batches=2,
+        debug_outputs=False,
+    )
     step = make_train_step(graphdef, cfg, donate=False)
     new, ss, met = step(ts, batch, init_stare_state(cfg.stare))
     new2, _, met2 = step(new, batch, ss)
@@ -88,8 +129,13 @@ def test_every_loss_steps_finite_without_recompiling(setup, name, scope):
 
 def test_sharded_equals_single_device_for_another_loss(setup):
     batch, graphdef, ts = setup
-    cfg = dataclasses.replace(BASE, stare=STARE_ON, policy_loss=PolicyLossConfig(name="kl_cov", kl_cov_ratio=0.1),
-                              entropy_coeff=0.01, token_filter=TokenFilterConfig(enabled=True))
+    cfg = dataclasses.replace(
+        BASE,
+        stare=STARE_ON,
+        policy_loss=PolicyLossConfig(name="kl_cov", kl_cov_ratio=0.1),
+        entropy_coeff=0.01,
+        token_filter=TokenFilterConfig(enabled=True),
+    )
     _, _, met1 = make_train_step(graphdef, cfg, donate=False)(ts, batch, init_stare_state(STARE_ON))
     mesh = make_mesh({"data": 2, "fsdp": 4})
     graphdef_s, ts_s = init_train_state(init_model(MODEL, seed=0, mesh=mesh), cfg)

@@ -1,4 +1,5 @@
 """Theory quantities: Theorem 3.1 by finite differences, Theorem 3.4, Proposition 3.2 (s*), batch terms."""
+
 import numpy as np
 import pytest
 
@@ -44,7 +45,7 @@ def test_critical_surprisal_properties():
     H = _H(pi)
     p_star = np.exp(-s_star)
     assert np.all(p_star > np.exp(-H)) and np.all(p_star < 1)
-    S2 = (pi ** 2 * (np.log(pi) + H[:, None])).sum(-1)
+    S2 = (pi**2 * (np.log(pi) + H[:, None])).sum(-1)
     np.testing.assert_allclose(p_star * (np.log(p_star) + H) - S2, 0.0, atol=1e-6)
     grid = np.linspace(1e-4, 1 - 1e-4, 2001)
     f = grid[None] * (np.log(grid[None]) + H[:, None]) - S2[:, None]

@@ -3,6 +3,7 @@ test_sampling_parity.py): token identity for greedy and temperature-1 sampling w
 the slots / page size / chunk sizes; log-probs vs a full forward; page accounting (all pages back, only prompt
 prefix pages shared, one prefill per prompt); preemption; the 8-device mesh; multi-turn continuation; bad input.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,16 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from support.engine import EOS, PROMPTS, _assert_same, _tiny
 
 from stare_jax.models import init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.sampling import Sampler, SamplingParams
 from stare_jax.sampling.engine import Engine, EngineConfig, Scheduler, compiled_programs
+from support.engine import EOS, PROMPTS, _assert_same, _tiny
 
 SMALL = EngineConfig(max_slots=4, page_size=4, decode_chunk=4, prefill_chunk=8)
-
-
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +33,20 @@ def _full_logprobs(model, seqs) -> list[np.ndarray]:
     T = model.config.max_position_embeddings
     ids = np.zeros((len(seqs), T), np.int32)
     for r, s in enumerate(seqs):
-        ids[r, :len(s)] = s
+        ids[r, : len(s)] = s
     logp = np.asarray(jax.nn.log_softmax(jax.jit(lambda x: model(x))(jnp.asarray(ids)), -1))
     return [logp[r] for r in range(len(seqs))]
 
 
-
-
-@pytest.mark.parametrize("family, config", [
-    ("qwen2", SMALL), ("qwen2", EngineConfig(max_slots=16, page_size=16, decode_chunk=16)),
-    pytest.param("qwen3", SMALL, marks=pytest.mark.slow)], ids=["qwen2-slots4-page4-K4", "qwen2-slots16-page16-K16",
-                                                                 "qwen3-slots4-page4-K4"])
+@pytest.mark.parametrize(
+    "family, config",
+    [
+        ("qwen2", SMALL),
+        ("qwen2", EngineConfig(max_slots=16, page_size=16, decode_chunk=16)),
+        pytest.param("qwen3", SMALL, marks=pytest.mark.slow),
+    ],
+    ids=["qwen2-slots4-page4-K4", "qwen2-slots16-page16-K16", "qwen3-slots4-page4-K4"],
+)
 def test_matches_static_sampler_greedy_and_sampled(family, config, model):
     model = model if family == "qwen2" else _tiny(family)
     kw = dict(max_new_tokens=24, num_samples=3)
@@ -52,8 +54,9 @@ def test_matches_static_sampler_greedy_and_sampled(family, config, model):
     free = Sampler(model).generate(PROMPTS, sampling=SamplingParams(temperature=0.0, eos_ids=[]), **kw)
     greedy_eos = sorted({free.tokens[3 * p][k] for p, k in ((0, 3), (2, 11), (4, 17))})
     for temperature, eos in ((0.0, greedy_eos), (1.0, EOS)):
-        ref = Sampler(model).generate(PROMPTS,
-                                      sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw)
+        ref = Sampler(model).generate(
+            PROMPTS, sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw
+        )
         out = engine.generate(PROMPTS, sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw)
         _assert_same(out, ref)
         assert len(set(out.lengths)) >= 3  # rows finish at different times (slots are refilled)
@@ -65,12 +68,13 @@ def test_matches_static_sampler_greedy_and_sampled(family, config, model):
 
 
 def test_logprobs_equal_full_forward(model):
-    out = Engine(model, config=SMALL).generate(PROMPTS[:3], max_new_tokens=16, num_samples=2,
-                                               sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=2))
+    out = Engine(model, config=SMALL).generate(
+        PROMPTS[:3], max_new_tokens=16, num_samples=2, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=2)
+    )
     full = _full_logprobs(model, [PROMPTS[r // 2] + toks for r, toks in enumerate(out.tokens)])
     for r, (toks, lps) in enumerate(zip(out.tokens, out.logprobs)):
         prompt = PROMPTS[r // 2]
-        ref = full[r][len(prompt) - 1: len(prompt) - 1 + len(toks)][np.arange(len(toks)), toks]
+        ref = full[r][len(prompt) - 1 : len(prompt) - 1 + len(toks)][np.arange(len(toks)), toks]
         np.testing.assert_allclose(lps, ref, atol=1e-5)
 
 
@@ -121,9 +125,14 @@ def test_array_api_matches_sampler(model):
     ids = np.zeros((3, 16), np.int32)
     mask = np.zeros((3, 16), np.int32)
     for r, p in enumerate([PROMPTS[0], PROMPTS[1], PROMPTS[2]]):
-        ids[r, 16 - len(p):], mask[r, 16 - len(p):] = p, 1
-    kw = dict(max_new_tokens=12, num_samples=2, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=9),
-              prompt_index_P=np.asarray([40, 41, 42]), active_P=np.asarray([True, False, True]))
+        ids[r, 16 - len(p) :], mask[r, 16 - len(p) :] = p, 1
+    kw = dict(
+        max_new_tokens=12,
+        num_samples=2,
+        sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=9),
+        prompt_index_P=np.asarray([40, 41, 42]),
+        active_P=np.asarray([True, False, True]),
+    )
     ref = Sampler(model).generate_arrays(ids, mask, **kw)
     out = Engine(model, config=SMALL).generate_arrays(jnp.asarray(ids), jnp.asarray(mask), **kw)
     for a, b in zip(out, ref):
@@ -195,25 +204,32 @@ def test_multi_turn_continuation_equals_full_forward(model):
     for c, t, logp in zip(convs, tool, full):
         assert len(c.turn_tokens) == 6
         assert c.response_mask == [1] * 5 + [0] * len(t)
-        assert c.tokens[c.prompt_len + 5: c.prompt_len + 5 + len(t)] == t
+        assert c.tokens[c.prompt_len + 5 : c.prompt_len + 5 + len(t)] == t
         n0 = len(c.seq)
-        ref = logp[n0 - 1: n0 - 1 + 6][np.arange(6), c.turn_tokens]
+        ref = logp[n0 - 1 : n0 - 1 + 6][np.arange(6), c.turn_tokens]
         np.testing.assert_allclose(c.turn_logprobs, ref, atol=1e-5)
         assert np.all(np.isnan(c.response_logprobs[5:]))
     engine.close(convs)
     assert engine.pool.all_free()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_slots=0), "sampling.engine: 'max_slots' = 0 is out of range; accepted: \\[1, inf\\]"),
-    (dict(page_size=0), "sampling.engine: 'page_size' = 0 is out of range"),
-    (dict(decode_chunk=2.5), "sampling.engine: 'decode_chunk' = 2.5 has the wrong type; expected an integer"),
-    (dict(num_pages=1), "sampling.engine: 'num_pages' = 1 is not accepted: 0 \\(auto\\)"),
-    (dict(attention="flash"), "sampling.engine: 'attention' = 'flash' is not accepted; accepted values: 'auto', "
-                              "'gather', 'pallas'"),
-    (dict(max_slots="many"), "sampling.engine: 'max_slots' = 'many' has the wrong type; expected int or one of "
-                             "'auto'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_slots=0), "sampling.engine: 'max_slots' = 0 is out of range; accepted: \\[1, inf\\]"),
+        (dict(page_size=0), "sampling.engine: 'page_size' = 0 is out of range"),
+        (dict(decode_chunk=2.5), "sampling.engine: 'decode_chunk' = 2.5 has the wrong type; expected an integer"),
+        (dict(num_pages=1), "sampling.engine: 'num_pages' = 1 is not accepted: 0 \\(auto\\)"),
+        (
+            dict(attention="flash"),
+            "sampling.engine: 'attention' = 'flash' is not accepted; accepted values: 'auto', 'gather', 'pallas'",
+        ),
+        (
+            dict(max_slots="many"),
+            "sampling.engine: 'max_slots' = 'many' has the wrong type; expected int or one of 'auto'",
+        ),
+    ],
+)
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)
@@ -247,17 +263,23 @@ def test_pallas_decode_gives_the_gather_tokens(model, temperature):
     """attention=pallas (the TPU kernel, Pallas interpret mode on CPU: ~20 s) decodes the gather path's tokens with
     a bfloat16 pool (the kernel reads pages as bfloat16); log-probs to float tolerance."""
     kw = dict(max_new_tokens=8, num_samples=2, sampling=SamplingParams(temperature=temperature, eos_ids=EOS, seed=4))
-    out = {a: Engine(model, cache_dtype=jnp.bfloat16, config=dataclasses.replace(SMALL, attention=a)).generate(
-        PROMPTS[:3], **kw) for a in ("gather", "pallas")}
+    out = {
+        a: Engine(model, cache_dtype=jnp.bfloat16, config=dataclasses.replace(SMALL, attention=a)).generate(
+            PROMPTS[:3], **kw
+        )
+        for a in ("gather", "pallas")
+    }
     assert out["pallas"].tokens == out["gather"].tokens and out["pallas"].lengths == out["gather"].lengths
-    np.testing.assert_allclose(np.concatenate(out["pallas"].logprobs), np.concatenate(out["gather"].logprobs),
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        np.concatenate(out["pallas"].logprobs), np.concatenate(out["gather"].logprobs), atol=1e-4
+    )
 
 
 def test_bad_input(model):
     engine = Engine(model, config=EngineConfig(max_slots=2, page_size=4, num_pages=4))
-    with pytest.raises(ValueError, match="sampling.engine.num_pages=4 cannot hold one request of 30 tokens .* "
-                                         "needs >= 10"):
+    with pytest.raises(
+        ValueError, match="sampling.engine.num_pages=4 cannot hold one request of 30 tokens .* needs >= 10"
+    ):
         engine.generate([[1] * 6], max_new_tokens=24)
     with pytest.raises(ValueError, match="prompt_ids is empty"):
         engine.generate([], max_new_tokens=4)
@@ -280,8 +302,15 @@ def test_drop_in_for_generate_rollouts(model):
         def decode(self, ids):
             return " ".join(map(str, ids))
 
-    kw = dict(tokenizer=Tok(), reward_fn=reward_fn_for("digit_sum"), prompt_len=32, max_new_tokens=12, num_samples=2,
-              sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=3), index_offset=5)
+    kw = dict(
+        tokenizer=Tok(),
+        reward_fn=reward_fn_for("digit_sum"),
+        prompt_len=32,
+        max_new_tokens=12,
+        num_samples=2,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=3),
+        index_offset=5,
+    )
     a, texts_a, _ = generate_rollouts(Sampler(model), PROMPTS, ["1:1"] * len(PROMPTS), **kw)
     b, texts_b, _ = generate_rollouts(Engine(model, config=SMALL), PROMPTS, ["1:1"] * len(PROMPTS), **kw)
     assert texts_a == texts_b
@@ -331,8 +360,9 @@ def test_make_generator_picks_the_engine_where_it_runs(model, monkeypatch):
         m.setattr(distributed, "is_multiprocess", lambda: True)
         assert isinstance(make_generator(model, config=EngineConfig(), mesh=data_mesh, **long), Engine)
         assert isinstance(make_generator(model, config=EngineConfig(), **long), Sampler)  # no mesh: not the engine
-        with pytest.raises(ValueError, match="sampling.engine.enabled=true: the run has 1 processes but the "
-                                             "engine got no mesh"):
+        with pytest.raises(
+            ValueError, match="sampling.engine.enabled=true: the run has 1 processes but the engine got no mesh"
+        ):
             make_generator(model, config=EngineConfig(enabled=True), **long)
     tensor_mesh = make_mesh({"data": 1, "tensor": 2}, devices=jax.devices()[:2])
     sharded = init_model(model.config, seed=0, mesh=tensor_mesh)
@@ -352,8 +382,9 @@ def test_any_number_of_eos_ids(model):
     kw = dict(max_new_tokens=16, num_samples=2, sampling=SamplingParams(temperature=1.0, eos_ids=many, seed=1))
     out = Engine(model, config=SMALL).generate(PROMPTS, **kw)
     _assert_same(out, Sampler(model).generate(PROMPTS, **kw))
-    assert "eos" in out.finish_reasons and all(t[-1] in many for t, r in zip(out.tokens, out.finish_reasons)
-                                               if r == "eos")
+    assert "eos" in out.finish_reasons and all(
+        t[-1] in many for t, r in zip(out.tokens, out.finish_reasons) if r == "eos"
+    )
 
 
 class _AdmissionLog(Scheduler):
@@ -372,8 +403,9 @@ def test_slots_refilled_in_queue_order(model):
     """Requests enter slots in queue order (prompt-major: p * G + g), a freed slot is refilled in the next round,
     and never more than max_slots rows run at once."""
     engine = _with_scheduler(Engine(model, config=SMALL), _AdmissionLog)
-    out = engine.generate(PROMPTS, max_new_tokens=24, num_samples=3,
-                          sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=5))
+    out = engine.generate(
+        PROMPTS, max_new_tokens=24, num_samples=3, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=5)
+    )
     log = engine.scheduler
     assert log.order == list(range(len(PROMPTS) * 3))
     assert max(log.busy) == SMALL.max_slots and len(set(out.lengths)) > 1
@@ -403,8 +435,9 @@ def test_extend_a_subset_while_other_rows_decode(model):
     assert turns == {c.index: 2 for c in convs} and any(first_still_decoding)
     for c, r in zip(convs, ref):
         assert c.tokens == r.tokens and c.response_mask == r.response_mask and c.finished_eos == r.finished_eos
-        np.testing.assert_allclose(c.response_logprobs + c.turn_logprobs, r.response_logprobs + r.turn_logprobs,
-                                   atol=1e-5)
+        np.testing.assert_allclose(
+            c.response_logprobs + c.turn_logprobs, r.response_logprobs + r.turn_logprobs, atol=1e-5
+        )
     engine.close(convs)
     ref_engine.close(ref)
     assert engine.pool.all_free() and not engine.running
@@ -418,8 +451,9 @@ def test_running_batch_refuses_blocking_calls_and_close_cancels_it(model):
     with pytest.raises(ValueError, match="running conversations queued with wait=False"):
         engine.generate(PROMPTS[:1], max_new_tokens=4)
     with pytest.raises(ValueError, match="running conversations queued with wait=False"):
-        engine.start(PROMPTS[:1], max_new_tokens=4, wait=False,
-                     sampling=SamplingParams(temperature=0.0))  # other sampling arguments
+        engine.start(
+            PROMPTS[:1], max_new_tokens=4, wait=False, sampling=SamplingParams(temperature=0.0)
+        )  # other sampling arguments
     running = next(c for c in convs if c.running)
     with pytest.raises(ValueError, match=f"conversation {running.index} is still running"):
         engine.extend([running], [[1]], max_new_tokens=2, wait=False, **kw)

@@ -1,5 +1,6 @@
 """benchmarks/engine_profile.py: the optimized-HLO parse and op classes on a real XLA CPU program, the per-module
 aggregation of profiler events, and the analytic matmul FLOPs (by hand)."""
+
 from __future__ import annotations
 
 import pathlib
@@ -22,15 +23,22 @@ def _program(x_BxD, w_DxD, head_DxV, pages_NxD, slot_B, branch):
     the sampling reductions over its logits."""
     h_BxD = jnp.tanh(x_BxD @ w_DxD)
     pages_NxD = pages_NxD.at[slot_B].set(h_BxD)
-    att_BxD = jax.lax.switch(branch, [lambda p: jnp.tanh(h_BxD @ p[:8].T) @ p[:8],
-                                      lambda p: jnp.tanh(h_BxD @ p[:16].T) @ p[:16]], pages_NxD)
+    att_BxD = jax.lax.switch(
+        branch, [lambda p: jnp.tanh(h_BxD @ p[:8].T) @ p[:8], lambda p: jnp.tanh(h_BxD @ p[:16].T) @ p[:16]], pages_NxD
+    )
     logits_BxV = (h_BxD + att_BxD) @ head_DxV
     return pages_NxD, jnp.argmax(logits_BxV, -1), jax.nn.logsumexp(logits_BxV, -1)
 
 
 def _ops():
-    args = (jnp.ones((4, 32)), jnp.ones((32, 32)), jnp.ones((32, VOCAB)), jnp.zeros((64, 32)),
-            jnp.arange(4), jnp.int32(1))
+    args = (
+        jnp.ones((4, 32)),
+        jnp.ones((32, 32)),
+        jnp.ones((32, VOCAB)),
+        jnp.zeros((64, 32)),
+        jnp.arange(4),
+        jnp.int32(1),
+    )
     return ep.hlo_ops(jax.jit(_program).lower(*args).compile().as_text())
 
 
@@ -51,11 +59,19 @@ def test_classes_of_a_real_cpu_program():
 
 def test_aggregate_sums_thread_time_per_class_and_wall_per_execution():
     classes = {"m": {"a": "lm_head", "b": "layer_matmuls", "c": None, "d": "layer_matmuls"}}
-    ev = lambda op, ts, dur, run: {"ts": ts, "dur": dur, "args": {"hlo_module": "m", "hlo_op": op,  # noqa: E731
-                                                                   "run_id": run}}
-    events = [ev("c", 0, 100, "r1"), ev("a", 0, 40, "r1"), ev("b", 10, 50, "r1"), ev("d", 20, 50, "r1"),
-              ev("a", 1000, 30, "r2"), ev("x", 0, 999, "r2"),
-              {"ts": 0, "dur": 5, "args": {"hlo_module": "other", "hlo_op": "a", "run_id": "r3"}}]
+
+    def ev(op, ts, dur, run):
+        return {"ts": ts, "dur": dur, "args": {"hlo_module": "m", "hlo_op": op, "run_id": run}}
+
+    events = [
+        ev("c", 0, 100, "r1"),
+        ev("a", 0, 40, "r1"),
+        ev("b", 10, 50, "r1"),
+        ev("d", 20, 50, "r1"),
+        ev("a", 1000, 30, "r2"),
+        ev("x", 0, 999, "r2"),
+        {"ts": 0, "dur": 5, "args": {"hlo_module": "other", "hlo_op": "a", "run_id": "r3"}},
+    ]
     out = ep.aggregate(events, classes)
     assert set(out) == {"m"}
     assert out["m"]["op_s"]["lm_head"] == pytest.approx((40 + 30) / 1e6)
@@ -66,13 +82,16 @@ def test_aggregate_sums_thread_time_per_class_and_wall_per_execution():
 
 
 def test_variants_of_one_program_merge_by_name_and_conflicts_are_counted():
-    merged, n = ep.merge_variants([{"a": "lm_head", "b": "attention", "w": None},
-                                   {"a": "lm_head", "b": "layer_matmuls", "c": "sampling", "w": "other"}])
+    merged, n = ep.merge_variants(
+        [
+            {"a": "lm_head", "b": "attention", "w": None},
+            {"a": "lm_head", "b": "layer_matmuls", "c": "sampling", "w": "other"},
+        ]
+    )
     assert merged == {"a": "lm_head", "b": "other", "c": "sampling", "w": None} and n == 2
 
 
 def test_matmul_flops_per_token_by_hand():
-    cfg = ModelConfig(vocab_size=100, hidden_size=8, num_layers=3, num_heads=4, num_kv_heads=2,
-                      intermediate_size=16)
+    cfg = ModelConfig(vocab_size=100, hidden_size=8, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=16)
     # per layer: q 8x8, k 8x4, v 8x4, o 8x8, gate/up/down 3 x 8x16 = 64+32+32+64+384 = 576 weights
     assert ep.matmul_flops_per_token(cfg) == (2 * 576 * 3, 2 * 8 * 100)

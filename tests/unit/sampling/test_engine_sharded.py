@@ -3,6 +3,7 @@ each data shard has its own slots and page pool ([D, K, N/D, P, Dh], leading axi
 are those of the single-device engine and of the static sampler (greedy and temperature 1, long-tailed lengths);
 multi-turn continuation; no recompilation across steps; the pool's bytes per device are 1/D; the compiled programs
 gather pages locally (no all-gather of the pool)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,17 +12,25 @@ import re
 import jax
 import numpy as np
 import pytest
-from support.engine import EOS, PROMPTS, _assert_same, _tiny
 
-from stare_jax.models import init_model
-from stare_jax.models import paged_attention as pa
+from stare_jax.models import init_model, paged_attention as pa
 from stare_jax.models.sharding import make_mesh
 from stare_jax.sampling import Sampler, SamplingParams
-from stare_jax.sampling.engine import Engine, EngineConfig, assign_shards, compiled_programs, kv_bytes
-from stare_jax.sampling.engine import programs as engine_programs
+from stare_jax.sampling.engine import (
+    Engine,
+    EngineConfig,
+    assign_shards,
+    compiled_programs,
+    kv_bytes,
+    programs as engine_programs,
+)
+from support.engine import EOS, PROMPTS, _assert_same, _tiny
 
-MESHES = {"data2-tensor4": {"data": 2, "tensor": 4}, "data4-tensor2": {"data": 4, "tensor": 2},
-          "data2-fsdp2-tensor2": {"data": 2, "fsdp": 2, "tensor": 2}}
+MESHES = {
+    "data2-tensor4": {"data": 2, "tensor": 4},
+    "data4-tensor2": {"data": 4, "tensor": 2},
+    "data2-fsdp2-tensor2": {"data": 2, "fsdp": 2, "tensor": 2},
+}
 CONFIG = EngineConfig(max_slots=8, page_size=8, decode_chunk=4, prefill_chunk=8, num_pages=32)  # few page buckets
 
 
@@ -45,22 +54,26 @@ def test_data_split_mesh_matches_single_device_and_sampler(model, shape):
     greedy_eos = sorted({free.tokens[3 * p][k] for p, k in ((0, 3), (2, 9), (4, 13))})
     single = Engine(model, config=CONFIG)
     for temperature, eos in ((0.0, greedy_eos), (1.0, EOS)):
-        ref = Sampler(model).generate(PROMPTS,
-                                      sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw)
+        ref = Sampler(model).generate(
+            PROMPTS, sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw
+        )
         out = engine.generate(PROMPTS, sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw)
         _assert_same(out, ref)
-        _assert_same(out, single.generate(PROMPTS,
-                                          sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw))
+        _assert_same(
+            out, single.generate(PROMPTS, sampling=SamplingParams(temperature=temperature, eos_ids=eos, seed=5), **kw)
+        )
         assert len(set(out.lengths)) >= 3  # long-tailed: rows finish at different times
         assert len(engine.pools) == D and all(p.all_free() for p in engine.pools)
         assert engine.stats["prefix_prefills"] == sum(len(p) > 1 for p in PROMPTS)  # one per prompt, on its shard
     k = engine.pages[0]["k"]
     cfg = model.config
     assert engine.keys_transposed and single.keys_transposed  # the CPU's key layout, on a mesh as on one device
-    assert k.shape == pa.pool_shape(32 // D, CONFIG.page_size, cfg.num_kv_heads, cfg.head_dim, data_shards=D,
-                                    transposed=True)
-    assert single.pages[0]["k"].shape == pa.pool_shape(32, CONFIG.page_size, cfg.num_kv_heads, cfg.head_dim,
-                                                       transposed=True)
+    assert k.shape == pa.pool_shape(
+        32 // D, CONFIG.page_size, cfg.num_kv_heads, cfg.head_dim, data_shards=D, transposed=True
+    )
+    assert single.pages[0]["k"].shape == pa.pool_shape(
+        32, CONFIG.page_size, cfg.num_kv_heads, cfg.head_dim, transposed=True
+    )
     # each device holds its shard's pages (and its share of the kv heads where tensor divides them): 1/D of the
     # pool a data-replicated engine holds per device
     heads_split = shape["tensor"] if model.config.num_kv_heads % shape["tensor"] == 0 else 1
@@ -109,15 +122,21 @@ def test_compiled_programs_gather_pages_locally(model, monkeypatch):
     jitted = {name: getattr(engine_programs, name) for name in ("_decode_jit", "_prefill_jit", "_copy_jit")}
     seen: dict = {}
     for name, program in jitted.items():
+
         def record(*args, _program=program, _name=name, **kwargs):
-            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                                    if isinstance(x, jax.Array) else x, args)
+            abstract = jax.tree.map(
+                lambda x: (
+                    jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+                ),
+                args,
+            )
             seen.setdefault(_name, (abstract, kwargs))
             return _program(*args, **kwargs)
 
         monkeypatch.setattr(engine_programs, name, record)
-    engine.generate(PROMPTS, max_new_tokens=8, num_samples=3,
-                    sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=2))
+    engine.generate(
+        PROMPTS, max_new_tokens=8, num_samples=3, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=2)
+    )
     assert set(seen) == set(jitted)
     N = engine.pages[0]["v"].shape[2]  # [D, K, N, P, Dh] (keys [D, K, N, Dh, P])
     Dh = model.config.head_dim
@@ -137,11 +156,16 @@ def test_pallas_decode_on_a_data_tensor_mesh_gives_the_gather_tokens(model):
     mesh = make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
     sharded = init_model(model.config, seed=0, mesh=mesh)
     kw = dict(max_new_tokens=8, num_samples=2, sampling=SamplingParams(temperature=0.0, eos_ids=EOS, seed=4))
-    out = {a: Engine(sharded, mesh=mesh, cache_dtype="bfloat16", config=dataclasses.replace(CONFIG, attention=a))
-           .generate(PROMPTS, **kw) for a in ("gather", "pallas")}
+    out = {
+        a: Engine(sharded, mesh=mesh, cache_dtype="bfloat16", config=dataclasses.replace(CONFIG, attention=a)).generate(
+            PROMPTS, **kw
+        )
+        for a in ("gather", "pallas")
+    }
     assert out["pallas"].tokens == out["gather"].tokens and out["pallas"].lengths == out["gather"].lengths
-    np.testing.assert_allclose(np.concatenate(out["pallas"].logprobs), np.concatenate(out["gather"].logprobs),
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        np.concatenate(out["pallas"].logprobs), np.concatenate(out["gather"].logprobs), atol=1e-4
+    )
 
 
 def test_assign_shards_keeps_prompts_whole_and_balances_work():

@@ -1,4 +1,5 @@
 """Page pool bookkeeping: free list, reference counts, page tables, width buckets, bad input."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -4,6 +4,7 @@ reproducibility, no recompilation within buckets, the array API, resharding, and
 The model is a tiny random stare_jax Transformer (init_model); parity with transformers is in
 test_sampling_parity.py.
 """
+
 from __future__ import annotations
 
 import jax
@@ -35,9 +36,19 @@ CONTEXT = [3, 14, 15, 92, 65, 35]
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(vocab_size=V, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                      intermediate_size=128, max_position_embeddings=64, qkv_bias=True, initializer_range=0.1,
-                      eos_token_id=None, pad_token_id=0)
+    cfg = ModelConfig(
+        vocab_size=V,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        qkv_bias=True,
+        initializer_range=0.1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     return init_model(cfg, seed=0)
 
 
@@ -150,9 +161,10 @@ def _one_token_samples(model, n, **draws):
     sampler = Sampler(model)
     ids = np.zeros((1, 8), np.int32)
     mask = np.zeros((1, 8), np.int32)
-    ids[0, -len(CONTEXT):], mask[0, -len(CONTEXT):] = CONTEXT, 1
-    out = sampler.generate_arrays(ids, mask, max_new_tokens=1, num_samples=n,
-                                  sampling=SamplingParams(eos_ids=(), **draws))
+    ids[0, -len(CONTEXT) :], mask[0, -len(CONTEXT) :] = CONTEXT, 1
+    out = sampler.generate_arrays(
+        ids, mask, max_new_tokens=1, num_samples=n, sampling=SamplingParams(eos_ids=(), **draws)
+    )
     return np.asarray(out.tokens_BxN[:, 0]), np.asarray(out.logprobs_BxN[:, 0])
 
 
@@ -207,8 +219,13 @@ def test_array_api_layout(model):
     mask = np.zeros((2, 16), np.int32)
     ids[0, -6:], mask[0, -6:] = CONTEXT, 1
     ids[1, -3:], mask[1, -3:] = [5, 6, 7], 1
-    greedy = sampler.generate_arrays(jnp.asarray(ids), jnp.asarray(mask), max_new_tokens=10, num_samples=3,
-                                     sampling=SamplingParams(temperature=0.0, eos_ids=[]))
+    greedy = sampler.generate_arrays(
+        jnp.asarray(ids),
+        jnp.asarray(mask),
+        max_new_tokens=10,
+        num_samples=3,
+        sampling=SamplingParams(temperature=0.0, eos_ids=[]),
+    )
     assert greedy.tokens_BxN.shape == (6, 10) and greedy.tokens_BxN.dtype == jnp.int32
     assert greedy.logprobs_BxN.shape == (6, 10) and greedy.logprobs_BxN.dtype == jnp.float32
     t = np.asarray(greedy.tokens_BxN)
@@ -217,12 +234,13 @@ def test_array_api_layout(model):
     np.testing.assert_array_equal(greedy.lengths_B, 10)
     assert not np.any(greedy.finished_B)
     eos = int(t[4, 2])
-    out = sampler.generate_arrays(ids, mask, max_new_tokens=10, num_samples=3,
-                                  sampling=SamplingParams(temperature=1.0, eos_ids=[eos], seed=5))
+    out = sampler.generate_arrays(
+        ids, mask, max_new_tokens=10, num_samples=3, sampling=SamplingParams(temperature=1.0, eos_ids=[eos], seed=5)
+    )
     tok, lp, n, fin = map(np.asarray, out)
     for b in range(6):
-        assert np.all(tok[b, n[b]:] == 0) and np.all(lp[b, n[b]:] == 0)
-        assert np.all(lp[b, :n[b]] < 0)
+        assert np.all(tok[b, n[b] :] == 0) and np.all(lp[b, n[b] :] == 0)
+        assert np.all(lp[b, : n[b]] < 0)
         assert fin[b] == (tok[b, n[b] - 1] == eos) and (fin[b] or n[b] == 10)
 
 
@@ -243,7 +261,7 @@ def test_reproducible_and_independent_of_batch_composition(model):
     prompts = [CONTEXT, [1, 2, 3], [4] * 9]
     ids, mask = np.zeros((3, 9), np.int32), np.zeros((3, 9), np.int32)
     for r, p in enumerate(prompts):
-        ids[r, 9 - len(p):], mask[r, 9 - len(p):] = p, 1
+        ids[r, 9 - len(p) :], mask[r, 9 - len(p) :] = p, 1
     arr = Sampler(model).generate_arrays(jnp.asarray(ids), jnp.asarray(mask), sampling=draws, **kw)
     assert arr.tokens_BxN.shape == (9, 16) and arr.lengths_B.shape == (9,)
     assert np.asarray(arr.tokens_BxN).tolist() == a.tokens
@@ -255,15 +273,27 @@ def test_no_recompilation_within_buckets(model):
     before = compiled_programs()
     # Other prompt lengths (<= 16), max_new_tokens (<= 16), 1-2 prompts, sampling settings (greedy included),
     # seeds and EOS ids all reuse the program; so does a new Sampler on the same model.
-    sampler.generate([[5] * 13, [7, 7, 7]], max_new_tokens=16,
-                     sampling=SamplingParams(temperature=1.3, top_p=0.5, top_k=7, seed=1))
+    sampler.generate(
+        [[5] * 13, [7, 7, 7]], max_new_tokens=16, sampling=SamplingParams(temperature=1.3, top_p=0.5, top_k=7, seed=1)
+    )
     sampler.generate([[9]], max_new_tokens=3, sampling=SamplingParams(temperature=0.0, seed=2, eos_ids=[1, 2, 3]))
-    Sampler(model, min_batch_bucket=2).generate([CONTEXT], max_new_tokens=5,
-                                                sampling=SamplingParams(temperature=0.9, top_k=3, seed=3))
+    Sampler(model, min_batch_bucket=2).generate(
+        [CONTEXT], max_new_tokens=5, sampling=SamplingParams(temperature=0.9, top_k=3, seed=3)
+    )
     assert compiled_programs() == before
     assert next_bucket(1, 16) == 16 and next_bucket(17, 16) == 32 and next_bucket(64, 8) == 64
-    assert [quarter_octave_bucket(n) for n in (1, 3, 8, 9, 11, 17, 100, 192, 193, 256)] == \
-        [1, 3, 8, 10, 12, 20, 112, 192, 224, 256]
+    assert [quarter_octave_bucket(n) for n in (1, 3, 8, 9, 11, 17, 100, 192, 193, 256)] == [
+        1,
+        3,
+        8,
+        10,
+        12,
+        20,
+        112,
+        192,
+        224,
+        256,
+    ]
     assert Sampler(model, min_batch_bucket=2).batch_bucket(1) == 2
 
 
@@ -279,14 +309,15 @@ def test_decode_phases_same_results_and_teacher_forced(model):
     for r, (toks, lps) in enumerate(zip(a.tokens, a.logprobs)):
         prompt = prompts[r // 2]
         logp = np.asarray(jax.nn.log_softmax(model(jnp.asarray([prompt + toks]))[0], -1))
-        ref = logp[len(prompt) - 1: len(prompt) - 1 + len(toks)][np.arange(len(toks)), toks]
+        ref = logp[len(prompt) - 1 : len(prompt) - 1 + len(toks)][np.arange(len(toks)), toks]
         np.testing.assert_allclose(lps, ref, atol=1e-5)
 
 
 def test_bf16_cache_close_to_fp32(model):
     f32 = generate(model, [CONTEXT, [1, 2]], max_new_tokens=8, sampling=SamplingParams(temperature=0.0, eos_ids=[]))
-    b16 = Sampler(model, cache_dtype=jnp.bfloat16).generate([CONTEXT, [1, 2]], max_new_tokens=8,
-                                                              sampling=SamplingParams(temperature=0.0, eos_ids=[]))
+    b16 = Sampler(model, cache_dtype=jnp.bfloat16).generate(
+        [CONTEXT, [1, 2]], max_new_tokens=8, sampling=SamplingParams(temperature=0.0, eos_ids=[])
+    )
     assert b16.tokens[0][:2] == f32.tokens[0][:2]
     np.testing.assert_allclose(b16.logprobs[0][:2], f32.logprobs[0][:2], atol=0.05)
 
@@ -296,6 +327,7 @@ def test_reshard_and_tensor_parallel_sampling(model):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     sharded = init_model(model.config, seed=0, mesh=mesh)  # trainer layout (FSDP + tensor)
     from flax import nnx
+
     state = nnx.split(sharded)[1]
     resharded = reshard_for_sampling(state, mesh)
     specs = []
@@ -321,24 +353,27 @@ def test_reshard_and_tensor_parallel_sampling(model):
 
 
 # ------------------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("prompts, kwargs, match", [
-    ([], {}, "prompt_ids is empty"),
-    ([[1, 2], []], {}, "prompt 1 has no tokens"),
-    ([[1, 2], [3, V]], {}, "prompt 1 has token id 256 outside"),
-    ([[1], [-1]], {}, "prompt 1 has token id -1"),
-    ([[1] * 65], {}, "prompt 0 has 65 tokens, more than the model's context 64"),
-    ([[1], [1] * 60], {"max_new_tokens": 5}, "prompt 1: 60 tokens \\+ max_new_tokens 5 exceeds"),
-    ([[1]], {"max_new_tokens": 0}, "max_new_tokens must be a positive int, got 0"),
-    ([[1]], {"max_new_tokens": -3}, "max_new_tokens must be a positive int, got -3"),
-    ([[1]], {"temperature": -0.5}, "temperature must be .* got -0.5"),
-    ([[1]], {"temperature": float("nan")}, "temperature"),
-    ([[1]], {"top_p": 0.0}, "top_p must be in \\(0, 1\\], got 0.0"),
-    ([[1]], {"top_p": 1.5}, "top_p must be in \\(0, 1\\], got 1.5"),
-    ([[1]], {"top_k": -1}, "top_k must be an int >= 0 .* got -1"),
-    ([[1]], {"top_k": 2.5}, "top_k must be an int"),
-    ([[1]], {"num_samples": 0}, "num_samples must be a positive int, got 0"),
-    ([[1]], {"eos_ids": [V + 3]}, "eos id 259 is outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "prompts, kwargs, match",
+    [
+        ([], {}, "prompt_ids is empty"),
+        ([[1, 2], []], {}, "prompt 1 has no tokens"),
+        ([[1, 2], [3, V]], {}, "prompt 1 has token id 256 outside"),
+        ([[1], [-1]], {}, "prompt 1 has token id -1"),
+        ([[1] * 65], {}, "prompt 0 has 65 tokens, more than the model's context 64"),
+        ([[1], [1] * 60], {"max_new_tokens": 5}, "prompt 1: 60 tokens \\+ max_new_tokens 5 exceeds"),
+        ([[1]], {"max_new_tokens": 0}, "max_new_tokens must be a positive int, got 0"),
+        ([[1]], {"max_new_tokens": -3}, "max_new_tokens must be a positive int, got -3"),
+        ([[1]], {"temperature": -0.5}, "temperature must be .* got -0.5"),
+        ([[1]], {"temperature": float("nan")}, "temperature"),
+        ([[1]], {"top_p": 0.0}, "top_p must be in \\(0, 1\\], got 0.0"),
+        ([[1]], {"top_p": 1.5}, "top_p must be in \\(0, 1\\], got 1.5"),
+        ([[1]], {"top_k": -1}, "top_k must be an int >= 0 .* got -1"),
+        ([[1]], {"top_k": 2.5}, "top_k must be an int"),
+        ([[1]], {"num_samples": 0}, "num_samples must be a positive int, got 0"),
+        ([[1]], {"eos_ids": [V + 3]}, "eos id 259 is outside the vocabulary"),
+    ],
+)
 def test_bad_input(model, prompts, kwargs, match):
     draws = {k: v for k, v in kwargs.items() if k in ("temperature", "top_p", "top_k", "eos_ids")}
     sizes = {"max_new_tokens": 4, **{k: v for k, v in kwargs.items() if k not in draws}}
@@ -356,6 +391,7 @@ def test_sampler_weights_in_compute_dtype_same_tokens(model):
     assert {x.dtype for x in jax.tree.leaves(jax.tree.leaves(bf16))} <= {jnp.dtype(jnp.float32)}
     kw = dict(max_new_tokens=12, num_samples=2, sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=5))
     from flax import nnx
+
     graphdef, state = nnx.split(bf16)
     fp32_copy = Sampler.__new__(Sampler)
     fp32_copy.__dict__.update(sampler.__dict__)
@@ -378,6 +414,15 @@ def test_release_drops_the_weight_copy(model):
 def test_cache_holds_the_context_it_needs():
     """prompt 1024 + 3072 new tokens -> a 4096-slot cache (a power-of-two new-token bucket made it 5120)."""
     from stare_jax.sampling.sampler import new_token_bucket
+
     assert next_bucket(1024, 16) + new_token_bucket(3072, 16) == 4096
-    assert [new_token_bucket(n, 16) for n in (1, 16, 17, 100, 3072, 3073, 8192, 16384)] == \
-        [16, 16, 20, 112, 3072, 3584, 8192, 16384]
+    assert [new_token_bucket(n, 16) for n in (1, 16, 17, 100, 3072, 3073, 8192, 16384)] == [
+        16,
+        16,
+        20,
+        112,
+        3072,
+        3584,
+        8192,
+        16384,
+    ]

@@ -1,4 +1,5 @@
 """The digit-set toy task: verifier, uniform valid answers, spec parsing, rows; and the toy's held-out split."""
+
 import collections
 import random
 
@@ -10,9 +11,17 @@ from stare_jax.toy import assets as toy
 
 @pytest.mark.parametrize(
     "response, answer, expected",
-    [("5282", "4:258", 1.0), (" 5282\n", "4:258", 1.0), ("528", "4:258", 0.0), ("52822", "4:258", 0.0),
-     ("5283", "4:258", 0.0), ("52 82", "4:258", 0.0), ("", "4:258", 0.0), ("abcd", "4:258", 0.0),
-     ("0000", "4:0", 1.0)],
+    [
+        ("5282", "4:258", 1.0),
+        (" 5282\n", "4:258", 1.0),
+        ("528", "4:258", 0.0),
+        ("52822", "4:258", 0.0),
+        ("5283", "4:258", 0.0),
+        ("52 82", "4:258", 0.0),
+        ("", "4:258", 0.0),
+        ("abcd", "4:258", 0.0),
+        ("0000", "4:0", 1.0),
+    ],
 )
 def test_score(response, answer, expected):
     assert ds.score(response, answer) == expected

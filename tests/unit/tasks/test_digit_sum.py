@@ -1,4 +1,5 @@
 """The digit-sum toy task: exact counts (brute force), uniform answer sampling, verifier, row generation."""
+
 import collections
 import itertools
 import random

@@ -1,38 +1,53 @@
 """The tool-use toy task: verifier (including what a tool rollout's text looks like), spec parsing, sampling, and
 the toy's multi-turn warm-start transcripts."""
+
 import random
 
 import numpy as np
 import pytest
 
-from stare_jax.tasks import get_task
-from stare_jax.tasks import tool_mul as tm
+from stare_jax.tasks import get_task, tool_mul as tm
 from stare_jax.tools.calls import RETOOL, parse_call
 from stare_jax.toy import assets as toy
 
 
 @pytest.mark.parametrize(
     "response, answer, expected",
-    [("195434", "37:4:258", 1.0),  # 37 * 5282
-     (" 195434\n", "37:4:258", 1.0),
-     ("195435", "37:4:258", 0.0),  # not a multiple of 37
-     (str(37 * 5283), "37:4:258", 0.0),  # 3 is not in the set
-     (str(37 * 528), "37:4:258", 0.0),  # 3 digits, not 4
-     (str(37 * 52822), "37:4:258", 0.0),
-     ("", "37:4:258", 0.0), ("abc", "37:4:258", 0.0), ("19 5434", "37:4:258", 0.0), ("-195434", "37:4:258", 0.0),
-     # what a tool rollout's whole text looks like: only the text after the last closing tag is read
-     ("<code>print(37*5282)</code>\n<interpreter>\n195434\n</interpreter>\n195434", "37:4:258", 1.0),
-     ("<code>print(37*5282)</code>\n<interpreter>\n195434\n</interpreter>\n", "37:4:258", 0.0),
-     ("<code>print(37*5282)</code>195434", "37:4:258", 1.0),  # tool disabled: a guess after the call
-     ("<code>print(37*5282)</code>", "37:4:258", 0.0)],
+    [
+        ("195434", "37:4:258", 1.0),  # 37 * 5282
+        (" 195434\n", "37:4:258", 1.0),
+        ("195435", "37:4:258", 0.0),  # not a multiple of 37
+        (str(37 * 5283), "37:4:258", 0.0),  # 3 is not in the set
+        (str(37 * 528), "37:4:258", 0.0),  # 3 digits, not 4
+        (str(37 * 52822), "37:4:258", 0.0),
+        ("", "37:4:258", 0.0),
+        ("abc", "37:4:258", 0.0),
+        ("19 5434", "37:4:258", 0.0),
+        ("-195434", "37:4:258", 0.0),
+        # what a tool rollout's whole text looks like: only the text after the last closing tag is read
+        ("<code>print(37*5282)</code>\n<interpreter>\n195434\n</interpreter>\n195434", "37:4:258", 1.0),
+        ("<code>print(37*5282)</code>\n<interpreter>\n195434\n</interpreter>\n", "37:4:258", 0.0),
+        ("<code>print(37*5282)</code>195434", "37:4:258", 1.0),  # tool disabled: a guess after the call
+        ("<code>print(37*5282)</code>", "37:4:258", 0.0),
+    ],
 )
 def test_score(response, answer, expected):
     assert tm.score(response, answer) == expected
 
 
 def test_bad_spec():
-    for bad in ["37:4", "x:4:258", "37:y:258", "37:4:", "37:4:2a8", "37:4:228", "37:0:258", "40:4:258", "1:4:258",
-                "37:4:058"]:
+    for bad in [
+        "37:4",
+        "x:4:258",
+        "37:y:258",
+        "37:4:",
+        "37:4:2a8",
+        "37:4:228",
+        "37:0:258",
+        "40:4:258",
+        "1:4:258",
+        "37:4:058",
+    ]:
         with pytest.raises(ValueError, match="spec"):
             tm.parse_spec(bad)
 
@@ -61,8 +76,9 @@ def test_all_specs_leave_out_multiples_of_ten():
 
 
 def test_toy_transcripts_and_splits():
-    cfg = toy.ToyAssetConfig(task="tool_mul", k_min=3, k_max=4, num_train=50, num_eval=10, sft_noise=0.0,
-                             sft_direct_frac=0.0)
+    cfg = toy.ToyAssetConfig(
+        task="tool_mul", k_min=3, k_max=4, num_train=50, num_eval=10, sft_noise=0.0, sft_direct_frac=0.0
+    )
     train, held = toy.make_splits(cfg)
     assert {r["answer"] for r in train}.isdisjoint({r["answer"] for r in held})
     rng = random.Random(0)
@@ -100,5 +116,6 @@ def test_toy_tokenizer_keeps_the_call_format_short(tmp_path):
     assert pieces == ["<code>print(", "3", "7", "*", "5", "4", "2", "8", "2", ")", "</code>"]
     assert [tok.id_to_token(i) for i in tok.encode("<code>", add_bos=False)] == ["<code>"]
     assert len(tok.encode("2008434", add_bos=False)) == 7  # digits split, no leading "▁" piece
-    assert tok.decode(tok.encode(tm.call_text(37, "54282"), add_bos=False), skip_special_tokens=False) \
-        == tm.call_text(37, "54282")
+    assert tok.decode(tok.encode(tm.call_text(37, "54282"), add_bos=False), skip_special_tokens=False) == tm.call_text(
+        37, "54282"
+    )

@@ -2,13 +2,13 @@
 text, and bad input (invalid JSON, unknown tool, bad arguments, empty code, past max_turns) as defined statuses
 and observations, never exceptions. The hermes wrapper is checked against the real Qwen2.5-Instruct chat template
 (rendered by stare_jax.data.tokenizer), and one end-to-end call runs the parsed code in the real sandbox."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from stare_jax.data.tokenizer import render_chat_template
 from stare_jax.tools import ExecResult, run_python, sandbox_capabilities
@@ -48,19 +48,22 @@ def test_stop_strings():
     assert stop_strings("retool") == ("</code>",)
 
 
-@pytest.mark.parametrize("text, fmt, expected", [
-    (hermes(call("print(1)")), "hermes", True),
-    (hermes(call("print(1)")) + "\n  \n", "hermes", True),  # trailing whitespace
-    ("<tool_call>{}</tool_call>", "hermes", True),  # complete, if empty: the parse reports the problem
-    ("text </tool_call>", "hermes", False),  # no opening tag
-    ('<tool_call>{"name": "code_interpreter", "arg', "hermes", False),  # still generating
-    (hermes(call("print(1)")) + " and then some prose", "hermes", False),  # the call is not at the end
-    ("The answer is \\boxed{3}.", "hermes", False),
-    ("<code>\n```python\nprint(1)\n```\n</code>", "retool", True),
-    ("<code>print(1)", "retool", False),
-    (hermes(call("print(1)")), "retool", False),
-    ("<code>x</code>", "hermes", False),
-])
+@pytest.mark.parametrize(
+    "text, fmt, expected",
+    [
+        (hermes(call("print(1)")), "hermes", True),
+        (hermes(call("print(1)")) + "\n  \n", "hermes", True),  # trailing whitespace
+        ("<tool_call>{}</tool_call>", "hermes", True),  # complete, if empty: the parse reports the problem
+        ("text </tool_call>", "hermes", False),  # no opening tag
+        ('<tool_call>{"name": "code_interpreter", "arg', "hermes", False),  # still generating
+        (hermes(call("print(1)")) + " and then some prose", "hermes", False),  # the call is not at the end
+        ("The answer is \\boxed{3}.", "hermes", False),
+        ("<code>\n```python\nprint(1)\n```\n</code>", "retool", True),
+        ("<code>print(1)", "retool", False),
+        (hermes(call("print(1)")), "retool", False),
+        ("<code>x</code>", "hermes", False),
+    ],
+)
 def test_ends_with_call(text, fmt, expected):
     assert ends_with_call(text, fmt) is expected
     assert (parse_call(text, fmt, calls_so_far=0, max_turns=4) is not None) is expected
@@ -70,9 +73,10 @@ def test_ends_with_call(text, fmt, expected):
 def test_hermes_call_parsed():
     text = hermes(call("x = 2 ** 10\nprint(x)"))
     c = parse_call(text, "hermes", calls_so_far=0, max_turns=4)
-    assert c == ToolCall(CallStatus.OK, "x = 2 ** 10\nprint(x)", "code_interpreter", None,
-                         text.index("<tool_call>"), len(text))
-    assert text[c.start:c.end].startswith("<tool_call>") and text[c.start:c.end].endswith("</tool_call>")
+    assert c == ToolCall(
+        CallStatus.OK, "x = 2 ** 10\nprint(x)", "code_interpreter", None, text.index("<tool_call>"), len(text)
+    )
+    assert text[c.start : c.end].startswith("<tool_call>") and text[c.start : c.end].endswith("</tool_call>")
 
 
 def test_hermes_lenient_forms():
@@ -86,18 +90,24 @@ def test_hermes_lenient_forms():
     assert parse_call(two, "hermes", calls_so_far=1, max_turns=4).code == "print('second')"
 
 
-@pytest.mark.parametrize("body, status, words", [
-    ('{"name": "code_interpreter", "arguments": {"code": "print(1)"', CallStatus.INVALID_JSON, "not valid JSON"),
-    ("print(1)", CallStatus.INVALID_JSON, "not valid JSON"),
-    ('["code_interpreter", "print(1)"]', CallStatus.INVALID_JSON, "must be a JSON object, got list"),
-    ('{"name": "web_search", "arguments": {"query": "x"}}', CallStatus.UNKNOWN_TOOL,
-     "unknown tool 'web_search'; available tools: code_interpreter"),
-    ('{"arguments": {"code": "print(1)"}}', CallStatus.UNKNOWN_TOOL, "unknown tool None"),
-    ('{"name": "code_interpreter"}', CallStatus.BAD_ARGUMENTS, '"arguments": {"code": "<python source>"}'),
-    ('{"name": "code_interpreter", "arguments": {"code": 42}}', CallStatus.BAD_ARGUMENTS, "needs"),
-    ('{"name": "code_interpreter", "arguments": "not json"}', CallStatus.BAD_ARGUMENTS, "needs"),
-    ('{"name": "code_interpreter", "arguments": {"code": "  \\n "}}', CallStatus.EMPTY_CODE, "the code is empty"),
-])
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        ('{"name": "code_interpreter", "arguments": {"code": "print(1)"', CallStatus.INVALID_JSON, "not valid JSON"),
+        ("print(1)", CallStatus.INVALID_JSON, "not valid JSON"),
+        ('["code_interpreter", "print(1)"]', CallStatus.INVALID_JSON, "must be a JSON object, got list"),
+        (
+            '{"name": "web_search", "arguments": {"query": "x"}}',
+            CallStatus.UNKNOWN_TOOL,
+            "unknown tool 'web_search'; available tools: code_interpreter",
+        ),
+        ('{"arguments": {"code": "print(1)"}}', CallStatus.UNKNOWN_TOOL, "unknown tool None"),
+        ('{"name": "code_interpreter"}', CallStatus.BAD_ARGUMENTS, '"arguments": {"code": "<python source>"}'),
+        ('{"name": "code_interpreter", "arguments": {"code": 42}}', CallStatus.BAD_ARGUMENTS, "needs"),
+        ('{"name": "code_interpreter", "arguments": "not json"}', CallStatus.BAD_ARGUMENTS, "needs"),
+        ('{"name": "code_interpreter", "arguments": {"code": "  \\n "}}', CallStatus.EMPTY_CODE, "the code is empty"),
+    ],
+)
 def test_hermes_bad_calls(body, status, words):
     c = parse_call(hermes(body), "hermes", calls_so_far=0, max_turns=4)
     assert c.status is status and c.code is None and words in c.problem
@@ -111,24 +121,28 @@ def test_past_max_turns():
     for calls_so_far, max_turns in ((4, 4), (7, 4), (0, 0)):
         c = parse_call(good, "hermes", calls_so_far=calls_so_far, max_turns=max_turns)
         assert c.status is CallStatus.MAX_TURNS and c.code is None
-        assert observation_content(c) == (f"Error: the limit of {max_turns} tool calls per response is reached; "
-                                          "the code was not run.")
+        assert observation_content(c) == (
+            f"Error: the limit of {max_turns} tool calls per response is reached; the code was not run."
+        )
     retool = parse_call("<code>print(1)</code>", "retool", calls_so_far=2, max_turns=2)
     assert retool.status is CallStatus.MAX_TURNS
 
 
-@pytest.mark.parametrize("body, code", [
-    ("\n```python\nprint(1)\nprint(2)\n```\n", "print(1)\nprint(2)"),
-    ("```py\nx = 1\n```", "x = 1"),
-    ("\n```\nx = 1\n```\n", "x = 1"),
-    ("\nprint('no fences')\n", "print('no fences')"),
-    ("\n```Python3\nimport math\nprint(math.pi)\n```", "import math\nprint(math.pi)"),
-])
+@pytest.mark.parametrize(
+    "body, code",
+    [
+        ("\n```python\nprint(1)\nprint(2)\n```\n", "print(1)\nprint(2)"),
+        ("```py\nx = 1\n```", "x = 1"),
+        ("\n```\nx = 1\n```\n", "x = 1"),
+        ("\nprint('no fences')\n", "print('no fences')"),
+        ("\n```Python3\nimport math\nprint(math.pi)\n```", "import math\nprint(math.pi)"),
+    ],
+)
 def test_retool_call_parsed(body, code):
     text = f"I will check this numerically.\n<code>{body}</code>\n"
     c = parse_call(text, "retool", calls_so_far=0, max_turns=4)
     assert c.status is CallStatus.OK and c.code == code and c.name == "code_interpreter"
-    assert text[c.start:c.end] == f"<code>{body}</code>"
+    assert text[c.start : c.end] == f"<code>{body}</code>"
 
 
 @pytest.mark.parametrize("body", ["", "\n\n", "\n```python\n\n```\n"])
@@ -139,12 +153,25 @@ def test_retool_empty_code(body):
 
 
 PIECES = list('<>/{}":,\\ \n`abcdeotlnmpr_[]0123456789') + [
-    "<tool_call>", "</tool_call>", "<code>", "</code>", '"code"', '"name"', '"arguments"', "code_interpreter", "```"]
+    "<tool_call>",
+    "</tool_call>",
+    "<code>",
+    "</code>",
+    '"code"',
+    '"name"',
+    '"arguments"',
+    "code_interpreter",
+    "```",
+]
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from(PIECES), max_size=40).map("".join), st.sampled_from(["hermes", "retool"]),
-       st.integers(0, 5), st.integers(0, 5))
+@given(
+    st.lists(st.sampled_from(PIECES), max_size=40).map("".join),
+    st.sampled_from(["hermes", "retool"]),
+    st.integers(0, 5),
+    st.integers(0, 5),
+)
 def test_any_text_gives_a_defined_outcome(text, fmt, calls_so_far, max_turns):
     """Whatever the model writes: None (no call) or a ToolCall with a status, and an observation; no exception."""
     c = parse_call(text, fmt, calls_so_far=calls_so_far, max_turns=max_turns)
@@ -161,7 +188,8 @@ def test_any_text_gives_a_defined_outcome(text, fmt, calls_so_far, max_turns):
 def test_observation_formats():
     c = parse_call(hermes(call("print(2 + 2)")), "hermes", calls_so_far=0, max_turns=4)
     assert observation(c, ok_result("4\n"), "hermes") == (
-        "<|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     r = parse_call("<code>print(4)</code>", "retool", calls_so_far=0, max_turns=4)
     assert observation(r, ok_result("4\n"), "retool") == "\n<interpreter>\n4\n</interpreter>\n"
     custom = ObservationFormat("[[", "]]")
@@ -175,12 +203,16 @@ def test_observation_content_of_results():
     tb = "Traceback (most recent call last):\n  ...\nZeroDivisionError: division by zero\n"
     assert observation_content(c, ok_result("partial\n", tb, exit_code=1)) == "partial\n" + tb.rstrip("\n")
     assert observation_content(c, ok_result("x" * 5, truncated=True)) == "xxxxx\n[output truncated]"
-    assert observation_content(c, ok_result("so far\n", exit_code=-9, timed_out=True, killed_by="timeout"),
-                               timeout_s=5.0) == "so far\n[timed out after 5 s: the code was stopped]"
+    assert (
+        observation_content(c, ok_result("so far\n", exit_code=-9, timed_out=True, killed_by="timeout"), timeout_s=5.0)
+        == "so far\n[timed out after 5 s: the code was stopped]"
+    )
     assert observation_content(c, ok_result("", exit_code=-24, timed_out=True, killed_by="cpu_limit")) == (
-        "[CPU time limit reached: the code was stopped]")
+        "[CPU time limit reached: the code was stopped]"
+    )
     assert observation_content(c, ok_result("y" * 3, exit_code=-9, truncated=True, killed_by="output_limit")) == (
-        "yyy\n[output truncated]\n[too much output: the code was stopped]")
+        "yyy\n[output truncated]\n[too much output: the code was stopped]"
+    )
     err = ExecResult("", "", None, False, False, error="sandbox_fusion: HTTP 500 from http://x/run_code: boom")
     assert observation_content(c, err) == "[sandbox error: sandbox_fusion: HTTP 500 from http://x/run_code: boom]"
     with pytest.raises(ValueError, match="needs its ExecResult"):
@@ -194,7 +226,11 @@ def test_result_status():
     assert result_status(ok_result("", exit_code=-9, timed_out=True)) is CallStatus.TIMEOUT
     assert result_status(ExecResult("", "", None, False, False, error="x")) is CallStatus.SANDBOX_ERROR
     assert [s.ran for s in (CallStatus.OK, CallStatus.TIMEOUT, CallStatus.INVALID_JSON, CallStatus.MAX_TURNS)] == [
-        True, True, False, False]
+        True,
+        True,
+        False,
+        False,
+    ]
 
 
 def test_status_counts():
@@ -211,10 +247,12 @@ def test_wrapper_from_the_real_qwen25_template():
     exactly as HERMES_QWEN25 wraps it."""
     template = pytest.importorskip("test_tokenizer").QWEN25_TEMPLATE
     fmt = observation_format_from_template(
-        lambda messages, gen: render_chat_template(template, messages, add_generation_prompt=gen))
+        lambda messages, gen: render_chat_template(template, messages, add_generation_prompt=gen)
+    )
     assert fmt == HERMES_QWEN25
     assert observation_format_from_template(lambda m, g: "x".join(msg["content"] for msg in m)) == (
-        ObservationFormat("x", ""))
+        ObservationFormat("x", "")
+    )
     with pytest.raises(ValueError, match="in order"):
         observation_format_from_template(lambda m, g: "nothing rendered")
 
@@ -230,8 +268,10 @@ def test_parsed_call_runs_in_the_sandbox():
     if sandbox_capabilities()["isolation"] == "refused":
         pytest.skip("no sandbox here: " + "; ".join(sandbox_capabilities()["reasons"]))
     statuses = []
-    for code, expect in (("import math\nprint(math.factorial(10))", "3628800"),
-                         ("print(1 / 0)", "ZeroDivisionError: division by zero")):
+    for code, expect in (
+        ("import math\nprint(math.factorial(10))", "3628800"),
+        ("print(1 / 0)", "ZeroDivisionError: division by zero"),
+    ):
         c = parse_call(hermes(call(code)), "hermes", calls_so_far=len(statuses), max_turns=4)
         res = run_python(c.code, timeout_s=5.0, memory_mb=512, max_output_bytes=4096)
         statuses.append(result_status(res))

@@ -9,6 +9,7 @@ The masks are then followed into training: the collect stage's train batch has l
 and the real train step ignores them (loss, update, omega on model tokens and the gate's entropy do not change
 when they do; the entropy is the mean over model tokens only).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,6 @@ import numpy as np
 import pytest
 import yaml
 from flax import nnx
-from support.rl import random_train_batch
-from support.tools import CALL, TEMPLATE, _bigram_model, _make_tokenizer
 
 from stare_jax.config.loader import Config, ConfigError, RLConfig, SamplingConfig, load_config
 from stare_jax.data.prompts import PAPER_INSTRUCTION, PromptRow
@@ -58,6 +57,8 @@ from stare_jax.tools.sandbox import ExecResult
 from stare_jax.training.collect import Rollouts, collect_batch, train_batch_from_rollouts
 from stare_jax.training.metrics import read_metrics
 from stare_jax.training.setup import TrainingError, encode_rows, make_tool_pool
+from support.rl import random_train_batch
+from support.tools import CALL, TEMPLATE, _bigram_model, _make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +66,10 @@ def tokenizer(tmp_path_factory):
     """With a Qwen2.5-like chat template (its tool turn is Qwen2.5's)."""
     return _make_tokenizer(tmp_path_factory.mktemp("tool_tok"), TEMPLATE)
 
+
 REPO = pathlib.Path(__file__).resolve().parents[3]
 HERMES_42 = "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 RETOOL_42 = "\n<interpreter>\n42\n</interpreter>\n"
-
-
-
-
 
 
 def test_observation_wrapper_comes_from_the_chat_template(tokenizer, tmp_path):
@@ -79,18 +77,22 @@ def test_observation_wrapper_comes_from_the_chat_template(tokenizer, tmp_path):
     assert observation_wrapper(tokenizer, "retool") is None
     other = _make_tokenizer(tmp_path / "a", TEMPLATE.replace("user\\n<tool_response>", "tool"))
     assert observation_wrapper(other, "hermes") == ObservationFormat(
-        "<|im_end|>\n<|im_start|>tool\n", "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        "<|im_end|>\n<|im_start|>tool\n", "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert observation_wrapper(_make_tokenizer(tmp_path / "b", None), "hermes") is None
-    refusing = ("{%- for m in messages %}{%- if m.role == 'tool' %}{{ raise_exception('no tools') }}{%- endif %}"
-                "{%- endfor %}")
+    refusing = (
+        "{%- for m in messages %}{%- if m.role == 'tool' %}{{ raise_exception('no tools') }}{%- endif %}{%- endfor %}"
+    )
     assert observation_wrapper(_make_tokenizer(tmp_path / "c", refusing), "hermes") is None
 
 
 def test_prompts_give_the_chat_template_the_code_interpreter_schema(tmp_path):
     """tool.enabled (hermes): the chat template is rendered with tools=[CODE_TOOL_SCHEMA] (Qwen2.5's template
     writes its hermes tool-use system prompt from it); without it, or for ReTool, nothing changes."""
-    listing = ("{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' }}{%- for t in tools %}{{- t | tojson }}"
-               "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}")
+    listing = (
+        "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n' }}{%- for t in tools %}{{- t | tojson }}"
+        "{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    )
     tok = _make_tokenizer(tmp_path / "t", listing + TEMPLATE)
     rows = [PromptRow("1", "What is 2+3?", "5", "x:1")]
 
@@ -107,13 +109,12 @@ def test_prompts_give_the_chat_template_the_code_interpreter_schema(tmp_path):
     assert prompt("tool.enabled=true", "tool.format=retool") == plain
 
 
-
-
 @pytest.fixture(scope="module")
 def engine(tokenizer):
     model = _bigram_model(tokenizer, {"}": "</tool_call>", ")": "</code>"}, default="<|im_end|>")
-    return Engine(model, config=EngineConfig(max_slots=8, page_size=8, decode_chunk=8, prefill_chunk=64),
-                  pad_id=tokenizer.pad_id)
+    return Engine(
+        model, config=EngineConfig(max_slots=8, page_size=8, decode_chunk=8, prefill_chunk=64), pad_id=tokenizer.pad_id
+    )
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +129,16 @@ def _enc(tokenizer, text):
 
 def _run(engine, tokenizer, pool, prompts, *, G=2, budget=96, **tool):
     cfg = ToolConfig(enabled=True, timeout_s=1.0, **tool)
-    return tool_rollouts(engine, [_enc(tokenizer, p) for p in prompts], group_size=G, tool_cfg=cfg,
-                         tokenizer=tokenizer, pool=pool, max_new_tokens=budget, sampling=SamplingParams(seed=1))
+    return tool_rollouts(
+        engine,
+        [_enc(tokenizer, p) for p in prompts],
+        group_size=G,
+        tool_cfg=cfg,
+        tokenizer=tokenizer,
+        pool=pool,
+        max_new_tokens=budget,
+        sampling=SamplingParams(seed=1),
+    )
 
 
 def _check_row_invariants(row: ToolRow):
@@ -174,19 +183,21 @@ def test_retool_format(engine, tokenizer, pool):
 
 
 def test_bad_calls_get_observations_and_are_counted(engine, tokenizer, pool):
-    prompts = [CALL.format(name="code_interpreter", code="print(1)")[:-1],  # one brace short: invalid JSON
-               CALL.format(name="web_search", code="print(1)"),
-               CALL.format(name="code_interpreter", code="while True: pass"),
-               CALL.format(name="code_interpreter", code="print(6 * 7)"),
-               "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"]  # no call: the model answers at once
+    prompts = [
+        CALL.format(name="code_interpreter", code="print(1)")[:-1],  # one brace short: invalid JSON
+        CALL.format(name="web_search", code="print(1)"),
+        CALL.format(name="code_interpreter", code="while True: pass"),
+        CALL.format(name="code_interpreter", code="print(6 * 7)"),
+        "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n",
+    ]  # no call: the model answers at once
     rows = _run(engine, tokenizer, pool, prompts, G=1, budget=120)
     for row in rows:
         _check_row_invariants(row)
     statuses = [r.statuses for r in rows]
-    assert statuses == [[CallStatus.INVALID_JSON], [CallStatus.UNKNOWN_TOOL], [CallStatus.TIMEOUT],
-                        [CallStatus.OK], []]
-    texts = [tokenizer.decode([t for t, m in zip(r.tokens, r.model_mask) if not m], skip_special_tokens=False)
-             for r in rows]
+    assert statuses == [[CallStatus.INVALID_JSON], [CallStatus.UNKNOWN_TOOL], [CallStatus.TIMEOUT], [CallStatus.OK], []]
+    texts = [
+        tokenizer.decode([t for t, m in zip(r.tokens, r.model_mask) if not m], skip_special_tokens=False) for r in rows
+    ]
     assert "Error: the tool call is not valid JSON" in texts[0]
     assert "Error: unknown tool 'web_search'; available tools: code_interpreter." in texts[1]
     assert "[timed out after 1 s: the code was stopped]" in texts[2]
@@ -208,8 +219,7 @@ def test_bad_calls_get_observations_and_are_counted(engine, tokenizer, pool):
 
 
 def test_call_past_max_turns_is_refused_not_run(engine, tokenizer, pool):
-    rows = _run(engine, tokenizer, pool, [CALL.format(name="code_interpreter", code="print(6 * 7)")], G=1,
-                max_turns=0)
+    rows = _run(engine, tokenizer, pool, [CALL.format(name="code_interpreter", code="print(6 * 7)")], G=1, max_turns=0)
     (row,) = rows
     assert row.statuses == [CallStatus.MAX_TURNS] and not row.used_tool
     text = tokenizer.decode([t for t, m in zip(row.tokens, row.model_mask) if not m], skip_special_tokens=False)
@@ -221,10 +231,12 @@ def test_several_calls_then_max_turns_until_the_budget(tokenizer, pool):
     """A model that answers every observation with another call (<code>7</code>): two calls run, every later one
     is refused (max_turns=2) with an observation saying so, until the budget ends the response; the outcome equals
     a hand simulation of the protocol."""
-    model = _bigram_model(tokenizer, {")": "</code>", "\n": "<code>", "<code>": "7", "7": "</code>"},
-                          default="<|im_end|>")
-    engine = Engine(model, config=EngineConfig(max_slots=4, page_size=8, decode_chunk=8, prefill_chunk=64),
-                    pad_id=tokenizer.pad_id)
+    model = _bigram_model(
+        tokenizer, {")": "</code>", "\n": "<code>", "<code>": "7", "7": "</code>"}, default="<|im_end|>"
+    )
+    engine = Engine(
+        model, config=EngineConfig(max_slots=4, page_size=8, decode_chunk=8, prefill_chunk=64), pad_id=tokenizer.pad_id
+    )
     prompt = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<code>\nprint(6 * 7)"
     budget = 150
     (row,) = _run(engine, tokenizer, pool, [prompt], G=1, budget=budget, format="retool", max_turns=2)
@@ -253,16 +265,18 @@ def test_several_calls_then_max_turns_until_the_budget(tokenizer, pool):
 def test_budget_ending_inside_the_observation_cuts_the_response(engine, tokenizer, pool):
     obs = _enc(tokenizer, HERMES_42)
     budget = 1 + len(obs) // 2
-    rows = _run(engine, tokenizer, pool, [CALL.format(name="code_interpreter", code="print(6 * 7)")], G=2,
-                budget=budget)
+    rows = _run(
+        engine, tokenizer, pool, [CALL.format(name="code_interpreter", code="print(6 * 7)")], G=2, budget=budget
+    )
     for row in rows:
         assert row.end == "budget" and len(row.tokens) == budget
-        assert row.tokens[1:] == obs[:budget - 1] and row.model_mask == [1] + [0] * (budget - 1)
+        assert row.tokens[1:] == obs[: budget - 1] and row.model_mask == [1] + [0] * (budget - 1)
         _check_row_invariants(row)
     assert tool_counts(rows, [0, 0])["n_budget_cut"] == 2
     # an observation that exactly fills the budget also ends the response (no room to sample after it)
-    (row,) = _run(engine, tokenizer, pool, [CALL.format(name="code_interpreter", code="print(6 * 7)")], G=1,
-                  budget=1 + len(obs))
+    (row,) = _run(
+        engine, tokenizer, pool, [CALL.format(name="code_interpreter", code="print(6 * 7)")], G=1, budget=1 + len(obs)
+    )
     assert row.end == "budget" and row.tokens[1:] == obs
 
 
@@ -327,21 +341,36 @@ def test_overlapped_rows_equal_lock_step_whatever_order_calls_finish(tokenizer):
     it returns, while the other rows decode) gives exactly the lock-step rollout's rows, whatever order the
     calls finish in (delays scrambled in submission order)."""
     digits = tuple("123456789")
-    model = _bigram_model(tokenizer, {")": "</code>", "\n": ("<code>", "<|im_end|>"), "<code>": digits,
-                                      **{d: "</code>" for d in digits}}, default="<|im_end|>")
-    engine = Engine(model, config=EngineConfig(max_slots=4, page_size=8, decode_chunk=4, prefill_chunk=64),
-                    pad_id=tokenizer.pad_id)
+    model = _bigram_model(
+        tokenizer,
+        {")": "</code>", "\n": ("<code>", "<|im_end|>"), "<code>": digits, **{d: "</code>" for d in digits}},
+        default="<|im_end|>",
+    )
+    engine = Engine(
+        model, config=EngineConfig(max_slots=4, page_size=8, decode_chunk=4, prefill_chunk=64), pad_id=tokenizer.pad_id
+    )
     prompts = [f"<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<code>\nprint({x})" for x in (1, 22, 333)]
     runs = {}
-    for name, delays, overlap in [("lock-step", [0.0], False), ("overlap", [0.0], True),
-                                  ("overlap-scrambled", [0.2, 0.0, 0.1, 0.05, 0.0, 0.15], True),
-                                  ("lock-step-scrambled", [0.0, 0.1, 0.05], False)]:
+    for name, delays, overlap in [
+        ("lock-step", [0.0], False),
+        ("overlap", [0.0], True),
+        ("overlap-scrambled", [0.2, 0.0, 0.1, 0.05, 0.0, 0.15], True),
+        ("lock-step-scrambled", [0.0, 0.1, 0.05], False),
+    ]:
         backend = _ScrambledBackend(delays)
         with SandboxPool(8, backend=backend) as pool:
             cfg = ToolConfig(enabled=True, format="retool", max_turns=3)
-            runs[name] = tool_rollouts(engine, [_enc(tokenizer, p) for p in prompts], group_size=4, tool_cfg=cfg,
-                                       tokenizer=tokenizer, pool=pool, max_new_tokens=80,
-                                       sampling=SamplingParams(seed=3), overlap=overlap)
+            runs[name] = tool_rollouts(
+                engine,
+                [_enc(tokenizer, p) for p in prompts],
+                group_size=4,
+                tool_cfg=cfg,
+                tokenizer=tokenizer,
+                pool=pool,
+                max_new_tokens=80,
+                sampling=SamplingParams(seed=3),
+                overlap=overlap,
+            )
         runs[name + "/finished"] = backend.finished
         assert engine.pool.all_free() and not engine.running
     ref = runs["lock-step"]
@@ -374,8 +403,9 @@ def _logged_rollout(tokenizer, prompts, *, overlap: bool, gate: bool):
     """tool_rollouts with an engine whose decode rounds and ended turns go into the backend's event log; with
     `gate`, a call returns only after a decode round ran while it was in flight (no clocks: the order of events)."""
     model = _bigram_model(tokenizer, {"}": "</tool_call>", "a": "a"}, default="<|im_end|>")
-    engine = Engine(model, config=EngineConfig(max_slots=4, page_size=8, decode_chunk=8, prefill_chunk=64),
-                    pad_id=tokenizer.pad_id)
+    engine = Engine(
+        model, config=EngineConfig(max_slots=4, page_size=8, decode_chunk=8, prefill_chunk=64), pad_id=tokenizer.pad_id
+    )
     log, lock = [], threading.Lock()
     backend = _GatedBackend(log, lock)
     if not gate:
@@ -400,9 +430,17 @@ def _logged_rollout(tokenizer, prompts, *, overlap: bool, gate: bool):
 
     engine.scheduler._decode_round, engine.advance = logged_decode, logged_advance
     with SandboxPool(2, backend=backend) as pool:
-        rows = tool_rollouts(engine, [_enc(tokenizer, p) for p in prompts], group_size=1,
-                             tool_cfg=ToolConfig(enabled=True), tokenizer=tokenizer, pool=pool, max_new_tokens=160,
-                             sampling=SamplingParams(seed=1), overlap=overlap)
+        rows = tool_rollouts(
+            engine,
+            [_enc(tokenizer, p) for p in prompts],
+            group_size=1,
+            tool_cfg=ToolConfig(enabled=True),
+            tokenizer=tokenizer,
+            pool=pool,
+            max_new_tokens=160,
+            sampling=SamplingParams(seed=1),
+            overlap=overlap,
+        )
     return rows, log
 
 
@@ -411,8 +449,10 @@ def test_sandbox_calls_overlap_the_decoding_of_other_rows(tokenizer):
     row 0's call is submitted before row 1's turn ends and decode rounds run while it is in flight (the call
     returns only after one did); lock-step: the call starts only after row 1 stopped and no decode round runs
     during it. Both give the same rows."""
-    prompts = [CALL.format(name="code_interpreter", code="print(6 * 7)"),
-               "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na"]
+    prompts = [
+        CALL.format(name="code_interpreter", code="print(6 * 7)"),
+        "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na",
+    ]
     rows, log = _logged_rollout(tokenizer, prompts, overlap=True, gate=True)
     start, end = log.index(("call_start", "print(6 * 7)")), log.index(("call_end", "print(6 * 7)"))
     assert start < log.index(("ended", 1)), log  # submitted before the last row of the turn stopped
@@ -462,8 +502,10 @@ class _Row:
 
 
 def test_collect_stage_lays_out_observations_with_loss_mask_0(engine, tokenizer, pool):
-    prompts = [CALL.format(name="code_interpreter", code="print(6 * 7)"),
-               "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n"]
+    prompts = [
+        CALL.format(name="code_interpreter", code="print(6 * 7)"),
+        "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n",
+    ]
     rows = [_Row("42"), _Row("7")]
     ids = {id(r): _enc(tokenizer, p) for r, p in zip(rows, prompts)}
     rl = RLConfig(train_batch_size=2, group_size=2, gen_batch_size=2, dynamic_sampling=False)
@@ -471,9 +513,20 @@ def test_collect_stage_lays_out_observations_with_loss_mask_0(engine, tokenizer,
     tool = ToolConfig(enabled=True, timeout_s=1.0, tool_bonus=0.5)
     reward = RewardFn()
     try:
-        got = collect_batch(engine, iter([rows]), lambda r: ids[id(r)], rl=rl, sampling=sampling,
-                            tokenizer=tokenizer, reward_fn=reward, prompt_len=96, seed=0, step=0, tool=tool,
-                            tool_pool=pool)
+        got = collect_batch(
+            engine,
+            iter([rows]),
+            lambda r: ids[id(r)],
+            rl=rl,
+            sampling=sampling,
+            tokenizer=tokenizer,
+            reward_fn=reward,
+            prompt_len=96,
+            seed=0,
+            step=0,
+            tool=tool,
+            tool_pool=pool,
+        )
     finally:
         reward.close()
     b = got.batch
@@ -481,8 +534,8 @@ def test_collect_stage_lays_out_observations_with_loss_mask_0(engine, tokenizer,
     T = 96
     for row in range(2):  # prompt 0: close, observation, EOS
         resp = b["input_ids_BxT"][row, T:]
-        assert resp[1:1 + len(obs)].tolist() == obs
-        assert b["attention_mask_BxT"][row, T:T + 2 + len(obs)].tolist() == [1] * (2 + len(obs))
+        assert resp[1 : 1 + len(obs)].tolist() == obs
+        assert b["attention_mask_BxT"][row, T : T + 2 + len(obs)].tolist() == [1] * (2 + len(obs))
         assert b["response_mask_BxT"][row, T:].tolist() == [1] + [0] * len(obs) + [1] + [0] * (94 - len(obs))
     for row in range(2, 4):  # prompt 1: EOS at once
         assert b["response_mask_BxT"][row, T:].tolist() == [1] + [0] * 95
@@ -495,10 +548,23 @@ def test_collect_stage_lays_out_observations_with_loss_mask_0(engine, tokenizer,
     np.testing.assert_allclose(got.kept.reward_bonus_PxG, 0.0)  # a bonus only for correct answers
 
 
-MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64,
-                    tie_word_embeddings=True, initializer_range=0.3, max_position_embeddings=64)
-STEP = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), logprob_chunk_size=8, debug_outputs=True,
-                       stare=StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=50.0))
+MODEL = ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    initializer_range=0.3,
+    max_position_embeddings=64,
+)
+STEP = TrainStepConfig(
+    optimizer=OptimizerConfig(lr=1e-3),
+    logprob_chunk_size=8,
+    debug_outputs=True,
+    stare=StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=50.0),
+)
 
 
 def _obs_batch(seed=0, k=4):
@@ -543,8 +609,9 @@ def test_gate_entropy_is_the_mean_over_model_tokens(step_and_state):
     b = _obs_batch(seed=2)
     _, _, met = step(ts, b, init_stare_state(STEP.stare))
     model = nnx.merge(graphdef, ts.params, ts.rest)
-    logits = np.asarray(model(jnp.asarray(b["input_ids_BxT"]), attention_mask=jnp.asarray(b["attention_mask_BxT"])),
-                        np.float64)[:, :-1]
+    logits = np.asarray(
+        model(jnp.asarray(b["input_ids_BxT"]), attention_mask=jnp.asarray(b["attention_mask_BxT"])), np.float64
+    )[:, :-1]
     logp = logits - logits.max(-1, keepdims=True)
     logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
     ent = -(np.exp(logp) * logp).sum(-1)
@@ -569,12 +636,18 @@ def test_loss_gradient_through_observation_log_probs_is_zero():
 
 def test_train_batch_from_rollouts_model_mask():
     prompt = np.array([[0, 5, 6]], np.int32)
-    r = Rollouts(prompt, (prompt > 0).astype(np.int32), np.array([[[7, 8, 9, 0]]], np.int32), np.array([[3]]),
-                 np.zeros((1, 1), np.float32))
+    r = Rollouts(
+        prompt,
+        (prompt > 0).astype(np.int32),
+        np.array([[[7, 8, 9, 0]]], np.int32),
+        np.array([[3]]),
+        np.zeros((1, 1), np.float32),
+    )
     plain = train_batch_from_rollouts(r, np.ones((1, 1)))
     assert plain["response_mask_BxT"].tolist() == [[0, 0, 0, 1, 1, 1, 0]]
-    tool = train_batch_from_rollouts(dataclasses.replace(r, model_mask_PxGxN=np.array([[[1, 0, 1, 0]]])),
-                                     np.ones((1, 1)))
+    tool = train_batch_from_rollouts(
+        dataclasses.replace(r, model_mask_PxGxN=np.array([[[1, 0, 1, 0]]])), np.ones((1, 1))
+    )
     assert tool["response_mask_BxT"].tolist() == [[0, 0, 0, 1, 0, 1, 0]]
     assert tool["attention_mask_BxT"].tolist() == plain["attention_mask_BxT"].tolist() == [[0, 1, 1, 1, 1, 1, 0]]
 
@@ -583,12 +656,35 @@ def test_rl_loop_collects_tool_rollouts_and_records_tool_metrics(tmp_path):
     """`stare-jax train` on the tiny toy with tool.enabled: the collect stage runs tool_rollouts through the
     engine and the sandbox pool, and every step record has the tool metrics (the toy model makes no calls)."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "stare_jax.cli", "train", "--config", str(REPO / "configs/tiny_cpu_stare.yaml"),
-           "--run-dir", str(run), f"toy.cache_dir={tmp_path / 'toy'}", "total_steps=2", "toy.hidden_size=32",
-           "toy.num_layers=2", "toy.sft_steps=5", "toy.num_train=200", "toy.num_eval=8", "rl.train_batch_size=4",
-           "rl.group_size=4", "rl.gen_batch_size=8", "rl.micro_batch_size=8", "rl.dynamic_sampling=false",
-           "logging.eval_every_steps=0", "logging.tensorboard=false", "logging.progress_bar=false",
-           "checkpoint.every_steps=0", "sampling.engine.enabled=true", "tool.enabled=true", "tool.max_turns=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stare_jax.cli",
+        "train",
+        "--config",
+        str(REPO / "configs/tiny_cpu_stare.yaml"),
+        "--run-dir",
+        str(run),
+        f"toy.cache_dir={tmp_path / 'toy'}",
+        "total_steps=2",
+        "toy.hidden_size=32",
+        "toy.num_layers=2",
+        "toy.sft_steps=5",
+        "toy.num_train=200",
+        "toy.num_eval=8",
+        "rl.train_batch_size=4",
+        "rl.group_size=4",
+        "rl.gen_batch_size=8",
+        "rl.micro_batch_size=8",
+        "rl.dynamic_sampling=false",
+        "logging.eval_every_steps=0",
+        "logging.tensorboard=false",
+        "logging.progress_bar=false",
+        "checkpoint.every_steps=0",
+        "sampling.engine.enabled=true",
+        "tool.enabled=true",
+        "tool.max_turns=2",
+    ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -622,19 +718,38 @@ def test_smollm2_gsm8k_tool_rollouts_two_steps(tmp_path):
     run = tmp_path / "smol"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    p = subprocess.run([sys.executable, "-m", "stare_jax.cli", "train", "--config",
-                        str(REPO / "configs/smollm2_gsm8k_smoke.yaml"), "--run-dir", str(run),
-                        f"model.path={model_dir}", f"data.train_path={data}", "logging.progress_bar=false",
-                        "sampling.engine.enabled=true", "tool.enabled=true"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stare_jax.cli",
+            "train",
+            "--config",
+            str(REPO / "configs/smollm2_gsm8k_smoke.yaml"),
+            "--run-dir",
+            str(run),
+            f"model.path={model_dir}",
+            f"data.train_path={data}",
+            "logging.progress_bar=false",
+            "sampling.engine.enabled=true",
+            "tool.enabled=true",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     recs = read_metrics(run, drop_timing=False)
     assert [r["step"] for r in recs] == [1, 2]
     for r in recs:
         assert np.isfinite(r["entropy"]) and r["tool/turns_per_response"] >= 1
-        print(f"step {r['step']}: {r['step_time_s']:.1f} s (generation {r['gen_time_s']:.1f} s), "
-              f"tool calls/response {r['tool/calls_per_response']:.2f}, "
-              f"observation-token fraction {r['tool/observation_token_frac']:.3f}")
+        print(
+            f"step {r['step']}: {r['step_time_s']:.1f} s (generation {r['gen_time_s']:.1f} s), "
+            f"tool calls/response {r['tool/calls_per_response']:.2f}, "
+            f"observation-token fraction {r['tool/observation_token_frac']:.3f}"
+        )
 
 
 def test_eval_cli_runs_multi_turn_with_the_tool(tokenizer, tmp_path):
@@ -648,13 +763,40 @@ def test_eval_cli_runs_multi_turn_with_the_tool(tokenizer, tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     problem = CALL.format(name="code_interpreter", code="print(6 * 7)").split("assistant\n", 1)[1]
-    (data / "math500.jsonl").write_text("".join(json.dumps({"id": str(i), "problem": problem, "answer": "42"}) + "\n"
-                                                for i in range(2)))
+    (data / "math500.jsonl").write_text(
+        "".join(json.dumps({"id": str(i), "problem": problem, "answer": "42"}) + "\n" for i in range(2))
+    )
     out = tmp_path / "eval"
-    cmd = [sys.executable, "-m", "stare_jax.cli", "eval", "--checkpoint", str(folder), "--benchmarks", "math500",
-           "--data-dir", str(data), "--n", "2", "--max-new-tokens", "96", "--max-prompt-len", "128",
-           "--prompt-template", "raw", "--slots", "4", "--workers", "1", "--out", str(out), "--tool", "on",
-           "tool.timeout_s=5", "tool.max_turns=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "stare_jax.cli",
+        "eval",
+        "--checkpoint",
+        str(folder),
+        "--benchmarks",
+        "math500",
+        "--data-dir",
+        str(data),
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "96",
+        "--max-prompt-len",
+        "128",
+        "--prompt-template",
+        "raw",
+        "--slots",
+        "4",
+        "--workers",
+        "1",
+        "--out",
+        str(out),
+        "--tool",
+        "on",
+        "tool.timeout_s=5",
+        "tool.max_turns=2",
+    ]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -689,10 +831,41 @@ def test_eval_tool_section_and_bad_input(tmp_path, capsys):
     (run / "config.yaml").write_text("tool: {enabled: true, format: retool}\n")
     assert resolve(checkpoint=run) == ToolConfig(enabled=True, format="retool")
     assert resolve("--tool", "on").enabled
-    assert cli.main(["eval", "--checkpoint", str(tmp_path), "--benchmarks", "math500", "--data-dir",
-                     str(REPO.parent / "shared/data/math"), "rl.lr=1"]) == 2
+    assert (
+        cli.main(
+            [
+                "eval",
+                "--checkpoint",
+                str(tmp_path),
+                "--benchmarks",
+                "math500",
+                "--data-dir",
+                str(REPO.parent / "shared/data/math"),
+                "rl.lr=1",
+            ]
+        )
+        == 2
+    )
     assert "eval takes tool.KEY=VALUE overrides only, got rl.lr=1" in capsys.readouterr().err
-    assert cli.main(["eval", "--checkpoint", str(tmp_path), "--benchmarks", "math500", "--data-dir",
-                     str(REPO.parent / "shared/data/math"), "--tool", "on", "--engine", "off"]) == 2
-    assert "multi-turn tool rollouts (--tool on, or tool.enabled in the tool section) need the rollout engine" in \
-        capsys.readouterr().err
+    assert (
+        cli.main(
+            [
+                "eval",
+                "--checkpoint",
+                str(tmp_path),
+                "--benchmarks",
+                "math500",
+                "--data-dir",
+                str(REPO.parent / "shared/data/math"),
+                "--tool",
+                "on",
+                "--engine",
+                "off",
+            ]
+        )
+        == 2
+    )
+    assert (
+        "multi-turn tool rollouts (--tool on, or tool.enabled in the tool section) need the rollout engine"
+        in capsys.readouterr().err
+    )

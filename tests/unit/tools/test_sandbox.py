@@ -8,6 +8,7 @@ mode is tested too, with the system interpreter (/usr/bin/python3, which the san
 namespace), for what it claims to block, and the user-namespace variant as an unprivileged user. (The SandboxFusion
 backend and ToolConfig have their own modules: tests/unit/tools/test_sandbox_fusion.py,
 tests/unit/tools/test_config.py.)"""
+
 from __future__ import annotations
 
 import dataclasses
@@ -122,8 +123,9 @@ def run(code: str, **kw) -> ExecResult:
 def test_capabilities_report_what_is_isolated(caps):
     assert caps["isolation"] in ("namespaces", "rlimits", "refused")
     assert caps["python"] == default_python()
-    assert caps["pid_namespace"] == caps["net_namespace"] == caps["mount_namespace"] == (
-        caps["isolation"] == "namespaces")
+    assert (
+        caps["pid_namespace"] == caps["net_namespace"] == caps["mount_namespace"] == (caps["isolation"] == "namespaces")
+    )
     if caps["isolation"] == "namespaces":
         assert any("network" in b for b in caps["blocks"]) and caps["does_not_block"]
     else:
@@ -202,11 +204,13 @@ def test_infinite_loop_times_out(ns):
 
 
 def test_fork_bomb(ns):
-    res = run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-              max_processes=16)
+    res = run(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", max_processes=16
+    )
     assert res.timed_out and res.exit_code == -9
-    res = run("import subprocess\nsubprocess.run(['bash', '-c', ':(){ :|:& };:'])\nprint('bash gave up')",
-              max_processes=16)
+    res = run(
+        "import subprocess\nsubprocess.run(['bash', '-c', ':(){ :|:& };:'])\nprint('bash gave up')", max_processes=16
+    )
     assert "fork: retry: Resource temporarily unavailable" in res.stderr or res.timed_out
 
 
@@ -220,8 +224,11 @@ def test_allocating_10_gb(ns):
 def test_writing_1_gb_to_stdout(ns):
     tracemalloc.start()
     t0 = time.monotonic()
-    res = run("import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.write(chunk)\n"
-              "print('finished')", max_output_bytes=10_000, timeout_s=10.0)
+    res = run(
+        "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.write(chunk)\nprint('finished')",
+        max_output_bytes=10_000,
+        timeout_s=10.0,
+    )
     elapsed = time.monotonic() - t0
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
@@ -233,15 +240,23 @@ def test_writing_1_gb_to_stdout(ns):
 
 def test_writing_outside_its_directory(ns):
     tag = uuid.uuid4().hex
-    targets = [REPO / f"escape_{tag}", REPO / "README.md", pathlib.Path(f"/tmp/escape_{tag}"),
-               pathlib.Path(f"/root/escape_{tag}"), pathlib.Path(f"/dev/shm/escape_{tag}"),
-               pathlib.Path(f"/var/tmp/escape_{tag}"), pathlib.Path(f"/etc/escape_{tag}"),
-               pathlib.Path(default_python()).parent / f"escape_{tag}"]
+    targets = [
+        REPO / f"escape_{tag}",
+        REPO / "README.md",
+        pathlib.Path(f"/tmp/escape_{tag}"),
+        pathlib.Path(f"/root/escape_{tag}"),
+        pathlib.Path(f"/dev/shm/escape_{tag}"),
+        pathlib.Path(f"/var/tmp/escape_{tag}"),
+        pathlib.Path(f"/etc/escape_{tag}"),
+        pathlib.Path(default_python()).parent / f"escape_{tag}",
+    ]
     readme = (REPO / "README.md").read_bytes()
-    code = (f"import os\nfor p in {[str(t) for t in targets]!r}:\n"
-            "    try:\n        with open(p, 'a') as f:\n            f.write('pwned')\n"
-            "        print(p, 'WROTE', sep='\\t')\n"
-            "    except OSError as e:\n        print(p, 'refused: ' + e.strerror, sep='\\t')\n")
+    code = (
+        f"import os\nfor p in {[str(t) for t in targets]!r}:\n"
+        "    try:\n        with open(p, 'a') as f:\n            f.write('pwned')\n"
+        "        print(p, 'WROTE', sep='\\t')\n"
+        "    except OSError as e:\n        print(p, 'refused: ' + e.strerror, sep='\\t')\n"
+    )
     res = run(code)
     assert res.ok, res
     lines = dict(line.split("\t") for line in res.stdout.splitlines())
@@ -257,8 +272,10 @@ def test_writing_outside_its_directory(ns):
 
 def test_tcp_connection_to_localhost(ns, listener):
     port, connected = listener
-    res = run(f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
-              f"    print('CONNECTED')\nexcept OSError as e:\n    print('refused', e)\n")
+    res = run(
+        f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
+        f"    print('CONNECTED')\nexcept OSError as e:\n    print('refused', e)\n"
+    )
     assert res.ok and res.stdout.startswith("refused") and "CONNECTED" not in res.stdout
     assert not connected(), "the listener saw a connection from the sandbox"
 
@@ -266,10 +283,12 @@ def test_tcp_connection_to_localhost(ns, listener):
 def test_reading_the_parents_environment(ns, monkeypatch):
     secret = f"s3cret-{uuid.uuid4().hex}"
     monkeypatch.setenv("STARE_SANDBOX_TEST_SECRET", secret)
-    code = (f"import os\nprint(dict(os.environ))\n"
-            f"for pid in (os.getppid(), 1, {os.getpid()}, {os.getppid()}):\n"
-            "    try:\n        print(pid, open(f'/proc/{pid}/environ', 'rb').read())\n"
-            "    except OSError as e:\n        print(pid, 'refused', e.strerror)\n")
+    code = (
+        f"import os\nprint(dict(os.environ))\n"
+        f"for pid in (os.getppid(), 1, {os.getpid()}, {os.getppid()}):\n"
+        "    try:\n        print(pid, open(f'/proc/{pid}/environ', 'rb').read())\n"
+        "    except OSError as e:\n        print(pid, 'refused', e.strerror)\n"
+    )
     res = run(code)
     assert res.ok, res
     assert secret not in res.stdout + res.stderr
@@ -279,11 +298,13 @@ def test_reading_the_parents_environment(ns, monkeypatch):
 
 def test_killing_its_parent(ns):
     me = os.getpid()
-    code = (f"import os, subprocess\n"
-            f"for target in (os.getppid(), 1, {me}, {os.getppid()}):\n"
-            "    try:\n        os.kill(target, 9)\n        print(target, 'SIGNALLED')\n"
-            "    except OSError as e:\n        print(target, 'refused', e.strerror)\n"
-            "subprocess.run(['bash', '-c', 'kill -9 -1'])\nprint('after kill -1')\n")
+    code = (
+        f"import os, subprocess\n"
+        f"for target in (os.getppid(), 1, {me}, {os.getppid()}):\n"
+        "    try:\n        os.kill(target, 9)\n        print(target, 'SIGNALLED')\n"
+        "    except OSError as e:\n        print(target, 'refused', e.strerror)\n"
+        "subprocess.run(['bash', '-c', 'kill -9 -1'])\nprint('after kill -1')\n"
+    )
     res = run(code)
     assert "SIGNALLED" not in res.stdout, res.stdout
     assert res.exit_code == -9 and "after kill -1" not in res.stdout  # kill -9 -1 killed only the code itself
@@ -293,12 +314,14 @@ def test_killing_its_parent(ns):
 def test_background_process_does_not_outlive_the_call(ns, listener):
     port, connected = listener
     marker = pathlib.Path(f"/tmp/sandbox_marker_{uuid.uuid4().hex}")
-    code = ("import os, socket, time\n"
-            "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            f"        time.sleep(0.5)\n        open({str(marker)!r}, 'w').write('alive')\n"
-            f"        socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
-            "    os._exit(0)\n"
-            "print('main done')\n")
+    code = (
+        "import os, socket, time\n"
+        "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+        f"        time.sleep(0.5)\n        open({str(marker)!r}, 'w').write('alive')\n"
+        f"        socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "    os._exit(0)\n"
+        "print('main done')\n"
+    )
     res = run(code)
     assert res.ok and res.stdout == "main done\n"
     assert_no_sandbox_processes(wait_s=0.0)  # gone at once: init's exit took the namespace with it
@@ -309,8 +332,10 @@ def test_background_process_does_not_outlive_the_call(ns, listener):
 
 def test_calls_cannot_see_each_other(ns):
     """Two concurrent calls: different uids, neither sees the other's processes or files."""
-    code = ("import os, time\nopen('/tmp/mine', 'w').write(str(os.getuid()))\ntime.sleep(0.3)\n"
-            "print(os.getuid(), sorted(p for p in os.listdir('/proc') if p.isdigit()), sorted(os.listdir('/tmp')))")
+    code = (
+        "import os, time\nopen('/tmp/mine', 'w').write(str(os.getuid()))\ntime.sleep(0.3)\n"
+        "print(os.getuid(), sorted(p for p in os.listdir('/proc') if p.isdigit()), sorted(os.listdir('/tmp')))"
+    )
     with SandboxPool(2, timeout_s=5.0) as pool:
         a, b = pool.map([code, code])
     assert a.ok and b.ok
@@ -418,8 +443,11 @@ def test_fallback_rlimits_mode(fallback_python, monkeypatch):
     assert "MemoryError" in run("x = bytearray(10 * 1024 ** 3)", memory_mb=512, **kw).stderr
     flood = run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", max_output_bytes=1000, **kw)
     assert flood.killed_by == "output_limit" and flood.stdout == "x" * 1000
-    assert run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
-               max_processes=16, **kw).timed_out
+    assert run(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+        max_processes=16,
+        **kw,
+    ).timed_out
     secret = f"s3cret-{uuid.uuid4().hex}"
     monkeypatch.setenv("STARE_SANDBOX_TEST_SECRET", secret)
     env = run(f"import os\nprint(dict(os.environ))\nprint(open('/proc/{os.getpid()}/environ').read())", **kw)
@@ -429,9 +457,12 @@ def test_fallback_rlimits_mode(fallback_python, monkeypatch):
     # a daemonised grandchild, after a normal exit and after a timeout: killed by the uid sweep
     for tail, expect_timeout in (("print('main done')", False), ("while True:\n    pass", True)):
         marker = pathlib.Path(f"/tmp/sandbox_marker_{uuid.uuid4().hex}")
-        res = run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-                  f"        time.sleep({TIMEOUT_S + 0.3})\n        open({str(marker)!r}, 'w').write('alive')\n"
-                  "    os._exit(0)\n" + tail, **kw)
+        res = run(
+            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            f"        time.sleep({TIMEOUT_S + 0.3})\n        open({str(marker)!r}, 'w').write('alive')\n"
+            "    os._exit(0)\n" + tail,
+            **kw,
+        )
         assert res.timed_out == expect_timeout
         time.sleep(TIMEOUT_S + 0.5)  # past the moment it would have written
         assert not marker.exists(), "a background process outlived the call"
@@ -480,15 +511,24 @@ def test_user_namespace_mode_without_root(listener):
     if os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON) or not shutil.which("setpriv"):
         pytest.skip("needs root (to become an unprivileged user), setpriv and /usr/bin/python3")
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    check = subprocess.run(nobody + [SYSTEM_PYTHON, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); "
-                                     "import stare_jax.tools"], capture_output=True, text=True, timeout=60)
+    check = subprocess.run(
+        nobody + [SYSTEM_PYTHON, "-c", f"import sys; sys.path.insert(0, {str(REPO)!r}); import stare_jax.tools"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if check.returncode != 0:
         pytest.skip(f"uid 65534 cannot import stare_jax from {REPO}: {check.stderr.strip()[-200:]}")
     secret = f"s3cret-{uuid.uuid4().hex}"
     before = {p for p, uid, _ in _processes_of(65534)}
-    out = subprocess.run(nobody + [SYSTEM_PYTHON, "-c", _UNPRIVILEGED_SCRIPT, str(REPO), str(port), str(os.getpid())],
-                         capture_output=True, text=True, timeout=120, cwd="/",
-                         env={"PATH": "/usr/bin:/bin", "STARE_SANDBOX_TEST_SECRET": secret})
+    out = subprocess.run(
+        nobody + [SYSTEM_PYTHON, "-c", _UNPRIVILEGED_SCRIPT, str(REPO), str(port), str(os.getpid())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "STARE_SANDBOX_TEST_SECRET": secret},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     caps, r = lines[0], {d["name"]: d for d in lines[1:]}
@@ -498,8 +538,9 @@ def test_user_namespace_mode_without_root(listener):
     assert all(d["error"] is None for d in r.values()), r
     assert r["whoami"]["stdout"] == "65534 0000000000000000\n"  # the caller's uid, no capability at all
     assert "Network is unreachable" in r["network"]["stderr"] and not connected()
-    assert r["write"]["stdout"] == ("/usr/x Read-only file system\n/etc/x Read-only file system\n"
-                                    "/x Read-only file system\n")
+    assert r["write"]["stdout"] == (
+        "/usr/x Read-only file system\n/etc/x Read-only file system\n/x Read-only file system\n"
+    )
     # neither mount(8) nor a nested user namespace can make the read-only mounts writable again
     assert r["remount"]["stdout"].endswith("Read-only file system\n") and "WROTE" not in r["remount"]["stdout"]
     assert secret not in r["env"]["stdout"] + r["env"]["stderr"] and "FileNotFoundError" in r["env"]["stderr"]

@@ -1,13 +1,14 @@
 """SandboxFusionBackend: the real HTTP client against a fake SandboxFusion server (tests/support/tools.py) that
 answers in the documented /run_code format; every failure mode of the server is an ExecResult with `error`."""
+
 from __future__ import annotations
 
 import socket
 
 import pytest
-from support.tools import FakeSandboxFusion, fake_sandbox_fusion_server
 
 from stare_jax.tools import SandboxFusionBackend, SandboxPool
+from support.tools import FakeSandboxFusion, fake_sandbox_fusion_server
 
 
 @pytest.fixture
@@ -17,8 +18,9 @@ def fake_sandbox_fusion():
 
 
 def test_sandbox_fusion_backend(fake_sandbox_fusion):
-    backend = SandboxFusionBackend(fake_sandbox_fusion, timeout_s=3.0, memory_mb=256, max_output_bytes=1000,
-                                   request_timeout_s=1.0)
+    backend = SandboxFusionBackend(
+        fake_sandbox_fusion, timeout_s=3.0, memory_mb=256, max_output_bytes=1000, request_timeout_s=1.0
+    )
     res = backend.run("print(6 * 7)")
     assert (res.stdout, res.stderr, res.exit_code, res.timed_out, res.truncated) == ("42\n", "", 0, False, False)
     assert res.ok and res.isolation == "sandbox_fusion"
@@ -31,8 +33,12 @@ def test_sandbox_fusion_backend(fake_sandbox_fusion):
     assert err.exit_code == 1 and "ValueError" in err.stderr and err.error is None
     loop = backend.run("loop")
     assert loop.timed_out and loop.killed_by == "timeout" and loop.exit_code == -9 and loop.stdout == "partial"
-    for code, words in (("sandbox_error", "SandboxError: no executor"), ("http500", "HTTP 500"),
-                        ("garbage", "not a run_code response"), ("slow", "request to")):
+    for code, words in (
+        ("sandbox_error", "SandboxError: no executor"),
+        ("http500", "HTTP 500"),
+        ("garbage", "not a run_code response"),
+        ("slow", "request to"),
+    ):
         res = backend.run(code)
         assert res.error is not None and words in res.error and res.exit_code is None, (code, res)
     # the /run_code URL itself is accepted too; a server that is not there is a failed call, not an exception

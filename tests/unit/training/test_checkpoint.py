@@ -1,5 +1,6 @@
 """Checkpointer on orbax: whole-state round trip, keep-K, async + wait, resharding restore on the 8 fake CPU
 devices, corrupted / mismatched / missing checkpoints, and the SIGTERM flag."""
+
 import dataclasses
 import os
 import pathlib
@@ -11,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from stare_jax.training import checkpoint as C
 
@@ -36,8 +36,10 @@ def state():
     rows = NamedSharding(mesh, P("d"))
     params = {
         "embed": jax.device_put(jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8) / 7, rows),
-        "layers": {"w": jax.device_put(jnp.linspace(-1, 1, 8 * 4, dtype=jnp.float32).reshape(8, 4), rows),
-                   "b": jnp.full((4,), 0.25, jnp.bfloat16)},
+        "layers": {
+            "w": jax.device_put(jnp.linspace(-1, 1, 8 * 4, dtype=jnp.float32).reshape(8, 4), rows),
+            "b": jnp.full((4,), 0.25, jnp.bfloat16),
+        },
     }
     opt = optax.adam(1e-2)
     opt_state = opt.init(params)
@@ -189,8 +191,10 @@ def test_mismatched_state_is_not_treated_as_corruption(tmp_path):
     with C.Checkpointer(tmp_path, async_save=False) as ck:
         ck.save(1, {"a": jnp.zeros((4, 2)), "b": jnp.zeros(3)}, force=True)
         with pytest.raises(C.CheckpointMismatchError, match=r"a: saved \(4, 2\) vs requested \(4, 3\)"):
-            ck.restore(abstract_state={"a": jax.ShapeDtypeStruct((4, 3), jnp.float32), "b": jnp.zeros(3)},
-                       fallback_to_intact=True)
+            ck.restore(
+                abstract_state={"a": jax.ShapeDtypeStruct((4, 3), jnp.float32), "b": jnp.zeros(3)},
+                fallback_to_intact=True,
+            )
         with pytest.raises(C.CheckpointMismatchError, match=r"\['c'\].*\['b'\]"):
             ck.restore(abstract_state={"a": jnp.zeros((4, 2)), "c": jnp.zeros(3)})
         assert ck.all_steps() == [1]

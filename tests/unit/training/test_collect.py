@@ -1,6 +1,7 @@
 """stare_jax.training.collect: left padding, and generate_rollouts on the real toy assets (SentencePiece tokenizer, tiny
 model, digit-set verifier) on the 8-device test mesh: shapes, scores equal to the verifier applied to the decoded
 texts, and the same samples whether the prompts go to the sampler in one call or in chunks."""
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,11 @@ def toy_setup(tmp_path_factory):
     from stare_jax.sampling import Sampler
     from stare_jax.toy import assets as toy
 
-    assets = toy.prepare(toy.ToyAssetConfig(hidden_size=32, num_layers=2, sft_steps=20, num_train=300, num_eval=20),
-                         tmp_path_factory.mktemp("toy"), log=lambda *_: None)
+    assets = toy.prepare(
+        toy.ToyAssetConfig(hidden_size=32, num_layers=2, sft_steps=20, num_train=300, num_eval=20),
+        tmp_path_factory.mktemp("toy"),
+        log=lambda *_: None,
+    )
     tok = load_tokenizer(assets.model_dir / "tokenizer.model")
     mesh = make_mesh({"data": jax.device_count()}) if jax.device_count() > 1 else None
     model = models.from_pretrained(assets.model_dir, mesh=mesh)
@@ -58,10 +62,19 @@ def toy_setup(tmp_path_factory):
 
 def _roll(toy_setup, **kw):
     sampler, tok, prompts, answers = toy_setup
-    return generate_rollouts(sampler, prompts, answers, tokenizer=tok, reward_fn=reward_fn_for("digit_set"),
-                             prompt_len=16, max_new_tokens=8, num_samples=3,
-                             sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=7), index_offset=100,
-                             **kw)
+    return generate_rollouts(
+        sampler,
+        prompts,
+        answers,
+        tokenizer=tok,
+        reward_fn=reward_fn_for("digit_set"),
+        prompt_len=16,
+        max_new_tokens=8,
+        num_samples=3,
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=7),
+        index_offset=100,
+        **kw,
+    )
 
 
 def test_rollouts_shapes_and_scores(toy_setup):
@@ -78,7 +91,7 @@ def test_rollouts_shapes_and_scores(toy_setup):
         p, g = divmod(b, 3)
         assert t == toy_setup[1].decode(r.tokens_PxGxN[p, g, : r.lengths_PxG[p, g]].tolist())
     for p, ids in enumerate(prompts):  # left-padded prompts, mask on the real tokens
-        assert r.prompt_ids_PxT[p, 16 - len(ids):].tolist() == ids and r.prompt_mask_PxT[p].sum() == len(ids)
+        assert r.prompt_ids_PxT[p, 16 - len(ids) :].tolist() == ids and r.prompt_mask_PxT[p].sum() == len(ids)
 
 
 def test_chunked_calls_give_the_same_samples(toy_setup):

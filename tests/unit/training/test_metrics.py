@@ -1,5 +1,6 @@
 """MetricsWriter: JSONL format (valid JSON, non-finite values, scalar conversion), timing split, resume
 truncation, durability against a killed process, TensorBoard events, main-process-only writing."""
+
 import io
 import json
 import math
@@ -199,8 +200,10 @@ def test_tensorboard_scalars(tmp_path):
     assert "name" not in sc
     # an undefined metric (NaN: no response without the tool) stays in metrics.jsonl and is not plotted
     assert sc["tool/accuracy_without_tool"] == [(3, 0.5)]
-    assert M.read_metrics(tmp_path)[1]["tool/accuracy_without_tool"] != M.read_metrics(tmp_path)[1][
-        "tool/accuracy_without_tool"]
+    assert (
+        M.read_metrics(tmp_path)[1]["tool/accuracy_without_tool"]
+        != M.read_metrics(tmp_path)[1]["tool/accuracy_without_tool"]
+    )
 
 
 def test_wandb_missing_is_a_clear_error(tmp_path):

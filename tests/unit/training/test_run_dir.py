@@ -1,6 +1,7 @@
 """RunDir: local run dirs are used as they are; remote ones (gs://...) get a local mirror of the text outputs that
 is pushed after every step and pulled back on resume. The object store is stood in for by a second local folder
 (etils.epath gives both the same API); a real gs:// bucket is not reachable from the test machines."""
+
 from __future__ import annotations
 
 import pathlib
@@ -61,11 +62,10 @@ def test_push_pull_and_reset(tmp_path):
 def test_training_in_a_remote_run_dir_resumes_with_its_history(tmp_path, monkeypatch):
     """run_training against the stand-in object store: fresh run (2 steps), then --resume to 3 steps from an
     EMPTY local mirror (another machine): the remote ends with the whole history and the checkpoints."""
-    from support.toy_runs import TINY
-
     import stare_jax.training.loop as train
     from stare_jax.config.loader import load_config
     from stare_jax.training.metrics import read_metrics
+    from support.toy_runs import TINY
 
     remote_root = epath.Path(tmp_path / "bucket" / "run")
     mirrors = iter([tmp_path / "mirror_a", tmp_path / "mirror_b", tmp_path / "mirror_c"])

@@ -5,6 +5,7 @@ real Qwen2.5-Instruct chat template (hermes <tool_call> JSON, <tool_response> in
 tokenizer folder, with assistant spans located by re-rendering message prefixes at the token level. Then a tiny
 SFT run through the CLI whose loss drops and whose output folder loads, and the bad inputs (file and line named).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import shutil
 
 import numpy as np
 import pytest
-from support.conversations import CONVERSATIONS, _call, _tiny_model
 
 from stare_jax import models
 from stare_jax.cli import main
@@ -31,22 +31,19 @@ from stare_jax.data.tokenizer import load_tokenizer
 from stare_jax.tools.calls import CODE_TOOL_SCHEMA
 from stare_jax.training import policy, sft
 from stare_jax.training.sft import load_sft_config, with_end_of_turn_eos
+from support.conversations import CONVERSATIONS, _call, _tiny_model
 
 transformers = pytest.importorskip("transformers")
-
-
-
-
-
-
 
 
 def _reference_ids_and_mask(ref, messages, tools):
     """transformers' token ids of the conversation, and the mask built by re-rendering prefixes token-wise: the
     tokens of messages[:i+1] after those of messages[:i] + generation prompt, up to and including <|im_end|>."""
+
     def ids(msgs, gen):
-        return list(ref.apply_chat_template(msgs, tools=tools, tokenize=True, add_generation_prompt=gen,
-                                            return_dict=False))
+        return list(
+            ref.apply_chat_template(msgs, tools=tools, tokenize=True, add_generation_prompt=gen, return_dict=False)
+        )
 
     full = ids(messages, False)
     mask = [0] * len(full)
@@ -54,10 +51,10 @@ def _reference_ids_and_mask(ref, messages, tools):
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        a, b = ids(messages[:i], True), ids(messages[:i + 1], False)
-        assert full[:len(a)] == a and full[:len(b)] == b
+        a, b = ids(messages[:i], True), ids(messages[: i + 1], False)
+        assert full[: len(a)] == a and full[: len(b)] == b
         stop = max(j for j in range(len(a), len(b)) if b[j] == end) + 1
-        mask[len(a):stop] = [1] * (stop - len(a))
+        mask[len(a) : stop] = [1] * (stop - len(a))
     return full, mask
 
 
@@ -97,17 +94,28 @@ BAD_ROWS = [
     ('{"conversation": []}', r"bad.jsonl:2: expected \{\"messages\": \[...\]\}"),
     ('{"messages": []}', r"bad.jsonl:2: expected a non-empty list of messages"),
     ('[{"role": "robot", "content": "x"}]', r"bad.jsonl:2: message 0 has unknown role 'robot'"),
-    ('[{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}]',
-     r"bad.jsonl:2: message 1 is a tool reply with no preceding assistant tool call"),
-    ('[{"role": "user", "content": "q"}, {"role": "user", "content": "again"}]',
-     r"bad.jsonl:2: the conversation has no assistant message"),
-    ('[{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]',
-     r"bad.jsonl:2: message 0 \(user\) needs string 'content'"),
-    ('[{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"function": '
-     '{"name": "code_interpreter", "arguments": "{not json"}}]}]', r"bad.jsonl:2: message 1 tool_calls\[0\]: "
-                                                                     r"'arguments' is a string that is not JSON"),
-    ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}',
-     r"bad.jsonl:2: invalid JSON"),
+    (
+        '[{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}, {"role": "assistant", "content": "a"}]',
+        r"bad.jsonl:2: message 1 is a tool reply with no preceding assistant tool call",
+    ),
+    (
+        '[{"role": "user", "content": "q"}, {"role": "user", "content": "again"}]',
+        r"bad.jsonl:2: the conversation has no assistant message",
+    ),
+    (
+        '[{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]',
+        r"bad.jsonl:2: message 0 \(user\) needs string 'content'",
+    ),
+    (
+        '[{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"function": '
+        '{"name": "code_interpreter", "arguments": "{not json"}}]}]',
+        r"bad.jsonl:2: message 1 tool_calls\[0\]: "
+        r"'arguments' is a string that is not JSON",
+    ),
+    (
+        '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}',
+        r"bad.jsonl:2: invalid JSON",
+    ),
 ]
 
 
@@ -121,12 +129,14 @@ def test_bad_rows_name_file_and_line(tmp_path, row, message):
 
 
 def test_second_tool_reply_needs_a_second_call():
-    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [_call("1")]},
-            {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    msgs = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [_call("1")]},
+        {"role": "tool", "content": "1"},
+        {"role": "tool", "content": "2"},
+    ]
     with pytest.raises(DataError, match="w:3: message 3 is a tool reply with no preceding"):
         check_messages(msgs, "w:3")
-
-
 
 
 def test_sft_cli_loss_drops_and_writes_an_hf_folder(qwen_sft_dir, tmp_path, capsys):
@@ -139,9 +149,11 @@ def test_sft_cli_loss_drops_and_writes_an_hf_folder(qwen_sft_dir, tmp_path, caps
     cfg = tmp_path / "sft.yaml"
     # on the 8 fake devices (fsdp 2 x tensor 4), 2 micro-batches of one conversation per data shard; no tool
     # schema in the system prompt (tools: none), so the padded length is 385 instead of 1025 (3x faster)
-    cfg.write_text(f"model: {{path: {model_dir}}}\ntrain_path: {data}\nout_dir: {tmp_path / 'out'}\nsteps: 30\n"
-                   f"batch_size: 4\nmicro_batch_size: 1\nlr: 3.0e-3\nmax_len: 1024\nchunk_size: 128\n"
-                   f"mesh: {{data: 1, fsdp: 2, tensor: 4}}\ntools: none\n")
+    cfg.write_text(
+        f"model: {{path: {model_dir}}}\ntrain_path: {data}\nout_dir: {tmp_path / 'out'}\nsteps: 30\n"
+        f"batch_size: 4\nmicro_batch_size: 1\nlr: 3.0e-3\nmax_len: 1024\nchunk_size: 128\n"
+        f"mesh: {{data: 1, fsdp: 2, tensor: 4}}\ntools: none\n"
+    )
     assert main(["sft", "--config", str(cfg)]) == 0
     out = tmp_path / "out"
     losses = [json.loads(line)["loss"] for line in (out / "sft_log.jsonl").read_text().splitlines()]
@@ -157,15 +169,18 @@ def test_sft_cli_loss_drops_and_writes_an_hf_folder(qwen_sft_dir, tmp_path, caps
     assert out_tok.token_to_id("<|im_end|>") in out_tok.eos_ids  # the RL rollout stops where SFT ended turns
     # bad input through the CLI: one line naming the file and line, exit status 2
     (tmp_path / "bad.jsonl").write_text('[{"role": "robot", "content": "x"}]\n')
-    assert main(["sft", "--config", str(cfg), f"train_path={tmp_path / 'bad.jsonl'}",
-                 f"out_dir={tmp_path / 'out2'}"]) == 2
+    assert (
+        main(["sft", "--config", str(cfg), f"train_path={tmp_path / 'bad.jsonl'}", f"out_dir={tmp_path / 'out2'}"]) == 2
+    )
     assert "bad.jsonl:1: message 0 has unknown role 'robot'" in capsys.readouterr().err
 
 
 def test_end_of_turn_joins_a_base_models_eos_list():
     """Qwen2.5-7B-Base: eos <|endoftext|> (151643); after SFT its turns end with <|im_end|> (151645)."""
     assert with_end_of_turn_eos({"eos_token_id": 151643, "bos_token_id": 151643}, [151645]) == {
-        "eos_token_id": [151643, 151645], "bos_token_id": 151643}
+        "eos_token_id": [151643, 151645],
+        "bos_token_id": 151643,
+    }
     assert with_end_of_turn_eos({"eos_token_id": [151645, 151643]}, [151645])["eos_token_id"] == [151645, 151643]
     assert with_end_of_turn_eos({}, [7])["eos_token_id"] == [7]
 
@@ -195,15 +210,24 @@ def test_sft_config_errors(tmp_path):
         load_sft_config(path)
 
 
-@pytest.mark.parametrize("template,message", [
-    # a template that drops assistant turns: nothing to train on
-    ("{% for m in messages %}{% if m.role != 'assistant' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-     "{% endif %}{% endfor %}", r"c.jsonl:4: the rendered conversation has no assistant token"),
-    # a template whose rendering of a prefix is not a prefix of the whole (the last message is rendered first)
-    ("{% for m in messages|reverse %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", r"c.jsonl:4: the chat template's rendering"
-                                                                         r" of messages 0..0 \+ generation prompt"),
-])
+@pytest.mark.parametrize(
+    "template,message",
+    [
+        # a template that drops assistant turns: nothing to train on
+        (
+            "{% for m in messages %}{% if m.role != 'assistant' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+            "{% endif %}{% endfor %}",
+            r"c.jsonl:4: the rendered conversation has no assistant token",
+        ),
+        # a template whose rendering of a prefix is not a prefix of the whole (the last message is rendered first)
+        (
+            "{% for m in messages|reverse %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            r"c.jsonl:4: the chat template's rendering"
+            r" of messages 0..0 \+ generation prompt",
+        ),
+    ],
+)
 def test_templates_the_mask_cannot_use(qwen_sft_dir, tmp_path, template, message):
     folder = tmp_path / "tok"
     shutil.copytree(qwen_sft_dir, folder)

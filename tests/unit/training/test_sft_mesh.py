@@ -3,6 +3,7 @@ micro-batches with gradient accumulation equal the whole batch (losses and param
 Hugging Face folder loaded the way `run_conversation_sft` loads it; bf16 compute keeps fp32 master weights; a
 batch that does not split over the mesh is a config error naming the keys. (Remat: the ahead-of-time SFT compile in
 tests/system/test_aot.py, with the shipped config's remat_policy full.)"""
+
 import jax
 import numpy as np
 import pytest
@@ -13,9 +14,19 @@ from stare_jax.models.sharding import make_mesh
 from stare_jax.rl.step import split_model
 from stare_jax.training.sft import ConversationSFTConfig, SFTConfig, pack_masked, sft_train
 
-MODEL = models.ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
-                           intermediate_size=64, max_position_embeddings=128, architecture="Qwen2ForCausalLM",
-                           qkv_bias=True, tie_word_embeddings=True, initializer_range=0.3)
+MODEL = models.ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=128,
+    architecture="Qwen2ForCausalLM",
+    qkv_bias=True,
+    tie_word_embeddings=True,
+    initializer_range=0.3,
+)
 BATCH, LENGTH = 8, 33
 CFG = SFTConfig(steps=2, batch_size=BATCH, lr=3e-3, warmup_steps=0, seed=0, chunk_size=8)
 
@@ -36,7 +47,7 @@ def _sample_batch(rng: np.random.Generator, batch_size: int):
         ids = rng.integers(1, MODEL.vocab_size, size=n).astype(np.int32)
         mask = np.zeros(n, np.int32)
         a = int(rng.integers(1, n - 2))
-        mask[a:a + int(rng.integers(1, n - a))] = 1
+        mask[a : a + int(rng.integers(1, n - a))] = 1
         rows.append((ids, mask))
     return pack_masked(rows, 0, LENGTH)
 
@@ -89,8 +100,11 @@ def test_micro_batch_size_must_split_the_batch():
     cfg = ConversationSFTConfig(batch_size=32, micro_batch_size=4)
     assert cfg.micro_batches(1) == 8 and cfg.micro_batches(4) == 2 and cfg.micro_batches(8) == 1
     assert ConversationSFTConfig(batch_size=32).micro_batches(4) == 1  # 0: the whole batch at once
-    with pytest.raises(ConfigError, match=r"'batch_size' = 32 does not split into micro-batches of "
-                                          r"'micro_batch_size' = 3 x 2 data shard"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'batch_size' = 32 does not split into micro-batches of "
+        r"'micro_batch_size' = 3 x 2 data shard",
+    ):
         ConversationSFTConfig(batch_size=32, micro_batch_size=3).micro_batches(2)
     with pytest.raises(ConfigError, match=r"'micro_batch_size' = all x 64 data shard"):
         ConversationSFTConfig(batch_size=32).micro_batches(64)

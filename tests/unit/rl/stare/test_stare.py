@@ -1,12 +1,12 @@
 """STARE selection, token weights, gates and controller vs independent NumPy re-derivations."""
+
 import math
 from fractions import Fraction
 
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from stare_jax.rl.stare import (
     StareConfig,
@@ -21,9 +21,16 @@ from stare_jax.rl.stare import (
 
 SETS = ("pos_high", "pos_low", "neg_high", "neg_low")
 # The variant table of STARE-semantics.md, written out independently: variant -> {set: "W" | "M"}
-TABLE = {"O1": {"pos_high": "W"}, "O2": {"pos_low": "M"}, "O3": {"neg_low": "W"}, "O4": {"neg_high": "M"},
-         "C1": {"pos_high": "W", "neg_low": "W"}, "C2": {"pos_high": "W", "neg_high": "M"},
-         "C3": {"pos_low": "M", "neg_low": "W"}, "C4": {"pos_low": "M", "neg_high": "M"}}
+TABLE = {
+    "O1": {"pos_high": "W"},
+    "O2": {"pos_low": "M"},
+    "O3": {"neg_low": "W"},
+    "O4": {"neg_high": "M"},
+    "C1": {"pos_high": "W", "neg_low": "W"},
+    "C2": {"pos_high": "W", "neg_high": "M"},
+    "C3": {"pos_low": "M", "neg_low": "W"},
+    "C4": {"pos_low": "M", "neg_high": "M"},
+}
 
 
 def _batch(seed, B=8, T=37, ties=False):
@@ -90,8 +97,9 @@ def test_quantile_ties_can_select_more_than_p():
     lp = np.full((2, 10), -1.0, np.float32)
     got = selection_sets(lp, np.array([1.0, 1.0], np.float32), np.ones((2, 10), np.float32), StareConfig(top_p=0.1))
     assert float(got["frac_pos_high"]) == 1.0  # all tied at the threshold
-    got = selection_sets(lp, np.array([1.0, 1.0], np.float32), np.ones((2, 10), np.float32),
-                         StareConfig(top_p=0.1, rule="exact_top_k"))
+    got = selection_sets(
+        lp, np.array([1.0, 1.0], np.float32), np.ones((2, 10), np.float32), StareConfig(top_p=0.1, rule="exact_top_k")
+    )
     np.testing.assert_array_equal(np.asarray(got["pos_high"]).ravel(), np.arange(20) < 2)  # ties by position
 
 
@@ -132,8 +140,9 @@ def test_gates():
     np.testing.assert_allclose(tok, _np_omega(lp, adv, mask, "C2", 1.5, 0.5, ent < 0.3)[0])
     means = np.array([ent[i][mask[i] > 0].mean() for i in range(len(ent))])
     smp = np.asarray(token_weights(lp, adv, mask, gate="sample", entropy_BxT=ent, target_entropy=0.3, **kw))
-    np.testing.assert_allclose(smp, _np_omega(lp, adv, mask, "C2", 1.5, 0.5,
-                                              np.broadcast_to((means < 0.3)[:, None], lp.shape))[0])
+    np.testing.assert_allclose(
+        smp, _np_omega(lp, adv, mask, "C2", 1.5, 0.5, np.broadcast_to((means < 0.3)[:, None], lp.shape))[0]
+    )
     for gate in ("sample", "token"):
         with pytest.raises(ValueError, match="entropy_BxT"):
             token_weights(lp, adv, mask, gate=gate)
@@ -142,12 +151,14 @@ def test_gates():
 @pytest.mark.parametrize("rule", ["quantile", "exact_top_k"])
 def test_micro_batch_scope(rule):
     lp, adv, mask, _ = _batch(4, B=8, ties=True)
-    got = np.asarray(token_weights(lp, adv, mask, variant="C1", w=1.2, gate="none", rule=rule, scope="micro_batch",
-                                   micro_batch_size=2))
+    got = np.asarray(
+        token_weights(
+            lp, adv, mask, variant="C1", w=1.2, gate="none", rule=rule, scope="micro_batch", micro_batch_size=2
+        )
+    )
     for g in range(4):
         sl = slice(2 * g, 2 * g + 2)
-        ref, thr, s = _np_omega(lp[sl], adv[sl], mask[sl], "C1", 1.2, 0.9, np.ones((2, lp.shape[1]), bool),
-                                rule=rule)
+        ref, thr, s = _np_omega(lp[sl], adv[sl], mask[sl], "C1", 1.2, 0.9, np.ones((2, lp.shape[1]), bool), rule=rule)
         ok = np.isclose(got[sl], ref)
         if rule == "quantile":
             near = np.zeros_like(ok)
@@ -187,15 +198,26 @@ def test_degenerate_inputs_are_defined():
     assert om[0, 0] == np.float32(1.4) and (om.ravel()[1:] == 1).all()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(w=0.9), "'w' = 0.9 is out of range"),
-    (dict(m=0.0), "'m' = 0.0"),
-    (dict(m=1.2), "'m' = 1.2"), (dict(variant="O5"), "variant.*O1"), (dict(gate="global"), "gate.*batch"),
-    (dict(rule="topk"), "rule.*exact_top_k"), (dict(scope="device"), "scope.*micro_batch"),
-    (dict(adaptive_timing="later"), "adaptive_timing"), (dict(target_entropy=-0.1), "target_entropy"),
-    (dict(select_impl="sort"), "select_impl.*jnp_quantile"), (dict(micro_batch_size=0), "micro_batch_size"),
-    (dict(enabled=1), "enabled.*wrong type"), (dict(alpha=float("nan")), "alpha.*finite"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(w=0.9), "'w' = 0.9 is out of range"),
+        (dict(m=0.0), "'m' = 0.0"),
+        (dict(m=1.2), "'m' = 1.2"),
+        (dict(variant="O5"), "variant.*O1"),
+        (dict(gate="global"), "gate.*batch"),
+        (dict(rule="topk"), "rule.*exact_top_k"),
+        (dict(scope="device"), "scope.*micro_batch"),
+        (dict(adaptive_timing="later"), "adaptive_timing"),
+        (dict(target_entropy=-0.1), "target_entropy"),
+        (dict(select_impl="sort"), "select_impl.*jnp_quantile"),
+        (dict(micro_batch_size=0), "micro_batch_size"),
+        (dict(enabled=1), "enabled.*wrong type"),
+        (dict(alpha=float("nan")), "alpha.*finite"),
+    ],
+)
 def test_validation_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         validate_stare_options(**kwargs)
@@ -247,9 +269,10 @@ def test_selection_on_sharded_mesh_matches_single_device():
     sharded = f(jax.device_put(lp, sh2), jax.device_put(adv, sh1), jax.device_put(mask, sh2))
     np.testing.assert_array_equal(np.asarray(sharded), single)
     g = jax.jit(lambda a, b, c: token_weights(a, b, c, variant="C2", gate="none"))
-    np.testing.assert_array_equal(np.asarray(g(jax.device_put(lp, sh2), jax.device_put(adv, sh1),
-                                               jax.device_put(mask, sh2))),
-                                  np.asarray(token_weights(lp, adv, mask, variant="C2", gate="none")))
+    np.testing.assert_array_equal(
+        np.asarray(g(jax.device_put(lp, sh2), jax.device_put(adv, sh1), jax.device_put(mask, sh2))),
+        np.asarray(token_weights(lp, adv, mask, variant="C2", gate="none")),
+    )
 
 
 def test_config_defaults_and_accepted_edges():
@@ -261,9 +284,9 @@ def test_config_defaults_and_accepted_edges():
 
 @pytest.mark.parametrize("rule", ["quantile", "exact_top_k"])
 def test_bisection_selection_equals_sort_reference(rule):
+    from stare_jax.rl.stare.select import _select_flat, candidates
     from support.stare_reference import select_flat_sort
 
-    from stare_jax.rl.stare.select import _select_flat, candidates
     lp, adv, mask, _ = _batch(8, B=8, T=50, ties=True)
     lp[2, :5] = 0.0  # surprisal -0.0 / +0.0 ties
     lp[3, :4] = -0.0
@@ -275,8 +298,7 @@ def test_bisection_selection_equals_sort_reference(rule):
         for impl in ("bisect", "jnp_quantile"):
             a = _select_flat(*args, top_p=P_, rule=rule, need=SETS, impl=impl)
             for name in SETS:
-                np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]),
-                                              err_msg=f"{impl} {name} P={P_}")
+                np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]), err_msg=f"{impl} {name} P={P_}")
 
 
 def _impl_cases():
@@ -306,8 +328,10 @@ def test_jnp_quantile_equals_bisect(scope):
     numpy's linear quantile rule. (exact_top_k bisects whatever select_impl: checked on the mesh below.)"""
     for P_ in (0.1, 0.25, 0.37, 1.0):
         kw = dict(top_p=P_, scope=scope, micro_batch_size=2 if scope == "micro_batch" else None)
-        fs = [jax.jit(lambda a, b, c, cfg=StareConfig(select_impl=impl, **kw): selection_sets(a, b, c, cfg))
-              for impl in ("bisect", "jnp_quantile")]
+        fs = [
+            jax.jit(lambda a, b, c, cfg=StareConfig(select_impl=impl, **kw): selection_sets(a, b, c, cfg))
+            for impl in ("bisect", "jnp_quantile")
+        ]
         for name, lp, adv, mask in _impl_cases():
             a, b = (f(lp, adv, mask) for f in fs)
             for k in SETS:
@@ -340,8 +364,9 @@ def test_jnp_quantile_equals_bisect_on_8_device_mesh():
         return jax.jit(lambda a, b, c: {k: v for k, v in selection_sets(a, b, c, cfg).items() if k in SETS}, **jit_kw)
 
     for rule, scope in (("quantile", "batch"), ("quantile", "micro_batch"), ("exact_top_k", "batch")):
-        kw = dict(variant="C1", rule=rule, scope=scope, top_p=0.2,
-                  micro_batch_size=2 if scope == "micro_batch" else None)
+        kw = dict(
+            variant="C1", rule=rule, scope=scope, top_p=0.2, micro_batch_size=2 if scope == "micro_batch" else None
+        )
         single = sets_fn(StareConfig(**kw))
         refs = [single(lp, adv, mask) for _, lp, adv, mask in cases]
         for impl in ("bisect", "jnp_quantile"):
@@ -350,8 +375,9 @@ def test_jnp_quantile_equals_bisect_on_8_device_mesh():
                 got = f(jax.device_put(lp, sh2), jax.device_put(adv, sh1), jax.device_put(mask, sh2))
                 for k in SETS:
                     assert got[k].sharding.is_equivalent_to(sh2, 2)
-                    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(ref[k]),
-                                                  err_msg=f"{name} {rule} {scope} {impl} {k}")
+                    np.testing.assert_array_equal(
+                        np.asarray(got[k]), np.asarray(ref[k]), err_msg=f"{name} {rule} {scope} {impl} {k}"
+                    )
 
 
 def test_stare_omega_follows_config_and_state():
@@ -359,8 +385,9 @@ def test_stare_omega_follows_config_and_state():
     cfg = StareConfig(enabled=True, variant="C2", gate="batch")
     st = StareState(gate_on=np.bool_(True), w=np.float32(1.3), m=np.float32(0.6), last_entropy=np.float32(0.1))
     om, info = stare_omega(lp, adv, mask, st, cfg)
-    np.testing.assert_array_equal(np.asarray(om), np.asarray(token_weights(lp, adv, mask, variant="C2", w=1.3,
-                                                                           m=0.6, gate_on=True)))
+    np.testing.assert_array_equal(
+        np.asarray(om), np.asarray(token_weights(lp, adv, mask, variant="C2", w=1.3, m=0.6, gate_on=True))
+    )
     assert set(info["sets"]) == {"pos_high", "neg_high"} and float(info["metrics"]["frac_reweighted"]) > 0
     off, info = stare_omega(lp, adv, mask, st, StareConfig(variant="C2"), extra_sets=("pos_high",))
     np.testing.assert_array_equal(np.asarray(off), 1.0)  # disabled: GRPO(-ds), the sets still reported
