@@ -138,7 +138,7 @@ def step_shape(cfg, model_cfg, data_shards: int, lengths: LengthModel) -> StepSh
 def train_memory(cfg, model_cfg, num_params: int, mesh: dict, shape: StepShape) -> dict[str, float]:
     """Bytes per device of the train step: sharded params, gradients and AdamW moments, the gathered layer
     weights, one micro-batch's activations and log-prob chunks, the vocab tables (+ the frozen reference policy
-    with rl.kl).
+    with rl.kl; with LoRA only the adapters are trained: gradients, moments and the reference are theirs).
 
     Calibrated against the compiled train step (stare-jax plan --compile, its peak_memory_in_bytes; BUILD.md): the
     micro-batch scan holds the gradient accumulator and one micro-batch's gradient; the log-prob pass gathers the
@@ -152,17 +152,21 @@ def train_memory(cfg, model_cfg, num_params: int, mesh: dict, shape: StepShape) 
     d, L, V = model_cfg.hidden_size, model_cfg.num_layers, model_cfg.vocab_size
     layer_params = (P - V * d * (1 if model_cfg.tie_word_embeddings else 2)) / L
     cast_layers = L if mesh["fsdp"] == 1 and pb != cb else 2
+    # LoRA (model.lora): the frozen base in param dtype plus float32 adapters; gradients, moments and a KL
+    # reference ('initial') cover the adapters alone
+    lora = model_cfg.num_lora_params() if getattr(model_cfg, "lora_rank", 0) else 0
+    trained_bytes = lora * 4 if lora else P * pb
     mem = {
-        "params": P * pb / shard,
-        "grads": 2 * P * pb / shard,
-        "optimizer": 2 * P * 4 / shard,
+        "params": ((P - lora) * pb + lora * 4) / shard,
+        "grads": 2 * trained_bytes / shard,
+        "optimizer": 2 * (lora or P) * 4 / shard,
         "gathered_layer_weights": cast_layers * layer_params * cb / tensor,
         "activations": training_activation_bytes(model_cfg, shape.mb_seqs, shape.mb_len, tensor=tensor),
         "logits_chunks": shape.mb_seqs * min(cfg.rl.logprob_chunk_size, shape.mb_len) * (V / tensor) * 4 * 3,
         "vocab_tables": V * d * (4 + cb) / tensor,
     }
     if cfg.rl.kl.enabled:  # the frozen reference policy: the policy's parameters and shardings, no optimizer state
-        mem["reference_params"] = P * pb / shard
+        mem["reference_params"] = trained_bytes / shard
     return mem
 
 

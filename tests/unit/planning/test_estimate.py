@@ -344,3 +344,18 @@ def test_live_accelerator_reads_the_runtime_hbm():
     acc = live_accelerator([gpu(i) for i in range(16)])
     assert (acc.num_devices, acc.num_hosts, acc.hbm_bytes, acc.kind) == (16, 2, 79 * 10**9, "gpu")
     assert acc.name == "16xNVIDIA H100 80GB HBM3"
+
+
+def test_lora_trains_only_the_adapters_in_the_plan():
+    """model.lora: the frozen base stays (in its dtype) beside float32 adapters; gradients, AdamW moments and the
+    'initial' KL reference are the adapters' alone."""
+    base = ["model.preset=qwen2.5-7b", "launch.accelerator=v5p-8", "rl.kl.reference=initial"]
+    full = estimate(load_config(None, base))["memory_bytes"]
+    lora_cfg = load_config(None, base + ["model.lora.enabled=true", "model.lora.rank=32"])
+    lora = estimate(lora_cfg)["memory_bytes"]
+    arch = get_preset("qwen2.5-7b")
+    n_lora = arch.replace(lora_rank=32, lora_targets=tuple(lora_cfg.model.lora.target_modules)).num_lora_params()
+    assert lora["train/optimizer"] / full["train/optimizer"] == pytest.approx(n_lora / arch.num_params(), rel=0.02)
+    assert lora["train/grads"] == pytest.approx(lora["train/optimizer"])  # fp32 accumulator + micro-batch grads
+    assert lora["train/reference_params"] == pytest.approx(lora["train/optimizer"] / 2)
+    assert lora["train/params"] > full["train/params"]  # the base plus the adapters
