@@ -46,7 +46,8 @@ class LoRAConfig:
             )
 
     def architecture_fields(self) -> dict:
-        """The stare_jax.models.ModelConfig fields this section sets (rank 0 and no targets when off)."""
+        """The stare_jax.models.ModelConfig fields this section sets (none when off: the architecture's own
+        defaults, no adapters)."""
         if not self.enabled:
-            return {"lora_rank": 0, "lora_targets": ()}
+            return {}
         return {"lora_rank": self.rank, "lora_alpha": float(self.alpha), "lora_targets": tuple(self.target_modules)}

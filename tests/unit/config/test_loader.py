@@ -284,3 +284,10 @@ def test_model_section_overrides_the_architecture_by_field_name():
         "remat_policy": "none",
         "scan_layers": True,
     }
+
+
+def test_model_lora_section_sets_the_adapter_fields_only_when_enabled():
+    off = load_config(None, ["model.lora.rank=8"]).model.architecture_overrides()
+    assert not any(k.startswith("lora_") for k in off)
+    on = load_config(None, ["model.lora.enabled=true", "model.lora.rank=8", "model.lora.target_modules=[q_proj]"])
+    assert on.model.architecture_overrides().items() >= {"lora_rank": 8, "lora_targets": ("q_proj",)}.items()
