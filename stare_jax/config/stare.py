@@ -29,7 +29,7 @@ SELECT_IMPLS = ("bisect", "jnp_quantile")
 ADAPTIVE_TIMINGS = ("same_step", "next_step")
 SET_NAMES = ("pos_high", "pos_low", "neg_high", "neg_low")
 
-# variant -> (sets that get W, sets that get M)  (STARE-semantics.md, "Variants")
+# variant -> (sets that get W, sets that get M)  (docs/stare.md, "Token weights omega and the eight variants")
 VARIANT_SETS = {
     "O1": (("pos_high",), ()),
     "O2": ((), ("pos_low",)),
@@ -44,7 +44,7 @@ VARIANT_SETS = {
 
 @dataclasses.dataclass(frozen=True)
 class StareConfig:
-    """STARE token reweighting and its closed-loop entropy gate (STARE-semantics.md); defaults are the paper's."""
+    """STARE token reweighting and its closed-loop entropy gate (docs/stare.md); defaults are the paper's."""
 
     enabled: bool = option(False, "False = plain GRPO(-ds): omega == 1 everywhere")
     variant: Literal["O1", "O2", "O3", "O4", "C1", "C2", "C3", "C4"] = option("O1")

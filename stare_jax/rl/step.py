@@ -22,7 +22,7 @@ log-probs are read back per sequence like the policy's and the KL term / KL-in-r
 cfg.micro_batch_tokens sizes micro-batches by tokens per device (packed rows, or sequences of the batch's length
 bucket); cfg.offload.optimizer keeps the AdamW moments in host memory between updates.
 
-Data flow (STARE-semantics.md, "Closed-loop gate"):
+Data flow (docs/stare.md, "The closed-loop gate"):
  1. no-grad forward over the whole batch (micro-batched with lax.map): old log-probs and per-token entropy;
  2. batch entropy H_bar -> update_controller (gate, W, M);
  3. selection sets / omega from that pass (scope batch);

@@ -1,5 +1,5 @@
 """The paper's run configs (configs/paper/): 5 models x 3 arms load, differ only under rl.stare, carry the paper's
-hyper-parameters (STARE-semantics.md, "The paper's run settings") and fit the model's context; their named TPU
+hyper-parameters (docs/stare.md, "The paper's run settings") and fit the model's context; their named TPU
 slice (the `launch.accelerator:` comment) is one launch/tpu_vm.sh accepts and the mesh fits it. A fourth arm per
 model, grpo_kl (the paper's "GRPO" baseline), differs from grpo_ds exactly in verl's GRPO recipe: KL loss to the
 starting policy, symmetric clip, no dynamic sampling; its reference policy is in `stare-jax plan`'s estimate."""

@@ -1,5 +1,6 @@
-"""The STARE closed-loop controller (STARE-semantics.md, "Closed-loop gate" and "Weights"): the batch gate
-g_k = 1[H_bar_k < H_tgt] and the adaptive W/M schedule, as a pytree state carried (and checkpointed) across steps."""
+"""The STARE closed-loop controller (docs/stare.md, "The closed-loop gate" and "Fixed and adaptive weights"): the
+batch gate g_k = 1[H_bar_k < H_tgt] and the adaptive W/M schedule, as a pytree state carried (and checkpointed)
+across steps."""
 
 from __future__ import annotations
 

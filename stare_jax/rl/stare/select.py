@@ -1,5 +1,5 @@
-"""STARE selection sets: the top / bottom P of surprisal within T+ and T- (STARE-semantics.md, "Entropy-critical
-token sets").
+"""STARE selection sets: the top / bottom P of surprisal within T+ and T- (docs/stare.md, "Entropy-critical
+tokens: top-P% surprisal").
 
 - Candidates: T+ = {mask, A > 0}, T- = {mask, A < 0} (strict); tokens whose log-prob is not finite are never
   candidates (they keep omega = 1, so a NaN log-prob never turns into a NaN weight).

@@ -1,5 +1,6 @@
-"""STARE per-token weights omega (STARE-semantics.md, "Variants" and "Closed-loop gate"): W or M on the variant's
-selected sets where the gate is on, 1 everywhere else; omega == 1 when STARE is disabled (GRPO(-ds))."""
+"""STARE per-token weights omega (docs/stare.md, "Token weights omega and the eight variants" and "The closed-loop
+gate"): W or M on the variant's selected sets where the gate is on, 1 everywhere else; omega == 1 when STARE is
+disabled (GRPO(-ds))."""
 
 from __future__ import annotations
 

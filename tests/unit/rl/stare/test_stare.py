@@ -20,7 +20,7 @@ from stare_jax.rl.stare import (
 )
 
 SETS = ("pos_high", "pos_low", "neg_high", "neg_low")
-# The variant table of STARE-semantics.md, written out independently: variant -> {set: "W" | "M"}
+# The variant table of docs/stare.md, written out independently: variant -> {set: "W" | "M"}
 TABLE = {
     "O1": {"pos_high": "W"},
     "O2": {"pos_low": "M"},
