@@ -167,13 +167,12 @@ def train_arm(arm: str, cfg, arm_dir: pathlib.Path, *, what: str = "demo", log: 
             check_resume_config(arm_dir, cfg, allow=False, run_dir=str(arm_dir))
         except ConfigChangeError as e:
             raise TrainingError(
-                f"{what}: {arm_dir} was trained with other settings ({e.summary()}); run the "
-                f"{what} with the overrides it was started with, or pass a new --run-dir"
+                f"{arm_dir} was trained with other settings ({e.summary()}); run the {what} with the "
+                f"overrides it was started with, or pass a new --run-dir"
             ) from None
     elif (arm_dir / "metrics.jsonl").exists():
         raise TrainingError(
-            f"{what}: {arm_dir} holds an arm that stopped before its first checkpoint; delete "
-            f"{arm_dir} or pass a new --run-dir"
+            f"{arm_dir} holds an arm that stopped before its first checkpoint; delete {arm_dir} or pass a new --run-dir"
         )
     if done and done[-1] >= cfg.total_steps:
         log(f"{what}: arm {arm} already finished in {arm_dir} ({done[-1]} steps), reusing it")
@@ -211,9 +210,9 @@ def run_demo(
     SIGTERM) ends the demo after the current step's checkpoint; result["stopped"] then says where."""
     run_dir = pathlib.Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
-        raise TrainingError(f"demo: --run-dir {run_dir} is a file; give a folder (default runs/demo)")
+        raise TrainingError(f"--run-dir {run_dir} is a file; give a folder (default runs/demo)")
     if scenario not in SCENARIOS:
-        raise TrainingError(f"demo: unknown --scenario {scenario!r}; accepted: {', '.join(SCENARIOS)}")
+        raise TrainingError(f"unknown --scenario {scenario!r}; accepted: {', '.join(SCENARIOS)}")
     t0 = time.time()
     dirs: list[pathlib.Path] = []
     reused: list[str] = []

@@ -92,7 +92,20 @@ def test_demo_wrong_inputs(capsys, tmp_path):
     _assert_one_line_error(_main(capsys, "demo", "--config", "configs/tiny_cpu_stare.yaml"), "--config is not used")
     _assert_one_line_error(_main(capsys, "demo", "--run-dir", tmp_path, "rl.stare.ww=2"), "rl.stare.ww")
     (tmp_path / "afile").write_text("x")
-    _assert_one_line_error(_main(capsys, "demo", "--run-dir", tmp_path / "afile"), "is a file")
+    result = _main(capsys, "demo", "--run-dir", tmp_path / "afile")
+    _assert_one_line_error(result, "stare-jax demo: --run-dir", "is a file")  # the command named once
+
+
+def test_demo_exit_status_follows_its_checks(capsys, monkeypatch):
+    """A demo whose checks fail on this machine exits 1 (its summary's last line names them); all pass: 0; a stop
+    signal that saved the run: 0."""
+    from stare_jax.cli import demo as demo_cmd
+    from stare_jax.experiments.demo import Check
+
+    ok, bad = Check("a", 1.0, ">=", 0.5), Check("b", 0.1, ">=", 0.5)
+    for checks, stopped, status in (([ok, ok], None, 0), ([ok, bad], None, 1), ([], "stare_o1 after step 3", 0)):
+        monkeypatch.setattr(demo_cmd, "run_demo", lambda *a, _c=checks, _s=stopped, **k: {"checks": _c, "stopped": _s})
+        assert _main(capsys, "demo")[0] == status
 
 
 def test_train_wrong_inputs(capsys, tmp_path):
