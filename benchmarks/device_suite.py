@@ -5,7 +5,7 @@ printed as one JSON object, in at most --budget-s + 30 s (default 450 + 30 = 8 m
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/device_suite.py --tiny       # CPU smoke run (what CI runs)
 
 Sections (each times the project's own programs, never a copy of them):
-1. train_step: the real jitted RL train step (rl.train_step.init_train_state / make_train_step, train state
+1. train_step: the real jitted RL train step (rl.step.init_train_state / make_train_step, train state
    donated, single device so mesh=None exactly as `stare-jax train` runs on one device) on a Qwen2.5-0.5B-shaped
    model with random weights (fp32 master weights, bf16 compute, remat_policy="full" and attention_impl splash on
    TPU / cudnn on GPU as the paper configs use them), STARE-O1 with the gate forced on (target entropy 1e3),

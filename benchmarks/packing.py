@@ -59,7 +59,7 @@ SIZES = {"full": (64, 2048, 64), "quick": (16, 512, 32)}  # responses, max new t
 
 
 def long_tailed_batch(rng, n: int, max_new: int, prompt_bucket: int, vocab: int, sigma: float = 1.0) -> dict:
-    """The padded train batch (rollouts.train_batch_from_rollouts' layout): left-padded prompts of
+    """The padded train batch (collect.train_batch_from_rollouts' layout): left-padded prompts of
     prompt_bucket / 4 .. prompt_bucket tokens, responses lognormal with median max_new / 8, GRPO-like advantages."""
     L = prompt_bucket + max_new
     rlen = np.clip(np.round(rng.lognormal(np.log(max_new / 8), sigma, size=n)), 1, max_new).astype(int)

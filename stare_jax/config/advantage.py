@@ -8,7 +8,7 @@ optional token-level entropy term on top. No jax here: the run config imports it
   Reasoning", arXiv 2506.01347): REINFORCE with +1 / -1 rewards and the positive samples down-weighted by lambda,
   A = lambda for a correct response and -1 for a wrong one (no baseline, no std). lambda = 0.1 is the paper's
   recommended value (the authors' RLVR-Decomposed README: `positive_advantage_weight`, "recommended value is 0.1").
-  Computed on the host from correctness (rollouts.collect_batch); pair with the "gpg" loss (-A log pi) or "vanilla"
+  Computed on the host from correctness (collect.collect_batch); pair with the "gpg" loss (-A log pi) or "vanilla"
   on-policy (the same gradient).
 - entropy_adv: EntroAdv (Cheng et al. 2025, "Reasoning with Exploration: An Entropy Perspective", arXiv
   2506.14758): token-level A + min(alpha * sg(H_t), |A| / kappa) with H_t the no-grad pass's entropy, inside the

@@ -1,5 +1,5 @@
 """EngineConfig: the rollout engine's options, defined once. It is the run config's `sampling.engine` section
-(stare_jax/config/loader.py embeds it) and the engine's own config (stare_jax/sampling/engine.py). No jax here."""
+(stare_jax/config/loader.py embeds it) and the engine's own config (stare_jax/sampling/engine/). No jax here."""
 
 from __future__ import annotations
 

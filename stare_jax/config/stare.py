@@ -8,8 +8,8 @@ Reconciled from the two classes that existed before (decisions):
 - target_entropy >= 0: H_tgt = 0 is allowed (the batch gate then never opens, which is how the authors' GRPO-ds
   script disables STARE while keeping its code path).
 - micro_batch_size: the sequences per selection group of scope micro_batch; None in a run config means "the run's
-  rl.micro_batch_size" (train.train_step_config fills it in), so the authors' per-GPU-micro-batch ranking is the
-  default grouping; the selection raises if scope micro_batch reaches it with None.
+  rl.micro_batch_size" (training.setup.train_step_config fills it in), so the authors' per-GPU-micro-batch ranking
+  is the default grouping; the selection raises if scope micro_batch reaches it with None.
 - Validation happens once per construction, from these field declarations (__post_init__); the run-config loader
   checks the same declarations first only to name the key and file in its message.
 """

@@ -8,7 +8,7 @@ caller looks the rows up in the list this module returned.
 Multi-process runs: every process walks the same GLOBAL index stream (same seed, same order) and so knows the
 whole generation batch of each step; the work on it is split by the devices and processes downstream (the
 sampler shards the batch over every process's devices, each process scores its own share of the responses, see
-rollouts.py). The global order makes a run's batches, and so its results, independent of the number of
+training/collect.py). The global order makes a run's batches, and so its results, independent of the number of
 processes, and the iterator state identical on every process: a checkpoint written by 1 x 8 devices resumes on
 2 x 4 and vice versa.
 """

@@ -2,7 +2,7 @@
 evaluation inside training (the same code path).
 
 With a ToolConfig whose `enabled` is set (and its SandboxPool), the responses are multi-turn tool rollouts
-(rollouts.generate_tool_rollouts, the RL collection's own path): the text after the last observation is scored and
+(collect.generate_tool_rollouts, the RL collection's own path): the text after the last observation is scored and
 the tool counts are summed into the results' "tool" entry.
 
 Benchmarks that share sampling settings (samples per problem, temperature, top-p) are generated together, in prompt

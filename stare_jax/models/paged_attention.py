@@ -7,7 +7,7 @@ q . k is a plain matrix product (`keys_transposed`). Row b of a batch maps its l
 [m*P, (m+1)*P)) to physical page page_table_BxM[b, m]. Page 0 is the pool's trash page: writes of padding /
 finished rows go there and it is never read unmasked.
 
-This module is the model-side hook of the rollout engine (stare_jax/sampling/engine.py): `paged_forward` runs the
+This module is the model-side hook of the rollout engine (stare_jax/sampling/engine/): `paged_forward` runs the
 Transformer's own submodules (embed, Block norms/qkv/out/mlp, final norm) with attention over the row's pages, so
 transformer.py needs no second decode path. Two attention backends (sampling.engine.attention):
 - "gather" (every platform; prefill always): the row's first M pages are gathered into [K, B, M*P, Dh] and masked

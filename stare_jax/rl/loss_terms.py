@@ -8,7 +8,7 @@
 - high_entropy_mask:  the 80/20 rule (Wang et al. 2025): only the top-rho highest-entropy tokens of the batch keep
                       a policy gradient (TRL's top_entropy_quantile: threshold = quantile of the valid tokens'
                       entropies at 1 - rho, keep entropy >= threshold), chosen globally with STARE's
-                      order-statistic machinery (stare_select.top_fraction_mask), no sort.
+                      order-statistic machinery (rl.stare.select.top_fraction_mask), no sort.
 
 Aggregation is stare_jax.rl.losses.aggregate (global `normalizer` when called per micro-batch). A reference-model
 forward does not exist yet: kl_loss / kl_reward_penalty take the reference log-probs as an input.

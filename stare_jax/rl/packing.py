@@ -1,6 +1,6 @@
 """The train batch's layout: sequence packing (rl.packing) and token-budget micro-batches (rl.micro_batch_tokens).
 
-Padded layout (rollouts.train_batch_from_rollouts; train_step.BATCH_KEYS): one row per sequence, [B, L], every row
+Padded layout (collect.train_batch_from_rollouts; rl.step.BATCH_KEYS): one row per sequence, [B, L], every row
 as long as the longest possible sequence. RL responses are long-tailed, so most of a [B, 16k] batch is padding.
 
 Packed layout (`pack_batch`, keys PACKED_KEYS): each sequence (prompt + response, its real tokens only) is placed
@@ -122,7 +122,7 @@ def sequence_spans(attention_mask_BxT) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pack_batch(batch: dict, *, row_tokens: int, rows_per_micro: int, num_mini_batches: int = 1) -> dict:
-    """The packed layout (module docstring) of a padded host batch (train_step.BATCH_KEYS). Sequences stay in
+    """The packed layout (module docstring) of a padded host batch (rl.step.BATCH_KEYS). Sequences stay in
     their mini-batch; within it they are packed first-fit-decreasing into rows of row_tokens tokens, the rows
     filled in order (micro-batch 0 first). ValueError naming rl.packing.row_tokens for a sequence longer than a
     row (sequences are never split)."""

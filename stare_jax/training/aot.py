@@ -464,8 +464,8 @@ def compile_engine(
 
 
 def _resolve_slots(cfg, accelerator: str | None, topology: str, devices: list):
-    """cfg with sampling.engine.max_slots=auto resolved for the slice (plan.resolve_max_slots: the accelerator's
-    HBM, or the topology's where only a topology is named); a CompileError when nothing fits."""
+    """cfg with sampling.engine.max_slots=auto resolved for the slice (planning.estimate.resolve_max_slots: the
+    accelerator's HBM, or the topology's where only a topology is named); a CompileError when nothing fits."""
     if cfg.sampling.engine.max_slots != "auto":
         return cfg
     hosts = len({getattr(d, "process_index", 0) for d in devices})
@@ -509,7 +509,7 @@ def compile_run(
     accelerator, topology, devices, mesh = slice_mesh(cfg, topology)
     n = len(devices)
     hosts = len({getattr(d, "process_index", 0) for d in devices})
-    try:  # with tool.enabled: the engine, and only where it runs (plan.tool_engine_config)
+    try:  # with tool.enabled: the engine, and only where it runs (planning.estimate.tool_engine_config)
         engine_cfg = tool_engine_config(cfg, hosts, batch_shards(mesh))
     except ValueError as e:
         raise CompileError(f"topology {topology}: {e}") from None

@@ -1,7 +1,7 @@
 """`stare-jax train`: the RL loop that joins the parts.
 
 One RL step (the paper's Algorithm 1; docs/architecture.md's data flow), each a named stage:
-    collect   (rollouts.collect_batch)  PromptStream -> Sampler: G rollouts per prompt -> verifier: rewards
+    collect   (collect.collect_batch)  PromptStream -> Sampler: G rollouts per prompt -> verifier: rewards
                                         -> dynamic sampling (top up from further generation batches) -> advantages
                                         -> train batch (tool.enabled: multi-turn tool rollouts, tools/rollout.py)
     update    (Run.update)              the jitted step: no-grad pass (old log-probs, entropy; the frozen

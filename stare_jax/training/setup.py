@@ -1,4 +1,4 @@
-"""What a run needs before its first step, shared by training (train.py), loading a run for evaluation or export
+"""What a run needs before its first step, shared by training (training/loop.py), loading a run for evaluation or export
 (policy.py) and the ahead-of-time compiles (aot.py): the input paths, the static config of the jitted step
 derived from the run config, and the initial train + controller state committed to its devices.
 """

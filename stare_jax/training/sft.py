@@ -195,7 +195,7 @@ def sft_train(
     return losses
 
 
-# The tokenizer files copied next to the weights: policy.TOKENIZER_FILES (not imported: policy -> run_setup -> toy
+# The tokenizer files copied next to the weights: policy.TOKENIZER_FILES (not imported: policy -> setup -> ...
 # imports this module; tests/unit/training/test_sft_conversations.py checks the two lists agree).
 TOKENIZER_FILES = (
     "tokenizer.json",

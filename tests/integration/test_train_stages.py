@@ -1,6 +1,6 @@
 """The RL loop's stages one at a time, in-process (test_train.py runs the whole loop as users do, in a subprocess):
-open_run -> collect (rollouts.collect_batch) -> update -> step_record -> evaluate -> save, on the embedded toy task
-with a tiny model on the 8-device test mesh; and the loop's derived static config (run_setup.train_step_config)."""
+open_run -> collect (collect.collect_batch) -> update -> step_record -> evaluate -> save, on the embedded toy task
+with a tiny model on the 8-device test mesh; and the loop's derived static config (training.setup.train_step_config)."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def test_record_of_grpo_ds_has_unit_weights_and_flags_nonfinite_updates():
 
 
 def test_collect_with_the_rollout_engine_draws_the_same_samples(run):
-    """sampling.engine.enabled swaps the static sampler for the engine (run_setup.make_sampler): the same keys per
+    """sampling.engine.enabled swaps the static sampler for the engine (training.setup.make_sampler): the same keys per
     (prompt, sample, position), so the same train batch -- on one device and on the run's fsdp=8 mesh (each data
     shard its own slots and page pool)."""
     cfg = dataclasses.replace(

@@ -194,7 +194,7 @@ def test_the_check_sees_function_local_relative_and_dynamic_imports():
 
 
 def test_only_the_entry_points_import_the_training_loop():
-    """policy (evaluation/export), aot and the lower layers use run_setup; only the command line and the demo run
+    """policy (evaluation/export), aot and the lower layers use training.setup; only the command line and the demo run
     the loop."""
     importers = {m for m in MODULES for mod, _ in _imports(m) if mod == "stare_jax.training.loop"}
     assert importers <= {"stare_jax.cli.train", "stare_jax.experiments.demo"}, importers  # cli: its train command

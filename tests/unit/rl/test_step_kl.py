@@ -195,7 +195,7 @@ def test_entropy_advantage_through_the_step(setup):
 
 
 def test_reference_from_a_folder_or_initial_and_bad_references(tmp_path):
-    """run_setup.reference_params: 'initial' = a copy of the given (starting) params; a Hugging Face folder = its
+    """training.setup.reference_params: 'initial' = a copy of the given (starting) params; a Hugging Face folder = its
     weights on the policy's shardings; another architecture or a missing folder is a TrainingError naming
     rl.kl.reference."""
     models.save_pretrained(init_model(MODEL, seed=1), tmp_path / "ref")

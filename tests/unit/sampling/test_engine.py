@@ -293,7 +293,7 @@ def test_bad_input(model):
 
 
 def test_drop_in_for_generate_rollouts(model):
-    """The train loop's call (rollouts.generate_rollouts) gives the same rollouts with the engine as the sampler."""
+    """The train loop's call (collect.generate_rollouts) gives the same rollouts with the engine as the sampler."""
     from stare_jax.training.collect import generate_rollouts, reward_fn_for
 
     class Tok:
