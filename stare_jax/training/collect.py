@@ -2,8 +2,9 @@
 loop's first stage, `collect_batch`: sample -> score -> dynamic sampling -> rewards -> advantages -> train batch.
 
 generate_rollouts is shared by the RL loop (training/loop.py) and evaluation (eval/runner.py). Verification of model
-output is the RewardFn of stare_jax.rewards (re-exported here; `reward_fn_for(task)` picks it for a run's data.task): toy tasks
-are pure string checks in-process; math answers go through the sandboxed RewardPool (model output is untrusted)."""
+output is the RewardFn of stare_jax.rewards (re-exported here; `reward_fn_for(task)` picks it for a run's
+data.task): toy tasks are pure string checks in-process; math answers go through the sandboxed RewardPool (model
+output is untrusted)."""
 
 from __future__ import annotations
 
