@@ -242,10 +242,10 @@ def test_status_counts():
 
 
 def test_wrapper_from_the_real_qwen25_template():
-    """The Qwen2.5-Instruct chat template (the real one, kept in tests/unit/data/test_tokenizer.py) renders a tool
-    message
+    """The Qwen2.5-Instruct chat template (the real one, kept in tests/support/tokenizers.py) renders a tool message
     exactly as HERMES_QWEN25 wraps it."""
-    template = pytest.importorskip("test_tokenizer").QWEN25_TEMPLATE
+    from support.tokenizers import QWEN25_TEMPLATE as template
+
     fmt = observation_format_from_template(
         lambda messages, gen: render_chat_template(template, messages, add_generation_prompt=gen)
     )
