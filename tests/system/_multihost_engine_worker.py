@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: the shared helpers (support.x)
+
 T0 = time.time()
 
 

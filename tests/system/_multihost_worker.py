@@ -27,6 +27,8 @@ import pathlib
 import sys
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: the shared helpers (support.x)
+
 T0 = time.time()
 
 
@@ -73,7 +75,6 @@ def main(argv=None):
     import numpy as np
     from jax.experimental import multihost_utils
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
     from stare_jax.distributed import global_batch_from_process_local, process_batch_rows
     from stare_jax.models import ModelConfig, init_model
     from stare_jax.models.sharding import make_mesh
