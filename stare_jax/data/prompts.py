@@ -25,6 +25,8 @@ import numpy as np
 import pyarrow.parquet as pq
 from etils import epath
 
+from stare_jax.data.prepare import prepare_command
+
 PAPER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
@@ -91,7 +93,8 @@ def read_rows(
     DataError naming the file and line."""
     file = epath.Path(path)
     if not file.is_file():
-        raise DataError(f"data file not found: {file}")
+        command = None if "://" in str(path) else prepare_command(path)
+        raise DataError(f"data file not found: {file}" + (f" (download it with `{command}`)" if command else ""))
     rows: list[PromptRow] = []
     if file.suffix == ".parquet":
         try:

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from stare_jax.data.prepare import prepare_command
 from stare_jax.data.prompts import iter_jsonl_objects
 from stare_jax.rewards.math import reference_alternatives
 
@@ -36,7 +37,8 @@ __all__ = [
 REQUIRED_FIELDS = ("id", "problem", "answer")
 
 # The paper's evaluation protocol (temperature 0.7, top-p 0.95; avg@32 on the small competition sets,
-# avg@4 on the larger ones).  `file` is relative to the math data folder (e.g. ../shared/data/math).
+# avg@4 on the larger ones).  `file` is relative to the math data folder (e.g. data/math, where
+# `stare-jax data prepare NAME` writes it; the names are those of stare_jax.data.prepare.DATASETS).
 DEFAULT_PROTOCOL: dict[str, dict] = {
     "aime24": {"file": "aime24.jsonl", "n": 32, "temperature": 0.7, "top_p": 0.95},
     "aime25": {"file": "aime25.jsonl", "n": 32, "temperature": 0.7, "top_p": 0.95},
@@ -65,7 +67,10 @@ def load_benchmark(path: str | pathlib.Path) -> list[dict]:
     """
     path = pathlib.Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"load_benchmark: no such file: {path}")
+        command = prepare_command(path)
+        raise FileNotFoundError(
+            f"load_benchmark: no such file: {path}" + (f" (download it with `{command}`)" if command else "")
+        )
     rows: list[dict] = []
     seen: dict[str, int] = {}
     for lineno, row in iter_jsonl_objects(path):
