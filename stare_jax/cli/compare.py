@@ -4,8 +4,10 @@ the run folder."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from stare_jax.cli.common import UsageError, add_config_args
+from stare_jax.cli.signals import stop_status
 from stare_jax.experiments.compare import DEFAULT_METHODS, METHODS, parse_methods, run_compare
 
 
@@ -30,6 +32,7 @@ def run(args) -> int:
     except ValueError:
         raise UsageError(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. 0,1,2") from None
     result = run_compare(args.run_dir, parse_methods(args.methods), seeds, args.overrides)
-    if result["stopped"]:
-        print(f"compare: stopped during {result['stopped']}; run the same command again to continue")
+    if result["stopped"]:  # interrupted and saved: the last line says which signal and where; Ctrl-C exits 130
+        print(f"stare-jax compare: {result['stopped']}; run the same command again to continue", file=sys.stderr)
+        return stop_status(result.get("stop_signal"))
     return 0

@@ -1,18 +1,30 @@
 """`stare-jax plot RUN_DIR [RUN_DIR ...] [--out PNG]`: overlaid curves + summary table (a folder of runs: its
-runs)."""
+runs). The PNG is RUN_DIR/plot.png by default: a name no other command writes, so plotting the demo's folder leaves
+its curves.png (titled, named in its summary.md) as it was."""
 
 from __future__ import annotations
 
 import argparse
-import pathlib
 
 from stare_jax.cli.common import UsageError
-from stare_jax.experiments.plot import expand_run_dirs, is_run_dir, load_run, plot_runs, summary_table
+from stare_jax.experiments.plot import (
+    DEFAULT_PLOT_NAME,
+    default_plot_path,
+    expand_run_dirs,
+    is_run_dir,
+    load_run,
+    plot_runs,
+    summary_table,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png, or ./curves.png for several)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"PNG path (default RUN_DIR/{DEFAULT_PLOT_NAME}, or ./{DEFAULT_PLOT_NAME} for several RUN_DIRs)",
+    )
     p.add_argument("--target-entropy", type=float, default=None)
 
 
@@ -32,9 +44,8 @@ def run(args) -> int:
             raise UsageError(str(e)) from None
     if len(run_dirs) > len(args.run_dirs):
         print(f"plot: {', '.join(map(str, args.run_dirs))} -> runs {', '.join(map(str, run_dirs))}")
-    out = args.out
-    if out is None and len(args.run_dirs) == 1:  # one folder (a run, or the demo's folder of runs): the PNG goes in it
-        out = pathlib.Path(args.run_dirs[0]) / "curves.png"
+    # one folder (a run, or the demo's folder of runs): the PNG goes in it, as plot.png (the demo's curves.png stays)
+    out = args.out if args.out is not None else default_plot_path(args.run_dirs)
     out = plot_runs(run_dirs, out, target_entropy=args.target_entropy)
     print(summary_table(run_dirs, target_entropy=args.target_entropy), end="")
     print(f"wrote {out}")

@@ -1,11 +1,14 @@
-"""`stare-jax train --config FILE --run-dir DIR [--resume [--allow-config-change]] [KEY=VALUE ...]`: RL training
-(GRPO-ds or STARE) of a config."""
+"""`stare-jax train --run-dir DIR [--config FILE] [--resume [--allow-config-change]] [KEY=VALUE ...]`: RL training
+(GRPO-ds or STARE) of a config. A stop signal ends it after the step under way, saved: the last line (stderr) names
+the signal and the checkpoint; exit status 130 for Ctrl-C, 0 for a preemption's SIGTERM."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from stare_jax.cli.common import UsageError, add_config_args, add_distributed_args
+from stare_jax.cli.signals import stop_status
 from stare_jax.config.loader import load_config
 from stare_jax.toy.assets import run_inputs
 from stare_jax.training.loop import run_training
@@ -50,10 +53,12 @@ def run(args) -> int:
         inputs_for=run_inputs,
     )
     print(f"train: {summary['steps_run']} steps in {summary['wall_s']:.1f}s; outputs in {summary['run_dir']}")
-    if summary["stopped"]:
-        last = (summary.get("last") or {}).get("step", "?")
+    if summary["stopped"]:  # the last line: which signal, the checkpoint; Ctrl-C exits 130, SIGTERM 0
         print(
-            f"train: stopped by a signal after step {last}, saved as a checkpoint; continue with the same "
-            f"command plus --resume"
+            f"stare-jax train: {summary['stop_reason']}: saved checkpoint {summary['checkpoint']}; continue with "
+            f"the same command plus --resume",
+            file=sys.stderr,
+            flush=True,
         )
+        return stop_status(summary["stop_signal"])
     return 0

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Sequence
+import math
+import time
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -52,12 +54,16 @@ def evaluate_sets(
     batch_prompts: int = 256,
     tool: ToolConfig | None = None,
     tool_pool: SandboxPool | None = None,
+    progress: Callable[[str, int, int, int], None] | None = None,
 ) -> dict:
     """{benchmark: benchmark_metrics(...)} (avg@N, pass@k for k in ks that fit N, mean_response_len); with tool
-    rollouts also {"tool": tool_counts summed over every benchmark}."""
+    rollouts also {"tool": tool_counts summed over every benchmark}. progress(benchmark, samples done, samples in
+    all, response tokens just generated) is called for each benchmark of a prompt chunk once the chunk is scored
+    (EvalProgress prints it)."""
     tool_totals: dict = {}
     correct: dict[str, list[np.ndarray]] = {es.name: [] for es in eval_sets}
     lengths: dict[str, list[np.ndarray]] = {es.name: [] for es in eval_sets}
+    totals = {es.name: len(es.prompts) for es in eval_sets}
     key = lambda es: (es.num_samples, es.temperature, es.top_p)  # noqa: E731
     for (n, temp, top_p), group in itertools.groupby(sorted(eval_sets, key=key), key=key):
         items = [(es.name, p, a) for es in group for p, a in zip(es.prompts, es.answers)]
@@ -81,9 +87,14 @@ def evaluate_sets(
                 tool_totals=tool_totals,
             )
             lengths_PxG = model_lengths.reshape(len(chunk), n)
+            tokens: dict[str, int] = {}
             for i, (name, _, _) in enumerate(chunk):
                 correct[name].append(r.correct_PxG[i])
                 lengths[name].append(lengths_PxG[i])
+                tokens[name] = tokens.get(name, 0) + int(lengths_PxG[i].sum())
+            if progress is not None:
+                for name, new_tokens in tokens.items():
+                    progress(name, len(correct[name]) * n, totals[name] * n, new_tokens)
     out: dict = {
         es.name: benchmark_metrics(
             np.stack(correct[es.name]), np.stack(lengths[es.name]), ks=[k for k in ks if k <= es.num_samples]
@@ -93,6 +104,36 @@ def evaluate_sets(
     if tool is not None and tool.enabled:
         out["tool"] = tool_totals
     return out
+
+
+class EvalProgress:
+    """evaluate_sets' `progress`: one line per benchmark as its samples finish, `PREFIX math500: 96/2000 samples,
+    1234 tokens/s, 35s`, for a benchmark at most every `every_s` seconds (and always when it is done). tokens/s is
+    the evaluation's generation rate so far: every benchmark's response tokens over the time since this object was
+    made (the compiles included); the elapsed time is counted from then too."""
+
+    def __init__(
+        self,
+        write: Callable[[str], None],
+        *,
+        prefix: str = "eval",
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.write, self.prefix, self.every_s, self.clock = write, prefix, every_s, clock
+        self.t0 = clock()
+        self.tokens = 0
+        self._last: dict[str, float] = {}
+
+    def __call__(self, name: str, done: int, total: int, new_tokens: int) -> None:
+        now = self.clock()
+        self.tokens += new_tokens
+        if done < total and now - self._last.get(name, -math.inf) < self.every_s:
+            return
+        self._last[name] = now
+        elapsed = now - self.t0
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        self.write(f"{self.prefix} {name}: {done}/{total} samples, {rate:.0f} tokens/s, {elapsed:.0f}s")
 
 
 def evaluate(

@@ -166,7 +166,7 @@ def run_compare(
             cfg = load_config(CONFIGS / METHODS[m], [f"seed={s}", *overrides])
             result = train_arm(f"{m} (seed {s})", cfg, arm_dir(run_dir, m, s), what="compare", log=log)
             if result["stopped"]:
-                return {"stopped": result["stopped"], "wall_s": time.time() - t0}
+                return {"stopped": result["stopped"], "stop_signal": result["stop_signal"], "wall_s": time.time() - t0}
             wall[(m, s)] = result["wall_s"]
             if result["reused"]:
                 reused.append(f"{m}-seed{s}")

@@ -156,20 +156,32 @@ def _checkpoint_steps(arm_dir: pathlib.Path) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.is_dir() else []
 
 
+def _unused_by(cfg, key: str) -> bool:
+    """Whether the arm of `cfg` trains the same whatever the setting `key`: STARE's settings (rl.stare.*, other than
+    rl.stare.enabled) in an arm with STARE off, the GRPO-ds arm. The demo's overrides apply to both arms, so a changed
+    STARE setting is the STARE arm's business only (its own check names it)."""
+    return not cfg.rl.stare.enabled and key.startswith("rl.stare.") and key != "rl.stare.enabled"
+
+
 def train_arm(arm: str, cfg, arm_dir: pathlib.Path, *, what: str = "demo", log: Callable[[str], None] = print) -> dict:
     """Train one arm into arm_dir, continuing it from its checkpoint when interrupted and reusing it when finished
-    (the same config is required: a changed setting stops with the changed keys). Returns {"reused": bool,
-    "stopped": None or where a stop signal ended it, "wall_s": the arm's training wall time (a reused arm: the
-    time its summary.json recorded)}."""
+    (the same config is required: a changed setting stops with the changed keys, except settings the arm does not
+    use: _unused_by). Returns {"reused": bool, "stopped": None or which stop signal ended it and the checkpoint it
+    saved (one line), "stop_signal": SIGINT, SIGTERM or None, "wall_s": the arm's training wall time (a reused arm:
+    the time its summary.json recorded)}."""
     done = _checkpoint_steps(arm_dir)
+    unused_changed = False  # only settings this arm does not use changed (STARE's, in the GRPO-ds arm)
     if done:
         try:
             check_resume_config(arm_dir, cfg, allow=False, run_dir=str(arm_dir))
         except ConfigChangeError as e:
-            raise TrainingError(
-                f"{arm_dir} was trained with other settings ({e.summary()}); run the {what} with the "
-                f"overrides it was started with, or pass a new --run-dir"
-            ) from None
+            e.refused = {k: v for k, v in e.refused.items() if not _unused_by(cfg, k)}
+            if e.refused:
+                raise TrainingError(
+                    f"{arm_dir} was trained with other settings ({e.summary()}); run the {what} with the "
+                    f"overrides it was started with, or pass a new --run-dir"
+                ) from None
+            unused_changed = True
     elif (arm_dir / "metrics.jsonl").exists():
         raise TrainingError(
             f"{arm_dir} holds an arm that stopped before its first checkpoint; delete {arm_dir} or pass a new --run-dir"
@@ -177,22 +189,20 @@ def train_arm(arm: str, cfg, arm_dir: pathlib.Path, *, what: str = "demo", log: 
     if done and done[-1] >= cfg.total_steps:
         log(f"{what}: arm {arm} already finished in {arm_dir} ({done[-1]} steps), reusing it")
         summary = json.loads((arm_dir / "summary.json").read_text()) if (arm_dir / "summary.json").exists() else {}
-        return {"reused": True, "stopped": None, "wall_s": summary.get("wall_s")}
+        return {"reused": True, "stopped": None, "stop_signal": None, "wall_s": summary.get("wall_s")}
     log(
         f"{what}: training arm {arm} -> {arm_dir}"
         if not done
         else f"{what}: continuing arm {arm} in {arm_dir} from its checkpoint at step {done[-1]}"
     )
-    summary = run_training(cfg, arm_dir, resume=bool(done), inputs_for=run_inputs, log=log)
+    # a change of settings the arm does not use is let through (and recorded in its config_changes.jsonl)
+    summary = run_training(
+        cfg, arm_dir, resume=bool(done), allow_config_change=unused_changed, inputs_for=run_inputs, log=log
+    )
     stopped = None
-    if summary["stopped"]:
-        step = (summary.get("last") or {}).get("step", "?")
-        stopped = f"{arm} after step {step}"
-        log(
-            f"{what}: stopped by a signal during arm {arm} after step {step} (saved); run the same command again "
-            f"to continue from there"
-        )
-    return {"reused": False, "stopped": stopped, "wall_s": summary["wall_s"]}
+    if summary["stopped"]:  # the entry point's last line (stare_jax.cli.demo / compare)
+        stopped = f"{summary['stop_reason']} during arm {arm}: saved checkpoint {summary['checkpoint']}"
+    return {"reused": False, "stopped": stopped, "stop_signal": summary.get("stop_signal"), "wall_s": summary["wall_s"]}
 
 
 def run_demo(
@@ -207,7 +217,8 @@ def run_demo(
 
     Run again on the same run_dir, it continues an interrupted arm from its checkpoint and reuses a finished one
     (the same overrides are required: a changed setting stops it with the changed keys). A stop signal (Ctrl-C,
-    SIGTERM) ends the demo after the current step's checkpoint; result["stopped"] then says where."""
+    SIGTERM) ends the demo after the current step's checkpoint; result["stopped"] then says which and where, and
+    result["stop_signal"] names the signal."""
     run_dir = pathlib.Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise TrainingError(f"--run-dir {run_dir} is a file; give a folder (default runs/demo)")
@@ -223,6 +234,7 @@ def run_demo(
             return {
                 "run_dirs": [str(d) for d in dirs + [arm_dir]],
                 "stopped": result["stopped"],
+                "stop_signal": result.get("stop_signal"),
                 "wall_s": time.time() - t0,
             }
         if result["reused"]:

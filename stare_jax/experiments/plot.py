@@ -25,7 +25,9 @@ from stare_jax.training.metrics import read_metrics
 
 BAND = 0.30  # the target band: target_entropy * (1 -+ BAND)
 MARKERS = ("o", "s", "^", "D", "v", "P")  # one marker shape per overlaid run
-DEFAULT_PLOT_NAME = "curves.png"
+# `stare-jax plot`'s output name: not the demo's curves.png (titled, referenced by its summary.md) nor compare.png,
+# so plotting a demo or compare folder adds a file next to theirs instead of replacing it
+DEFAULT_PLOT_NAME = "plot.png"
 
 
 def _finite(v: Any) -> TypeGuard[int | float]:
@@ -116,7 +118,7 @@ def _line(ax, xs: list, ys: list, **kw) -> None:
 
 
 def default_plot_path(run_dirs: Sequence[str | os.PathLike]) -> pathlib.Path:
-    """RUN_DIR/curves.png for one run, ./curves.png for several."""
+    """RUN_DIR/plot.png for one folder (a run, or a folder of runs such as the demo's), ./plot.png for several."""
     return pathlib.Path(run_dirs[0]) / DEFAULT_PLOT_NAME if len(run_dirs) == 1 else pathlib.Path(DEFAULT_PLOT_NAME)
 
 
@@ -132,7 +134,7 @@ def plot_runs(
 ) -> pathlib.Path:
     """Write the curves PNG for the given runs (overlaid) and return its path.
 
-    out_path: default RUN_DIR/curves.png for one run, ./curves.png for several.
+    out_path: default RUN_DIR/plot.png for one run, ./plot.png for several (default_plot_path).
     target_entropy: the band's centre; default each run's own target (metrics, then config.yaml).
     labels, colour_groups, compact: see build_figure (`stare-jax compare` draws many methods with them).
     """

@@ -399,9 +399,11 @@ class PreemptionHandler:
     `should_stop(step)` each step, and when True saves a checkpoint and exits cleanly. The handler only sets a
     flag and says so in one line on stderr.
 
-    Ctrl-C: the first one stops the run at the end of the current step (checkpoint saved, exit status 0); it
-    also puts SIGINT back to the system default, so a second Ctrl-C ends the process at once (the current step
-    is lost; the previous checkpoint stays). A SIGINT that was ignored when the handler was installed (e.g. a
+    Ctrl-C: the first one stops the run at the end of the current step (checkpoint saved; the `stare-jax` command
+    then names it in its last line and exits with status 130, SIGTERM with 0: stare_jax.cli.signals); it also puts
+    SIGINT back to the system default, so a second Ctrl-C ends the process at once, even inside a long XLA call
+    (the current step is lost; the previous checkpoint stays; a shell reports status 130). `reason()` words the
+    signal for that last line. A SIGINT that was ignored when the handler was installed (e.g. a
     background job of a non-interactive shell) stays ignored, and `install` says so in one line (SIGINT_IGNORED:
     Ctrl-C will not stop the run, SIGTERM will).
 
@@ -448,6 +450,22 @@ class PreemptionHandler:
         for sig, prev in self._previous.items():
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()
+
+    @property
+    def signal_name(self) -> str | None:
+        """SIGINT, SIGTERM, ...: the signal this process got (None: none, or only another process got one)."""
+        return None if self.signum is None else signal.Signals(self.signum).name
+
+    def reason(self) -> str:
+        """What stopped the run, for the line naming its checkpoint: "interrupted (Ctrl-C)" for SIGINT,
+        "preemption signal (SIGTERM)" for SIGTERM, "stop signal on another process" when only another process of a
+        multi-process run got one."""
+        name = self.signal_name
+        if name == "SIGINT":
+            return "interrupted (Ctrl-C)"
+        if name == "SIGTERM":
+            return "preemption signal (SIGTERM)"
+        return f"stop signal ({name})" if name else "stop signal on another process"
 
     def should_stop(self, step: int) -> bool:  # noqa: ARG002 - the step is part of the polling contract
         """Whether THIS process got the signal; multi-process loops must agree across processes

@@ -421,16 +421,27 @@ def _fmt(v: Any) -> str:
 
 
 class ProgressBar:
-    """A tqdm bar over RL steps whose postfix shows the live step, entropy, reward, gate and W.
+    """A tqdm bar over training steps whose postfix shows the live step and some of its metrics: for RL steps
+    (the default `keys`) entropy, reward, gate and W; SFT passes SFT_POSTFIX_KEYS (loss, tokens/s).
 
     `update(record)` takes the dict returned by MetricsWriter.log (or any metrics dict with a 'step').
     Disabled (a no-op) when `enabled` is False, e.g. on non-main processes or with logging.progress_bar off.
     """
 
     POSTFIX_KEYS = (("entropy", "H"), ("reward_mean", "reward"), ("gate_on", "gate"), ("stare_w", "W"))
+    SFT_POSTFIX_KEYS = (("loss", "loss"), ("tokens_per_s", "tok/s"))
 
-    def __init__(self, total_steps: int, *, start_step: int = 0, enabled: bool = True, file=None):
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        start_step: int = 0,
+        enabled: bool = True,
+        file=None,
+        keys: tuple[tuple[str, str], ...] = POSTFIX_KEYS,
+    ):
         self.enabled = enabled
+        self.keys = keys
         self._bar = None
         self._pos = start_step
         if enabled:
@@ -442,7 +453,7 @@ class ProgressBar:
         """Advance to record['step'] and show its values; returns the postfix text (also when disabled)."""
         step = int(record["step"])
         parts = [f"step={step}"]
-        for key, short in self.POSTFIX_KEYS:
+        for key, short in self.keys:
             if key in record:
                 parts.append(f"{short}={_fmt(to_json_value(record[key], key))}")
         text = " ".join(parts)

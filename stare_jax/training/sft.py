@@ -57,6 +57,7 @@ from stare_jax.rl.step import (
     policy_forward,
 )
 from stare_jax.tools.calls import CODE_TOOL_SCHEMA
+from stare_jax.training.metrics import ProgressBar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,18 +171,22 @@ def sft_train(
     log: Callable[[int, float], None] | None = None,
     *,
     mesh=None,
+    progress: ProgressBar | None = None,
 ) -> list[float]:
     """Train `model` (sharded onto `mesh` when given) in place for cfg.steps steps. `sample_batch(rng,
     batch_size)` returns (ids, attn, resp) arrays of one fixed shape (so the step compiles once). Returns the loss
     curve. The model's parameter buffers are donated to the step and written back at the end. Several processes
     (jax.distributed) draw the same host batch (same seed) and each feeds the rows its devices hold, as the RL
-    step does."""
+    step does. `progress` (the training loop's ProgressBar with SFT_POSTFIX_KEYS) shows each step's loss and
+    tokens/s (the batch's non-padding tokens over the step's wall time)."""
     graphdef, state = init_sft_state(model, cfg, mesh)
     step = make_sft_step(graphdef, cfg, mesh=mesh, train_state=state)
     rng = np.random.default_rng(cfg.seed)
     losses = []
     for i in range(cfg.steps):
-        batch = dict(zip(SFT_KEYS, sample_batch(rng, cfg.batch_size)))
+        t0 = time.perf_counter()
+        host_batch = dict(zip(SFT_KEYS, sample_batch(rng, cfg.batch_size)))
+        batch = host_batch
         if mesh is not None and distributed.is_multiprocess():  # the same host batch on every process
             batch = distributed.global_batch(batch, mesh)
         state, metrics = step(state, batch)
@@ -191,6 +196,10 @@ def sft_train(
             raise FloatingPointError(f"SFT loss is {losses[-1]} at step {i}")
         if log is not None:
             log(i, losses[-1])
+        if progress is not None:
+            tokens = int(np.sum(host_batch["attention_mask_BxT"]))
+            rate = round(tokens / max(time.perf_counter() - t0, 1e-9))
+            progress.update({"step": i + 1, "loss": losses[-1], "tokens_per_s": rate})
     nnx.update(model, state.params, state.rest)
     return losses
 
@@ -388,7 +397,8 @@ def run_conversation_sft(cfg: ConversationSFTConfig, log=print) -> dict:
             if f is not None:
                 f.write(json.dumps({"sft_step": i, "loss": loss}) + "\n")
 
-        losses = sft_train(model, sample_batch, train_cfg, log=log_step, mesh=mesh)
+        with ProgressBar(cfg.steps, enabled=writer, keys=ProgressBar.SFT_POSTFIX_KEYS) as bar:
+            losses = sft_train(model, sample_batch, train_cfg, log=log_step, mesh=mesh, progress=bar)
     models.save_pretrained(model, out, dtype=getattr(jnp, cfg.save_dtype))  # collective; process 0 writes
     summary = {
         "conversations": len(rows),

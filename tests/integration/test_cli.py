@@ -98,14 +98,24 @@ def test_demo_wrong_inputs(capsys, tmp_path):
 
 def test_demo_exit_status_follows_its_checks(capsys, monkeypatch):
     """A demo whose checks fail on this machine exits 1 (its summary's last line names them); all pass: 0; a stop
-    signal that saved the run: 0."""
+    signal that saved the run: its last line (stderr) says which and where; Ctrl-C exits 130, SIGTERM 0."""
     from stare_jax.cli import demo as demo_cmd
     from stare_jax.experiments.demo import Check
 
     ok, bad = Check("a", 1.0, ">=", 0.5), Check("b", 0.1, ">=", 0.5)
-    for checks, stopped, status in (([ok, ok], None, 0), ([ok, bad], None, 1), ([], "stare_o1 after step 3", 0)):
-        monkeypatch.setattr(demo_cmd, "run_demo", lambda *a, _c=checks, _s=stopped, **k: {"checks": _c, "stopped": _s})
-        assert _main(capsys, "demo")[0] == status
+    saved = "during arm stare_o1: saved checkpoint runs/demo/stare_o1/checkpoints/3"
+    for checks, stopped, sig, status in (
+        ([ok, ok], None, None, 0),
+        ([ok, bad], None, None, 1),
+        ([], f"interrupted (Ctrl-C) {saved}", "SIGINT", 130),
+        ([], f"preemption signal (SIGTERM) {saved}", "SIGTERM", 0),
+    ):
+        result = {"checks": checks, "stopped": stopped, "stop_signal": sig}
+        monkeypatch.setattr(demo_cmd, "run_demo", lambda *a, _r=result, **k: _r)
+        code, _, err = _main(capsys, "demo")
+        assert code == status
+        if stopped:
+            assert err.strip().splitlines()[-1] == f"stare-jax demo: {stopped}; run the same command again to continue"
 
 
 def test_train_wrong_inputs(capsys, tmp_path):
@@ -189,10 +199,13 @@ def test_plot_wrong_inputs(capsys, tmp_path):
 
 
 def test_plot_of_the_demo_folder_plots_its_arms(capsys, runs):
+    """... into RUN_DIR/plot.png: the demo's own curves.png (titled, named in its summary.md) is left as it was."""
+    (runs / "curves.png").write_bytes(b"the demo's plot")
     code, out, err = _main(capsys, "plot", runs)
     assert code == 0, err
-    assert (runs / "curves.png").is_file() and "| grpo_ds |" in out and "| stare_o1 |" in out
-    assert f"wrote {runs / 'curves.png'}" in out
+    assert (runs / "plot.png").is_file() and "| grpo_ds |" in out and "| stare_o1 |" in out
+    assert f"wrote {runs / 'plot.png'}" in out
+    assert (runs / "curves.png").read_bytes() == b"the demo's plot"
 
 
 def test_smoke_wrong_inputs_and_text(capsys, tmp_path):
@@ -218,14 +231,50 @@ def test_config_plan_convert_smollm2_wrong_inputs(capsys, tmp_path):
 
 
 def test_ctrl_c_outside_a_training_loop_is_one_line(capsys, monkeypatch):
+    """A KeyboardInterrupt raised by code is one line too (a real Ctrl-C: tests/integration/test_signals.py); main()
+    puts SIGINT's handler back as it was."""
+    import signal
+
     def interrupted(args):
         raise KeyboardInterrupt
 
     from stare_jax.cli import config as config_command
 
     monkeypatch.setattr(config_command, "run", interrupted)
+    before = signal.getsignal(signal.SIGINT)
     code, _, err = _main(capsys, "config")
     assert code == 130 and "Traceback" not in err and err.strip() == "stare-jax config: interrupted (Ctrl-C)"
+    assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_eval_says_its_progress_per_benchmark(capsys, small_context_model):
+    """`stare-jax eval` prints a progress line per benchmark on stderr as its samples finish (EvalProgress)."""
+    model_dir, data = small_context_model
+    code, out, err = _main(
+        capsys,
+        "eval",
+        "--checkpoint",
+        model_dir,
+        "--data-dir",
+        data,
+        "--benchmarks",
+        "math500",
+        "--n",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--prompt-template",
+        "raw",
+        "--batch-prompts",
+        "2",
+        "--workers",
+        "1",
+    )
+    assert code == 0, err
+    progress = [ln for ln in err.splitlines() if ln.startswith("stare-jax eval: math500: ")]
+    assert progress and progress[0].startswith("stare-jax eval: math500: 4/6 samples, "), err  # the first batch
+    assert progress[-1].startswith("stare-jax eval: math500: 6/6 samples, ") and "tokens/s" in progress[-1], err
+    assert "| math500 | 3 | 2 |" in out
 
 
 def test_benchmarks_help_lists_the_accepted_names_and_defaults(capsys):
@@ -263,7 +312,7 @@ def test_help_loads_no_command_module_and_no_jax():
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     *_, loaded = p.stdout.strip().splitlines()
-    assert loaded == "['stare_jax.cli.common']", loaded
+    assert loaded == "['stare_jax.cli.common', 'stare_jax.cli.signals']", loaded  # the light helpers only
     for name in cli.COMMANDS:
         assert name in p.stdout
 

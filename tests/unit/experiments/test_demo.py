@@ -66,3 +66,26 @@ def test_demo_checks_band_failure(tmp_path):
     assert band.value == pytest.approx(0.0) and band.margin == pytest.approx(-0.9)
     ok = demo_checks(grpo, _arm(tmp_path / "stare_ok", [1.2] + [0.7] * 19))
     assert format_checks(ok).rstrip().endswith(f"all {len(ok)} checks pass")
+
+
+def test_a_changed_stare_setting_is_the_stare_arms_business(tmp_path):
+    """The demo's overrides apply to both arms: a changed STARE setting does not stop the GRPO-ds arm (STARE off:
+    it trains the same), and the refusal names the STARE arm; a setting the GRPO-ds arm uses still stops it."""
+    from stare_jax.config.loader import load_config, save_config
+    from stare_jax.experiments.demo import CONFIGS, SCENARIOS, train_arm
+    from stare_jax.training.setup import TrainingError
+
+    (grpo, grpo_file), (stare, stare_file) = SCENARIOS["default"]
+    dirs = {}
+    for arm, cfg_file in ((grpo, grpo_file), (stare, stare_file)):
+        cfg = load_config(CONFIGS / cfg_file, ["total_steps=2"])
+        dirs[arm] = tmp_path / arm
+        save_config(cfg, dirs[arm])
+        (dirs[arm] / "checkpoints" / "2").mkdir(parents=True)  # a finished arm: reused, never trained here
+    changed = ["total_steps=2", "rl.stare.target_entropy=0.5"]
+    result = train_arm(grpo, load_config(CONFIGS / grpo_file, changed), dirs[grpo], log=lambda _: None)
+    assert result["reused"] and result["stopped"] is None
+    with pytest.raises(TrainingError, match=rf"{stare} was trained with other settings \(rl.stare.target_entropy"):
+        train_arm(stare, load_config(CONFIGS / stare_file, changed), dirs[stare], log=lambda _: None)
+    with pytest.raises(TrainingError, match=rf"{grpo} was trained with other settings \(optimizer.lr"):
+        train_arm(grpo, load_config(CONFIGS / grpo_file, ["total_steps=2", "optimizer.lr=0.5"]), dirs[grpo])

@@ -109,8 +109,8 @@ def test_plot_runs_writes_a_png(runs, tmp_path):
     img = matplotlib.image.imread(out)
     assert img.shape[0] > 800 and img.shape[1] > 1000, img.shape
     assert img[..., :3].std() > 0.05  # not a blank canvas
-    assert PL.default_plot_path([runs["stare"]]) == runs["stare"] / "curves.png"
-    assert str(PL.default_plot_path([runs["stare"], runs["grpo"]])) == "curves.png"
+    assert PL.default_plot_path([runs["stare"]]) == runs["stare"] / "plot.png"  # not the demo's curves.png
+    assert str(PL.default_plot_path([runs["stare"], runs["grpo"]])) == "plot.png"
     assert not list(tmp_path.glob("**/*.tmp.png"))
 
 

@@ -226,6 +226,7 @@ def test_sigterm_sets_the_flag_and_handler_is_restored():
             if handler.requested:
                 break
         assert handler.requested and handler.signum == signal.SIGTERM and handler.should_stop(1)
+        assert handler.signal_name == "SIGTERM" and handler.reason() == "preemption signal (SIGTERM)"
     finally:
         handler.uninstall()
     assert signal.getsignal(signal.SIGTERM) == before
@@ -244,6 +245,7 @@ def test_ctrl_c_sets_the_flag_says_so_once_and_a_second_one_would_end_the_proces
             if handler.requested:
                 break
         assert handler.requested and handler.signum == signal.SIGINT and handler.should_stop(3)
+        assert handler.signal_name == "SIGINT" and handler.reason() == "interrupted (Ctrl-C)"
         assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
         assert len(said) == 1 and "Ctrl-C" in said[0] and "checkpoint" in said[0] and "again" in said[0]
         os.kill(os.getpid(), signal.SIGTERM)  # a later SIGTERM: still stopping, nothing more said

@@ -225,3 +225,6 @@ def test_progress_bar_shows_live_values():
     assert text == "step=3 H=0.3125 reward=0.5 gate=1 W=1.1"
     assert "W=1.1" in buf.getvalue() and "3/10" in buf.getvalue()
     assert M.ProgressBar(5, enabled=False).update({"step": 1}) == "step=1"
+    # SFT's bar (stare-jax sft): the same bar with its own values
+    sft = M.ProgressBar(5, enabled=False, keys=M.ProgressBar.SFT_POSTFIX_KEYS)
+    assert sft.update({"step": 2, "loss": 1.23456, "tokens_per_s": 5120}) == "step=2 loss=1.235 tok/s=5120"

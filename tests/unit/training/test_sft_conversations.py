@@ -155,6 +155,8 @@ def test_sft_cli_loss_drops_and_writes_an_hf_folder(qwen_sft_dir, tmp_path, caps
         f"mesh: {{data: 1, fsdp: 2, tensor: 4}}\ntools: none\n"
     )
     assert main(["sft", "--config", str(cfg)]) == 0
+    bar = capsys.readouterr().err  # per-step progress, as train's: step, loss, tokens/s
+    assert "30/30" in bar and "step=30 loss=" in bar and "tok/s=" in bar, bar[-500:]
     out = tmp_path / "out"
     losses = [json.loads(line)["loss"] for line in (out / "sft_log.jsonl").read_text().splitlines()]
     assert len(losses) == 30 and np.mean(losses[-5:]) < 0.5 * np.mean(losses[:5]), losses
