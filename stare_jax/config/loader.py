@@ -183,6 +183,17 @@ class RLConfig:
                     f"rl.advantage.estimator = 'w_reinforce' (its advantage ignores reward shaping); "
                     f"set rl.overlong_buffer: 0"
                 )
+        if self.stare.surprisal_source == "rollout":
+            if not self.rollout_correction.rollout_log_probs:
+                raise ConfigError(
+                    "rl.stare.surprisal_source = 'rollout' needs the sampler's log-probs: set "
+                    "rl.rollout_correction.rollout_log_probs: true"
+                )
+            if self.stare.scope != "batch":
+                raise ConfigError(
+                    "rl.stare.surprisal_source = 'rollout' needs rl.stare.scope = 'batch' (scope micro_batch "
+                    "ranks the current policy's log-probs inside each micro-batch)"
+                )
         if name == "stare" and not self.stare.enabled:
             raise ConfigError(
                 "rl.policy_loss.name = 'stare' needs rl.stare.enabled: true (STARE is the vanilla "

@@ -3,13 +3,15 @@
 rollout_rs_threshold), decoupled mode: the trainer's recomputed log-probs are the old policy, the sampler's are the
 behaviour policy. No jax here: the run config imports it. Semantics: stare_jax.rl.rollout_correction.
 
-Off by default (every option null): the sampler's log-probs are still kept and the mismatch diagnostics logged
-(rollout_corr/* metrics); corrections act only when rollout_is or rollout_rs is set.
+Off by default (every option null): the sampler's log-probs are still kept (rollout_log_probs) and the mismatch
+diagnostics logged every step (rollout_corr/* metrics); corrections act only when rollout_is or rollout_rs is set.
+A bare train step (rl.step.TrainStepConfig's default) takes no sampler log-probs: `rollout_log_probs` False there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal, NamedTuple
 
@@ -96,6 +98,12 @@ def parse_rejection(rollout_rs: str, threshold: str | float | None) -> tuple[Rej
 class RolloutCorrectionConfig:
     """Importance weights and rejection for the sampler/trainer mismatch (verl's rollout correction)."""
 
+    rollout_log_probs: bool = option(
+        True,
+        "keep the sampler's log-prob of each sampled token in the train batch (verl: rollout.calculate_log_probs): "
+        "the rollout_corr/* mismatch metrics every step; needed by rollout_is, rollout_rs and "
+        "rl.stare.surprisal_source: rollout",
+    )
     rollout_is: Literal["token", "sequence"] | None = option(
         None, "IS weight level: token (per-token ratio) or sequence (product over the response); null = off"
     )
@@ -116,6 +124,17 @@ class RolloutCorrectionConfig:
 
     def __post_init__(self):
         validate_fields(self, "rl.rollout_correction")
+        if self.corrects and not self.rollout_log_probs:
+            key = "rollout_is" if self.rollout_is is not None else "rollout_rs"
+            raise ConfigError(
+                f"rl.rollout_correction.{key} is set but rl.rollout_correction.rollout_log_probs is false: the "
+                f"correction compares the trainer's log-probs with the sampler's; set rollout_log_probs: true"
+            )
+        if self.rollout_is is not None and self.rollout_is_threshold <= 1.0:
+            raise ConfigError(
+                f"rl.rollout_correction.rollout_is_threshold = {self.rollout_is_threshold}: the upper truncation "
+                f"of the IS weights must be > 1 (verl's default 2.0)"
+            )
         if self.rollout_rs is not None:
             self.rejection_options  # noqa: B018 - parses: a bad option or threshold is a ConfigError here
         elif self.rollout_rs_threshold is not None:
@@ -124,9 +143,9 @@ class RolloutCorrectionConfig:
                 "rollout_rs (e.g. token_k1) or drop the threshold"
             )
 
-    @property
+    @functools.cached_property
     def rejection_options(self) -> tuple:
-        """The parsed rollout_rs options, () when off."""
+        """The parsed rollout_rs options, () when off (parsed once: at construction)."""
         if self.rollout_rs is None:
             return ()
         try:

@@ -69,6 +69,11 @@ class StareConfig:
     m_min: float = option(0.5, lo=0.0, hi=1.0, lo_open=True)
     adaptive_timing: Literal["same_step", "next_step"] = option("same_step")
     theory_diagnostics: bool = option(False, "Phi, s*, Lambda, Gamma, W* in the trainer pass (slower)")
+    surprisal_source: Literal["trainer", "rollout"] = option(
+        "trainer",
+        "whose log-probs rank the tokens' surprisal: the trainer's recomputed old log-probs (the paper) or the "
+        "sampler's (needs rl.rollout_correction.rollout_log_probs and scope batch)",
+    )
 
     def __post_init__(self):
         validate_fields(self, "rl.stare")

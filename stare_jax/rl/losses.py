@@ -32,6 +32,9 @@ Deviations from verl (decisions):
   (torch.topk leaves them unspecified). Counts floor(ratio * n) use ratio as the nearest fraction with
   denominator <= 10^4 (exact for verl's 2e-4), so the integer arithmetic is exact at any token count.
 - Masked positions are sanitised (their log-probs may be garbage or NaN) and never reach values or gradients.
+- Rollout correction (stare_jax.rl.rollout_correction): every loss accepts `rollout_is_weights` [B, T] (verl's name
+  and placement): a token-level loss multiplies its per-token loss by them before aggregation (after clipping, as
+  omega); geo_mean multiplies each sequence's loss by the geometric mean of its weights, exp(mean_t log(w + 1e-10)).
 - Every loss returns the same metric keys (clipfrac, clipfrac_lower, approx_kl = verl's ppo_kl, their *_sum,
   token_count, loss_numerator; 0 where verl reports nothing, e.g. gpg), so the train step reduces them alike.
 """
@@ -68,7 +71,7 @@ LOSS_OPTIONS = {
     "geo_mean": _CLIP,
     "sapo": ("tau_pos", "tau_neg") + _W,
 }
-COMMON_OPTIONS = ("normalizer",)
+COMMON_OPTIONS = ("normalizer", "rollout_is_weights")
 # verl's ActorConfig / PolicyLossConfig defaults (clip_ratio_low / _high fall back to clip_ratio)
 DEFAULTS = {
     "clip_ratio": 0.2,
@@ -87,6 +90,7 @@ DEFAULTS = {
     "micro_batch_size": None,
     "omega_BxT": None,
     "normalizer": None,
+    "rollout_is_weights": None,
 }
 # losses whose aggregation verl fixes regardless of loss_agg_mode ("seq-mean-all": mean over every sequence)
 FIXED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-all"}
@@ -421,6 +425,8 @@ def compute_policy_loss(
         if omega.shape != lp.shape:
             raise ValueError(f"omega_BxT must have shape {lp.shape}, got {omega.shape}")
         out["tok"] = lax.stop_gradient(omega) * out["tok"]
+    if o["rollout_is_weights"] is not None:
+        out = _apply_is_weights(out, o["rollout_is_weights"], valid)
     agg = effective_agg(name, loss_agg_mode)
     if "seq" in out:  # geo_mean: one loss per sequence, mean over all of them (verl: torch.mean)
         numer = jnp.sum(out["seq"])
@@ -447,6 +453,19 @@ def compute_policy_loss(
     return loss, metrics
 
 
+def _apply_is_weights(out: dict, weights_BxT, valid):
+    """verl's `pg_losses * rollout_is_weights` (no gradient through the weights); geo_mean's sequence loss times the
+    weights' geometric mean over the sequence's valid tokens."""
+    w = lax.stop_gradient(jnp.asarray(weights_BxT, jnp.float32))
+    if w.shape != valid.shape:
+        raise ValueError(f"rollout_is_weights must have shape {valid.shape}, got {w.shape}")
+    if "seq" in out:
+        m = valid.astype(jnp.float32)
+        log_w = jnp.sum(jnp.log(w + 1e-10) * m, axis=1) / (jnp.sum(m, axis=1) + 1e-8)
+        return dict(out, seq=out["seq"] * jnp.exp(log_w))
+    return dict(out, tok=out["tok"] * w)
+
+
 def policy_loss(
     logprobs_BxT,
     old_logprobs_BxT,
@@ -454,6 +473,7 @@ def policy_loss(
     mask_BxT,
     *,
     omega_BxT=None,
+    rollout_is_weights=None,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     clip_c: float = 10.0,
@@ -461,14 +481,21 @@ def policy_loss(
     normalizer=None,
 ):
     """The train step's loss: compute_policy_loss "vanilla" (or "stare" when omega_BxT is given) with the paper's
-    clip defaults (0.2 / 0.28 / 10) and one advantage per sequence. Returns (loss, metrics)."""
+    clip defaults (0.2 / 0.28 / 10) and one advantage per sequence; rollout_is_weights [B, T]: rollout correction's
+    IS weights (None: off). Returns (loss, metrics)."""
     if agg not in AGG_MODES:
         raise ValueError(f"loss aggregation agg={agg!r} is not supported; accepted values: {list(AGG_MODES)}")
     if clip_c <= 1.0:
         raise ValueError(f"dual-clip constant clip_c={clip_c} must be > 1")
     if jnp.shape(advantages_B) != jnp.shape(logprobs_BxT)[:1]:
         raise ValueError(f"advantages_B must have shape {jnp.shape(logprobs_BxT)[:1]}, got {jnp.shape(advantages_B)}")
-    opts = {"clip_ratio_low": clip_low, "clip_ratio_high": clip_high, "clip_ratio_c": clip_c, "normalizer": normalizer}
+    opts = {
+        "clip_ratio_low": clip_low,
+        "clip_ratio_high": clip_high,
+        "clip_ratio_c": clip_c,
+        "normalizer": normalizer,
+        "rollout_is_weights": rollout_is_weights,
+    }
     if omega_BxT is not None:
         opts["omega_BxT"] = omega_BxT
     return compute_policy_loss(

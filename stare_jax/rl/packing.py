@@ -12,6 +12,8 @@ whole into rows of `row_tokens` tokens by first-fit-decreasing, per mini-batch:
     response_mask_RxT int32 [NR, Lr]  1 on response tokens
     advantages_B      float [B]       per sequence, in the padded batch's order
     rewards_B         float [B]       (only when the padded batch has it: rl.kl.use_as "reward") the same, per sequence
+    rollout_logprobs_RxT float [NR, Lr] (only when the padded batch has rollout_logprobs_BxT) the sampler's
+                                      log-probs, placed like the tokens
     seq_row_B         int32 [B]       the row of sequence b
     seq_col_B         int32 [B]       the column of its first token
     seq_len_B         int32 [B]       its number of tokens (prompt + response; 0: a sequence without tokens)
@@ -55,6 +57,8 @@ PACKED_KEYS = (
     "seq_col_B",
     "seq_len_B",
 )
+PACKED_ROLLOUT_LOGPROBS_KEY = "rollout_logprobs_RxT"  # packed rollout_logprobs_BxT (rl.rollout_correction)
+PADDED_ROLLOUT_LOGPROBS_KEY = "rollout_logprobs_BxT"
 SEQUENCE_KEYS = ("advantages_B", "rewards_B")  # per-sequence values pack_batch carries as they are (when present)
 MIN_BUCKET = 16  # shortest padded length bucket of trim_padded_batch
 
@@ -146,6 +150,8 @@ def pack_batch(batch: dict, *, row_tokens: int, rows_per_micro: int, num_mini_ba
     out_ids = np.zeros((NR, row_tokens), np.int32)
     out_seg = np.zeros((NR, row_tokens), np.int32)
     out_resp = np.zeros((NR, row_tokens), np.int32)
+    rollout = batch.get(PADDED_ROLLOUT_LOGPROBS_KEY)
+    out_rollout = None if rollout is None else np.zeros((NR, row_tokens), np.float32)
     row_B = np.zeros(B, np.int32)
     col_B = np.zeros(B, np.int32)
     for j in range(num_mini_batches):
@@ -158,10 +164,14 @@ def pack_batch(batch: dict, *, row_tokens: int, rows_per_micro: int, num_mini_ba
                 src = slice(start[b], start[b] + n[b])
                 dst = slice(col, col + n[b])
                 out_ids[row, dst], out_resp[row, dst] = ids[b, src], resp[b, src]
+                if out_rollout is not None:
+                    out_rollout[row, dst] = np.asarray(rollout)[b, src]
                 out_seg[row, dst] = k + 1
                 row_B[b], col_B[b] = row, col
                 col += n[b]
     per_seq = {k: np.asarray(batch[k], np.float32) for k in SEQUENCE_KEYS if k in batch}
+    if out_rollout is not None:
+        per_seq[PACKED_ROLLOUT_LOGPROBS_KEY] = out_rollout
     return {
         "input_ids_RxT": out_ids,
         "segment_ids_RxT": out_seg,
@@ -204,7 +214,7 @@ def trim_padded_batch(batch: dict, minimum: int = MIN_BUCKET) -> dict:
     width = min(max(1 << max(hi - lo - 1, 0).bit_length(), int(minimum), 2), L)
     lo = min(lo, L - width)
     keep = slice(lo, lo + width)
-    return {k: (np.asarray(v)[:, keep] if k != "advantages_B" else v) for k, v in batch.items()}
+    return {k: (np.asarray(v)[:, keep] if np.ndim(v) == 2 else v) for k, v in batch.items()}
 
 
 def host_layout(batch: dict, cfg, shards: int) -> dict:
@@ -228,20 +238,27 @@ def host_layout(batch: dict, cfg, shards: int) -> dict:
 def batch_shapes(cfg, num_sequences: int, seq_len: int, shards: int) -> dict:
     """{key: (shape, dtype)} of the step's batch for `num_sequences` padded rows of `seq_len` tokens in cfg's
     layout (the longest case for the token budget without packing): what the ahead-of-time compile lowers."""
+    rollout = cfg.rollout_correction.rollout_log_probs  # the sampler's log-probs ride along (float32 per token)
     if cfg.packing.enabled:
         rt = int(cfg.packing.row_tokens) or seq_len
         R = rows_per_micro(cfg.micro_batch_tokens, rt, shards)
         rows = cfg.num_mini_batches * micro_batches_per_mini(num_sequences // cfg.num_mini_batches, R) * R
-        return {
+        shapes: dict[str, tuple] = {
             k: ((num_sequences,), np.float32 if k == "advantages_B" else np.int32)
             if k.endswith("_B")
             else ((rows, rt), np.int32)
             for k in PACKED_KEYS
         }
-    return {
+        if rollout:
+            shapes[PACKED_ROLLOUT_LOGPROBS_KEY] = ((rows, rt), np.float32)
+        return shapes
+    shapes = {
         k: ((num_sequences,), np.float32) if k == "advantages_B" else ((num_sequences, seq_len), np.int32)
         for k in ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT", "advantages_B")
     }
+    if rollout:
+        shapes[PADDED_ROLLOUT_LOGPROBS_KEY] = ((num_sequences, seq_len), np.float32)
+    return shapes
 
 
 def padded_micro_batches(mini: int, seq_len: int, micro_batch_tokens: int, shards: int) -> int:

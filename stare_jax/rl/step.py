@@ -7,6 +7,8 @@ Batch layout (a dict of arrays, leading axis B = responses):
 - response_mask_BxT  int   [B, L]  ALIGNED WITH input_ids: 1 where input_ids[b, t] is a response token whose
                                    log-prob counts in the loss (0 on prompt and padding).
 - advantages_B       float [B]     trajectory advantage (grpo_advantages, flattened in batch order).
+- rollout_logprobs_BxT float [B, L] (only with rl.rollout_correction.rollout_log_probs) ALIGNED WITH input_ids: the
+                                   sampler's log-prob of input_ids[b, t] where it sampled it (0 elsewhere).
 - rewards_B          float [B]     (only with rl.kl.use_as "reward") each response's shaped reward; the step adds the
                                    KL penalty per token and recomputes the GRPO advantage over contiguous groups of
                                    group_size responses (advantages_B is then not used).
@@ -42,6 +44,13 @@ Data flow (docs/stare.md, "The closed-loop gate"):
     += coef * agg(kl(lp, ref_lp)) with cfg.loss_agg (gradient through lp); use_as "reward": before step 2, the
     advantage becomes grpo(rewards_B - coef * sum_t kl(old_lp, ref_lp)). metrics["kl"]: the token-mean of the
     estimator on pass 1's log-probs.
+ Rollout correction (cfg.rollout_correction, stare_jax.rl.rollout_correction; verl's decoupled mode), right after
+    step 1 with the batch's sampler log-probs: the mismatch diagnostics (rollout_corr/*: all response tokens, STARE's
+    high-surprisal set pos_high | neg_high and the rest); rejection (rollout_rs) removes tokens from the loss mask
+    before everything that reads it (KL, controller entropy, selection, loss and its normaliser); IS weights
+    (rollout_is, from the unrejected mask) multiply the per-token loss inside the policy loss, where omega does
+    (after clipping); omega keeps weighting the same clipped term, so the two multiply. With
+    rl.stare.surprisal_source "rollout" the selection ranks the sampler's log-probs instead of the trainer's.
  EntroAdv (cfg.advantage.entropy_adv): after step 3, the loss sees the token-level advantage A + min(alpha sg(H),
     |A| / kappa) with H from pass 1 (not combined with STARE).
  6. A non-finite loss or gradient norm skips that update (params and optimizer state unchanged) and is counted in
@@ -71,13 +80,22 @@ from stare_jax.config.offload import OffloadConfig
 from stare_jax.config.optimizer import OptimizerConfig
 from stare_jax.config.packing import PackingConfig
 from stare_jax.config.policy_loss import PolicyLossConfig, TokenFilterConfig
+from stare_jax.config.rollout_correction import RolloutCorrectionConfig
 from stare_jax.models.sharding import BATCH_AXES, DEFAULT_RULES, batch_sharding, program_context
 from stare_jax.models.transformer import LoRAParam
 from stare_jax.rl.advantages import entropy_advantage, grpo_advantages
 from stare_jax.rl.logprobs import DEFAULT_CHUNK_SIZE, token_logprobs_and_entropy
 from stare_jax.rl.loss_terms import high_entropy_mask, kl_penalty, kl_reward_penalty
 from stare_jax.rl.losses import AGG_MODES, clip_cov_key
-from stare_jax.rl.packing import PACKED_KEYS, PackedLayout, padded_micro_batches, split_micro
+from stare_jax.rl.packing import (
+    PACKED_KEYS,
+    PACKED_ROLLOUT_LOGPROBS_KEY,
+    PADDED_ROLLOUT_LOGPROBS_KEY,
+    PackedLayout,
+    padded_micro_batches,
+    split_micro,
+)
+from stare_jax.rl.rollout_correction import is_weights, offpolicy_metrics, rejection_mask
 from stare_jax.rl.stare import StareConfig, StareState, stare_omega, update_controller
 from stare_jax.rl.step_loss import (
     LossNormalizers,
@@ -92,6 +110,8 @@ from stare_jax.rl.theory import batch_entropy_terms
 
 BATCH_KEYS = ("input_ids_BxT", "attention_mask_BxT", "response_mask_BxT", "advantages_B")
 REWARDS_KEY = "rewards_B"  # read by the step only with rl.kl.use_as "reward" (batch_keys)
+ROLLOUT_LOGPROBS_KEY = PADDED_ROLLOUT_LOGPROBS_KEY  # read only with rollout_correction.rollout_log_probs (batch_keys)
+HIGH_SURPRISAL_SETS = ("pos_high", "neg_high")  # STARE's high-surprisal tokens: the mismatch diagnostics' subset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +143,8 @@ class TrainStepConfig:
     packing: PackingConfig = PackingConfig()
     micro_batch_tokens: int = 0
     offload: OffloadConfig = OffloadConfig()  # optimizer state in host memory between updates
+    # the sampler's log-probs in the batch, mismatch diagnostics, IS weights / rejection; a bare step takes none
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig(rollout_log_probs=False)
 
     def __post_init__(self):
         if self.loss_agg not in AGG_MODES:
@@ -158,6 +180,13 @@ class TrainStepConfig:
                 )
         if self.advantage.entropy_adv and self.stare.enabled:
             raise ValueError("advantage.entropy_adv is not combined with STARE (stare.enabled)")
+        if self.stare.surprisal_source == "rollout" and not (
+            self.rollout_correction.rollout_log_probs and self.stare.scope == "batch"
+        ):
+            raise ValueError(
+                "rl.stare.surprisal_source = 'rollout' needs rl.rollout_correction.rollout_log_probs and "
+                "rl.stare.scope = 'batch'"
+            )
 
 
 @jax.tree_util.register_dataclass
@@ -430,6 +459,15 @@ class NoGradPass(NamedTuple):
     ref_logprobs_BxT: jax.Array | None  # the frozen reference's log-probs with rl.kl, else None
 
 
+class RolloutCorrection(NamedTuple):
+    """The rollout correction stage's outputs (right after step 1)."""
+
+    rollout_logprobs_BxT: jax.Array | None  # the sampler's log-probs (per-sequence view), None without them
+    loss_mask_BxT: jax.Array  # the loss mask with rejected tokens (rollout_rs) removed
+    is_weights_BxT: jax.Array | None  # truncated IS weights (rollout_is), else None
+    metrics: dict  # rollout_corr/* (verl's names)
+
+
 class TokenSelection(NamedTuple):
     """Step 3's per-token weights of the batch."""
 
@@ -472,13 +510,16 @@ def _train_step(statics: StepStatics, train_state: TrainState, batch, stare_stat
 
     # 1. no-grad pass (old log-probs, entropy, the reference's log-probs); rl.kl's metric and reward penalty
     no_grad = _no_grad_pass(statics, layout, params, rest, ref_params)
+    correction = _rollout_correction(cfg, layout, batch, no_grad.old_logprobs_BxT, loss_mask_BxT)
+    loss_mask_BxT = correction.loss_mask_BxT
     advantages_B, kl_metrics = _kl_terms(cfg, no_grad, loss_mask_BxT, advantages_B, batch)
     # 2. controller from the batch entropy, 3. omega from the same pass (scope batch)
     batch_entropy = _masked_mean(no_grad.entropy_BxT, loss_mask_BxT)
     stare_state = update_controller(stare_state, batch_entropy, cfg.stare)
-    selection = _select_tokens(statics, stare_state, no_grad, advantages_B, loss_mask_BxT)
+    selection = _select_tokens(statics, stare_state, no_grad, advantages_B, loss_mask_BxT, correction)
     metrics = _selection_metrics(stare_state, batch_entropy, selection, loss_mask_BxT)
     metrics.update(kl_metrics)
+    metrics.update(_mismatch_metrics(no_grad, correction, selection, loss_mask_BxT))
     loss_advantages, advantage_metrics = _loss_advantages(cfg, advantages_B, no_grad.entropy_BxT, loss_mask_BxT)
     metrics.update(advantage_metrics)
     if selection.keep_BxT is not None:
@@ -496,6 +537,7 @@ def _train_step(statics: StepStatics, train_state: TrainState, batch, stare_stat
         omega_BxT=selection.omega_BxT,
         keep_BxT=selection.keep_BxT,
         ref_logprobs_BxT=no_grad.ref_logprobs_BxT if cfg.kl.as_loss else None,
+        is_weights_BxT=correction.is_weights_BxT,
     )
     step_key = clip_cov_key(cfg.seed, train_state.step)
     num_updates = cfg.ppo_epochs * cfg.num_mini_batches
@@ -552,7 +594,15 @@ def _batch_layout(statics: StepStatics, batch):
 
 
 def _check_step_inputs(cfg: TrainStepConfig, num_sequences: int, batch, ref_params) -> None:
-    """ValueError for a step without what rl.kl needs: the reference parameters, the rewards of whole groups."""
+    """ValueError for a step without what rl.kl needs (the reference parameters, the rewards of whole groups) or
+    without the sampler's log-probs rl.rollout_correction asks for."""
+    if cfg.rollout_correction.rollout_log_probs:
+        key = PACKED_ROLLOUT_LOGPROBS_KEY if cfg.packing.enabled else ROLLOUT_LOGPROBS_KEY
+        if key not in batch:
+            raise ValueError(
+                f"rl.rollout_correction.rollout_log_probs is on: the train batch needs {key!r} (the sampler's "
+                f"log-probs; stare_jax.training.collect.train_batch_from_rollouts)"
+            )
     kl = cfg.kl
     if kl.enabled and ref_params is None:
         raise ValueError("rl.kl.reference is set: the step needs the reference parameters (ref_params)")
@@ -606,15 +656,71 @@ def _kl_terms(cfg: TrainStepConfig, no_grad: NoGradPass, loss_mask_BxT, advantag
     return advantages_B, metrics
 
 
-def _select_tokens(
-    statics: StepStatics, stare_state: StareState, no_grad: NoGradPass, advantages_B, loss_mask_BxT
-) -> TokenSelection:
-    """Step 3: STARE's omega over the whole batch (scope batch) from pass 1, times the 80/20 filter's mask (the
-    global top-rho entropy tokens of pass 1)."""
-    token_filter = statics.cfg.token_filter
-    extra_sets = ("pos_high", "neg_high") if no_grad.theory is not None else ()
-    omega_BxT, info = stare_omega(
+def _rollout_correction(cfg: TrainStepConfig, layout, batch, old_logprobs_BxT, loss_mask_BxT) -> RolloutCorrection:
+    """The sampler's log-probs read in the batch's layout (per-sequence view [B, T], like pass 1's), the rejection
+    mask and the IS weights of rl.rollout_correction, and their metrics; a no-op without rollout log-probs."""
+    rc = cfg.rollout_correction
+    if not rc.rollout_log_probs:
+        return RolloutCorrection(None, loss_mask_BxT, None, {})
+    if cfg.packing.enabled:
+        rollout_BxT = layout.view(jnp.asarray(batch[PACKED_ROLLOUT_LOGPROBS_KEY], jnp.float32)[:, 1:])
+    else:
+        rollout_BxT = jnp.asarray(batch[ROLLOUT_LOGPROBS_KEY], jnp.float32)[:, 1:]
+    rollout_BxT = jnp.where(loss_mask_BxT > 0, rollout_BxT, 0.0)
+    log_ratio_BxT = old_logprobs_BxT - rollout_BxT  # log(pi_train / pi_rollout)
+    metrics: dict = {}
+    weights_BxT = None
+    if rc.rollout_is is not None:
+        weights_BxT, is_metrics = is_weights(
+            log_ratio_BxT,
+            loss_mask_BxT,
+            level=rc.rollout_is,
+            threshold=rc.rollout_is_threshold,
+            batch_normalize=rc.rollout_is_batch_normalize,
+        )
+        metrics.update(is_metrics)
+    if rc.rejection_options:
+        loss_mask_BxT, rs_metrics = rejection_mask(log_ratio_BxT, loss_mask_BxT, rc.rejection_options)
+        metrics.update(rs_metrics)
+    return RolloutCorrection(rollout_BxT, loss_mask_BxT, weights_BxT, metrics)
+
+
+def _mismatch_metrics(no_grad: NoGradPass, correction: RolloutCorrection, selection: TokenSelection, mask_BxT):
+    """rollout_corr/*: the correction's metrics and the off-policy diagnostics over the (unrejected) response
+    tokens, also restricted to STARE's high-surprisal set (pos_high | neg_high of the selection) and the rest."""
+    if correction.rollout_logprobs_BxT is None:
+        return {}
+    sets = selection.stare_info["sets"]
+    high_BxT = sets[HIGH_SURPRISAL_SETS[0]] | sets[HIGH_SURPRISAL_SETS[1]]
+    diagnostics = offpolicy_metrics(
         no_grad.old_logprobs_BxT,
+        correction.rollout_logprobs_BxT,
+        mask_BxT,
+        subsets={"high_surprisal": high_BxT, "rest": ~high_BxT},
+    )
+    diagnostics["high_surprisal_frac"] = jnp.sum(high_BxT & (mask_BxT > 0)) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
+    return {"rollout_corr/" + k: v for k, v in {**correction.metrics, **diagnostics}.items()}
+
+
+def _select_tokens(
+    statics: StepStatics,
+    stare_state: StareState,
+    no_grad: NoGradPass,
+    advantages_B,
+    loss_mask_BxT,
+    correction: RolloutCorrection,
+) -> TokenSelection:
+    """Step 3: STARE's omega over the whole batch (scope batch) from pass 1 (or, with rl.stare.surprisal_source
+    "rollout", from the sampler's log-probs), times the 80/20 filter's mask (the global top-rho entropy tokens of
+    pass 1). The high-surprisal sets are selected too when the theory or mismatch diagnostics read them."""
+    token_filter = statics.cfg.token_filter
+    diagnosed = no_grad.theory is not None or correction.rollout_logprobs_BxT is not None
+    extra_sets = HIGH_SURPRISAL_SETS if diagnosed else ()
+    surprisal_logprobs_BxT = (
+        correction.rollout_logprobs_BxT if statics.cfg.stare.surprisal_source == "rollout" else no_grad.old_logprobs_BxT
+    )
+    omega_BxT, info = stare_omega(
+        surprisal_logprobs_BxT,
         advantages_B,
         loss_mask_BxT,
         stare_state,
@@ -786,8 +892,13 @@ def place_train_state(train_state: TrainState, mesh):
 
 def batch_keys(cfg: TrainStepConfig) -> tuple[str, ...]:
     """The batch keys the step takes: the padded layout's or the packed one's (rl.packing), plus rewards_B when
-    the KL penalty enters the reward."""
-    return (PACKED_KEYS if cfg.packing.enabled else BATCH_KEYS) + ((REWARDS_KEY,) if cfg.kl.as_reward else ())
+    the KL penalty enters the reward and the sampler's log-probs with rl.rollout_correction.rollout_log_probs."""
+    rollout_key = PACKED_ROLLOUT_LOGPROBS_KEY if cfg.packing.enabled else ROLLOUT_LOGPROBS_KEY
+    return (
+        (PACKED_KEYS if cfg.packing.enabled else BATCH_KEYS)
+        + ((REWARDS_KEY,) if cfg.kl.as_reward else ())
+        + ((rollout_key,) if cfg.rollout_correction.rollout_log_probs else ())
+    )
 
 
 def batch_shardings(mesh, batch_axes=BATCH_AXES, keys=BATCH_KEYS):

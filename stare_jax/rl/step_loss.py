@@ -101,6 +101,7 @@ class SequenceArrays(NamedTuple):
     omega_BxT: jax.Array  # pass 1's omega (times the filter's mask); ones with omega_per_micro_batch
     keep_BxT: jax.Array | None  # the token filter's mask (plan.token_filter), else None
     ref_logprobs_BxT: jax.Array | None  # the frozen reference's log-probs (plan.kl_loss), else None
+    is_weights_BxT: jax.Array | None = None  # rollout correction's IS weights (rl.rollout_correction.rollout_is)
 
 
 class LossNormalizers(NamedTuple):
@@ -167,6 +168,7 @@ def micro_batch_loss(
             seq.advantages,
             seq.loss_mask_BxT,
             omega_BxT=omega_BxT,
+            rollout_is_weights=seq.is_weights_BxT,
             clip_low=plan.clip_low,
             clip_high=plan.clip_high,
             clip_c=plan.clip_c,
@@ -193,6 +195,8 @@ def _composite_loss(
     options = dict(plan.options, normalizer=normalizers.policy_loss)
     if plan.omega_weighted:
         options["omega_BxT"] = omega_BxT
+    if seq.is_weights_BxT is not None:
+        options["rollout_is_weights"] = seq.is_weights_BxT
     if plan.micro_batch_key:
         options["key"] = key
     loss, terms = compute_policy_loss(

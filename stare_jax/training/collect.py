@@ -20,6 +20,7 @@ from stare_jax.config.loader import RLConfig, SamplingConfig
 from stare_jax.rewards import rollout_rewards
 from stare_jax.rewards.reward_fn import RewardFn
 from stare_jax.rl.advantages import DynamicSamplingAccumulator, dynamic_sampling_keep_mask, outcome_advantages
+from stare_jax.rl.packing import PADDED_ROLLOUT_LOGPROBS_KEY
 from stare_jax.sampling import SamplingParams
 from stare_jax.tasks import get_task
 from stare_jax.tools.config import ToolConfig
@@ -72,7 +73,9 @@ class Rollouts:
     """One generation batch, prompt-major: arrays with leading prompt axis P (and group axis G).
 
     Multi-turn tool rollouts also set model_mask_PxGxN (1 sampled token, 0 tool observation: the loss mask; None =
-    every response token was sampled) and reward_bonus_PxG (tool bonus / format penalty added to the reward)."""
+    every response token was sampled) and reward_bonus_PxG (tool bonus / format penalty added to the reward).
+    logprobs_PxGxN: the sampler's temperature-1 log-prob of each sampled token (0 after the end, NaN on tool
+    observations; rl.rollout_correction's input), None when not kept."""
 
     prompt_ids_PxT: np.ndarray
     prompt_mask_PxT: np.ndarray
@@ -81,6 +84,7 @@ class Rollouts:
     correct_PxG: np.ndarray
     model_mask_PxGxN: np.ndarray | None = None
     reward_bonus_PxG: np.ndarray | None = None
+    logprobs_PxGxN: np.ndarray | None = None
 
 
 REWARD_COUNTERS = ("n_items", "n_ok", "n_correct", "n_timeout", "n_crash", "n_error", "n_restarts")
@@ -184,10 +188,11 @@ def _generate_call(
         prompt_index_P=np.arange(P_pad, dtype=np.int32) + index_offset,
         active_P=active,
     )
-    # the sampler's log-probs are not fetched: the train step recomputes them (old log-probs) in its own layout
-    tokens, lengths = distributed.fetch_global((out.tokens_BxN, out.lengths_B))
+    # the sampler's log-probs come along for rl.rollout_correction (the step recomputes its own old log-probs)
+    tokens, lengths, logprobs = distributed.fetch_global((out.tokens_BxN, out.lengths_B, out.logprobs_BxN))
     G, N = num_samples, tokens.shape[1]
     tokens = tokens[: P * G].reshape(P, G, N)
+    logprobs = np.asarray(logprobs, np.float32)[: P * G].reshape(P, G, N)
     lengths = lengths[: P * G].reshape(P, G)
     lo, hi = distributed.process_share(P * G)  # the responses this process decodes and scores
     texts = [tokenizer.decode(tokens[b // G, b % G, : lengths[b // G, b % G]].tolist()) for b in range(lo, hi)]
@@ -195,7 +200,8 @@ def _generate_call(
     correct = distributed.gather_shares(np.asarray(correct_share, np.float32), P * G)
     if reward_fn.is_math:
         stats = {**stats, **distributed.sum_across_processes(stats, REWARD_COUNTERS)}
-    return Rollouts(ids[:P], mask[:P], tokens, lengths, correct.reshape(P, G)), texts, stats
+    rollouts = Rollouts(ids[:P], mask[:P], tokens, lengths, correct.reshape(P, G), logprobs_PxGxN=logprobs)
+    return rollouts, texts, stats
 
 
 def generate_tool_rollouts(
@@ -247,6 +253,7 @@ def generate_tool_rollouts(
         np.asarray(correct, np.float32).reshape(P, num_samples),
         arr["model_mask_PxGxN"],
         bonus.reshape(P, num_samples),
+        arr["logprobs_PxGxN"],
     )
     return r, texts, stats, tool_counts(rows, correct), arr["model_lengths_PxG"].reshape(-1)
 
@@ -303,7 +310,8 @@ def batch_seed(seed: int, step: int, j: int) -> int:
 
 def train_batch_from_rollouts(r: Rollouts, advantages_PxG: np.ndarray) -> dict:
     """[P*G, T+N] prompt + response ids with attention/response masks, response-major within each prompt. Tool
-    observation tokens (model_mask 0) are attended to but have response (loss) mask 0."""
+    observation tokens (model_mask 0) are attended to but have response (loss) mask 0. With the sampler's
+    log-probs (r.logprobs_PxGxN) also rollout_logprobs_BxT, aligned with the ids, 0 off the response mask."""
     P, G, N = r.tokens_PxGxN.shape
     T = r.prompt_ids_PxT.shape[1]
     span = (np.arange(N)[None, None, :] < r.lengths_PxG[..., None]).astype(np.int32)
@@ -312,12 +320,17 @@ def train_batch_from_rollouts(r: Rollouts, advantages_PxG: np.ndarray) -> dict:
     attn = np.concatenate([np.repeat(r.prompt_mask_PxT[:, None], G, 1), span], axis=2)
     resp = np.concatenate([np.zeros((P, G, T), np.int32), resp_mask], axis=2)
     ids = np.where(attn > 0, ids, 0)
-    return {
+    batch = {
         "input_ids_BxT": ids.reshape(P * G, T + N),
         "attention_mask_BxT": attn.reshape(P * G, T + N),
         "response_mask_BxT": resp.reshape(P * G, T + N),
         "advantages_B": advantages_PxG.reshape(P * G).astype(np.float32),
     }
+    if r.logprobs_PxGxN is not None:
+        lp = np.where(resp_mask > 0, np.nan_to_num(np.asarray(r.logprobs_PxGxN, np.float32)), 0.0)
+        full = np.concatenate([np.zeros((P, G, T), np.float32), lp.astype(np.float32)], axis=2)
+        batch[PADDED_ROLLOUT_LOGPROBS_KEY] = full.reshape(P * G, T + N)
+    return batch
 
 
 @dataclasses.dataclass

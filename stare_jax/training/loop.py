@@ -96,6 +96,10 @@ def reweighting_active(cfg: Config, step_metrics) -> bool:
     return float(step_metrics.get("stare/gate_frac", 0.0)) > 0
 
 
+# the train step's metric families the record carries as they are (rollout_corr/*: the sampler/trainer mismatch)
+LOGGED_STEP_PREFIXES = ("theory/", "token_filter/", "kl", "entropy_adv/", "rollout_corr/")
+
+
 def step_record(cfg: Config, collected: CollectedBatch, m: dict, *, step_time_s: float, train_time_s: float) -> dict:
     """The metrics record of one step from what collection saw and the train step's (host) metrics `m`."""
     stare_on = cfg.rl.stare.enabled
@@ -112,7 +116,7 @@ def step_record(cfg: Config, collected: CollectedBatch, m: dict, *, step_time_s:
         "selected_frac_neg": float(m.get("stare/frac_neg_high", m.get("stare/frac_neg_low", 0.0))),
         **{k: float(m[k]) for k in ("clipfrac", "clipfrac_lower", "approx_kl", "loss", "grad_norm", "skipped_updates")},
         **{f"stare/{k[6:]}": float(v) for k, v in m.items() if k.startswith("stare/")},
-        **{k: float(v) for k, v in m.items() if k.startswith(("theory/", "token_filter/", "kl", "entropy_adv/"))},
+        **{k: float(v) for k, v in m.items() if k.startswith(LOGGED_STEP_PREFIXES)},
         "step_time_s": step_time_s,
         "train_time_s": train_time_s,
     }
@@ -268,7 +272,10 @@ def run_training(
     inputs_for: InputsFn = resolve_inputs,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Train per `cfg`, writing everything under run_dir; returns a summary dict.
+    """Train per `cfg`, writing everything under run_dir; returns a summary dict. A stop signal (Ctrl-C, SIGTERM:
+    the PreemptionHandler) ends it after the step under way, saved; the summary then has "stopped", "stop_signal"
+    (SIGINT, SIGTERM; None when only another process got one), "stop_reason" (its words) and "checkpoint" (the
+    saved step's folder), which the caller reports.
 
     resume: continue from RUN_DIR's newest checkpoint if it has one, else start a new run there (what the launch
     scripts pass); with require_checkpoint a missing checkpoint is an error instead. A resumed run keeps its
@@ -320,8 +327,11 @@ def run_training(
             summary["new_compiles_per_step"].append(compile_count() - compiles_before)
             if dist.any_process(run.preempt.should_stop(done)):  # every process stops at the same step
                 run.save(done, force=True)
+                # the entry point's last line names them (stare_jax.cli.train, experiments.demo.train_arm)
                 summary["stopped"] = f"preempted (signal) after step {done}"
-                log(f"preemption signal: saved checkpoint at step {done}, exiting")
+                summary["stop_signal"] = run.preempt.signal_name
+                summary["stop_reason"] = run.preempt.reason()
+                summary["checkpoint"] = f"{run.rd.checkpoints}/{done}"
                 break
         else:
             run.save(cfg.total_steps, force=True)

@@ -48,7 +48,8 @@ def stare_omega(
     batch gate's flag = state.gate_on); omega == 1 when cfg.enabled is False. sample/token gates need entropy_BxT.
 
     info: {"sets": {name: bool [B, T]} (the variant's sets plus extra_sets), "gate": bool mask, "metrics": realised
-    fractions frac_<set>, n_pos, n_neg, omega_mean (over valid tokens), frac_reweighted (omega != 1), gate_frac}.
+    fractions frac_<set> (of the variant's sets), n_pos, n_neg, omega_mean (over valid tokens), frac_reweighted
+    (omega != 1), gate_frac}.
     scope overrides cfg.scope (the train step passes "batch" / "micro_batch" explicitly)."""
     shape = jnp.shape(logprobs_BxT)
     valid = jnp.asarray(mask_BxT) > 0
@@ -81,6 +82,8 @@ def stare_omega(
         "omega_mean": jnp.sum(jnp.where(valid, omega, 0.0)) / n_valid,
         "frac_reweighted": jnp.sum(valid & (omega != 1.0)) / n_valid,
         "gate_frac": jnp.sum(valid & g) / n_valid,
-        **set_fractions(sets, n_pos, n_neg),
+        # the fractions of what the variant selects (a disabled config: of the sets asked for); sets asked for only
+        # by diagnostics (extra_sets) stay out, so the logged selection of an O1 run is its own
+        **set_fractions({k: sets[k] for k in (w_sets + m_sets if cfg.enabled else need)}, n_pos, n_neg),
     }
     return omega, {"sets": sets, "gate": g, "metrics": metrics}

@@ -230,7 +230,10 @@ def _t_cov_idx(lp, adv, m):
     return (a - a.mean()) * (x - x.mean()), torch.nonzero(v.reshape(-1), as_tuple=True)[0]
 
 
-def verl_loss(name, old, lp, adv, m, mode, o, omega=None, **agg_kw):
+def verl_loss(name, old, lp, adv, m, mode, o, omega=None, is_w=None, **agg_kw):
+    def agg(mat, m, mode):  # verl: pg_losses * rollout_is_weights, then agg_loss
+        return _t_agg(mat if is_w is None else mat * is_w, m, mode, **agg_kw)
+
     nk = lp - old
     if name in ("vanilla", "stare"):
         nkc = torch.clamp(nk, -20.0, 20.0)
@@ -241,7 +244,7 @@ def verl_loss(name, old, lp, adv, m, mode, o, omega=None, **agg_kw):
         pg = torch.where(adv < 0, torch.min(l3, c1), c1)
         if omega is not None:
             pg = pg * omega
-        return _t_agg(pg, m, mode, **agg_kw)
+        return agg(pg, m, mode)
     if name == "clip_cov":  # deterministic case: every eligible token is chosen (clip_num >= eligible)
         r = torch.exp(nk)
         l1, l2 = -adv * r, -adv * torch.clamp(r, 1 - o["clip_ratio_low"], 1 + o["clip_ratio_high"])
@@ -253,7 +256,7 @@ def verl_loss(name, old, lp, adv, m, mode, o, omega=None, **agg_kw):
         assert len(idx) <= num
         corr = torch.ones_like(adv)
         corr[idx[:, 0], idx[:, 1]] = 0
-        return _t_agg(torch.maximum(l1, l2) * corr, m, mode, **agg_kw)
+        return agg(torch.maximum(l1, l2) * corr, m, mode)
     if name == "kl_cov":
         pg = -adv * torch.exp(nk)
         pg_kl = pg + o["ppo_kl_coef"] * nk.abs()
@@ -263,22 +266,22 @@ def verl_loss(name, old, lp, adv, m, mode, o, omega=None, **agg_kw):
             rows, cols = top // adv.shape[1], top % adv.shape[1]
             pg = pg.clone()
             pg[rows, cols] = pg_kl[rows, cols]
-        return _t_agg(pg, m, mode, **agg_kw)
+        return agg(pg, m, mode)
     if name == "gspo":
         seq = (nk * m).sum(-1) / m.sum(-1).clamp(min=1)
         r = torch.exp(torch.clamp(lp - lp.detach() + seq.detach().unsqueeze(-1), max=10.0))
         l1, l2 = -adv * r, -adv * torch.clamp(r, 1 - o["clip_ratio_low"], 1 + o["clip_ratio_high"])
-        return _t_agg(torch.maximum(l1, l2), m, "seq-mean-token-mean", **agg_kw)
+        return agg(torch.maximum(l1, l2), m, "seq-mean-token-mean")
     if name == "cispo":
         r = torch.exp(torch.clamp(nk, -20.0, 20.0))
         c = torch.clamp(r, 1 - o["clip_ratio_low"], 1 + o["clip_ratio_high"]).detach()
-        return _t_agg(-c * adv * lp, m, mode, **agg_kw)
+        return agg(-c * adv * lp, m, mode)
     if name == "gpg":
-        return _t_agg(-lp * adv, m, mode, **agg_kw)
+        return agg(-lp * adv, m, mode)
     if name == "sapo":
         r = torch.exp(torch.clamp(nk, -20.0, 20.0))
         tau = torch.where(adv > 0, torch.tensor(o["tau_pos"]), torch.tensor(o["tau_neg"]))
-        return _t_agg(-torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * adv, m, "seq-mean-token-mean", **agg_kw)
+        return agg(-torch.sigmoid(tau * (r - 1.0)) * (4.0 / tau) * adv, m, "seq-mean-token-mean")
     if name == "geo_mean":
         sgn = torch.sign(adv)
         nkc = torch.clamp(nk, -o["clip_ratio_low"], o["clip_ratio_high"])
@@ -286,7 +289,10 @@ def verl_loss(name, old, lp, adv, m, mode, o, omega=None, **agg_kw):
         cnt = m.sum(-1)
         ratio = torch.exp((nmin * m).sum(-1) / (cnt + 1e-8))
         a = (adv * m).sum(-1) / (cnt + 1e-8)
-        return torch.mean(-a * ratio)
+        pg = -a * ratio
+        if is_w is not None:  # the weights' geometric mean per sequence
+            pg = pg * torch.exp((torch.log(is_w + 1e-10) * m).sum(-1) / (cnt + 1e-8))
+        return torch.mean(pg)
     raise AssertionError(name)
 
 
@@ -308,6 +314,28 @@ def test_matches_verl_torch(name, mode):
     np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(g), want_g, rtol=1e-4, atol=1e-6)
     assert np.abs(want_g).sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("name", POLICY_LOSSES)
+def test_rollout_is_weights_match_verl_torch(name, mode):
+    """rollout correction's IS weights inside every loss, as verl applies them (pg_losses * rollout_is_weights before
+    agg_loss; geo_mean: their per-sequence geometric mean), omega included for stare; no gradient through w."""
+    lp, old, adv, mask, omega = _batch(7, gspo_scale=name == "gspo")
+    w = np.random.default_rng(8).choice([0.0, 0.3, 1.0, 1.7, 2.0], size=lp.shape).astype(np.float32) * mask
+    t = {k: torch.tensor(v) for k, v in dict(lp=lp, old=old, adv=adv, m=mask, om=omega, w=w).items()}
+    x = t["lp"].clone().requires_grad_(True)
+    om = t["om"] if name == "stare" else None
+    want = verl_loss(name, t["old"], x, t["adv"], t["m"], mode, OPTS[name], omega=om, is_w=t["w"])
+    want.backward()
+    loss, _ = _call(name, lp, old, adv, mask, mode, omega, rollout_is_weights=w)
+    g = jax.grad(lambda z: _call(name, z, old, adv, mask, mode, omega, rollout_is_weights=w)[0])(jnp.asarray(lp))
+    np.testing.assert_allclose(float(loss), float(want.detach()), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(g), x.grad.numpy(), rtol=1e-4, atol=1e-6)
+    unweighted, _ = _call(name, lp, old, adv, mask, mode, omega)
+    assert abs(float(loss) - float(unweighted)) > 1e-4  # the weights act
+    with pytest.raises(ValueError, match="rollout_is_weights must have shape"):
+        _call(name, lp, old, adv, mask, mode, omega, rollout_is_weights=w[:, :-1])
 
 
 @pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])

@@ -281,6 +281,18 @@ def test_the_config_section_takes_verls_names_and_names_bad_values():
         [[sec + "rollout_is=geometric"], "accepted values: 'token', 'sequence'"],
         [[sec + "rollout_rs_threshold=2"], "rollout_rs is null"],
         [[sec + "rollout_is_threshold=0"], "rollout_is_threshold"],
+        [[sec + "rollout_is=token", sec + "rollout_is_threshold=1.0"], "must be > 1"],
+        [[sec + "rollout_is=token", sec + "rollout_log_probs=false"], "rollout_is is set but .*rollout_log_probs"],
+        [[sec + "rollout_rs=token_k2", sec + "rollout_rs_threshold=1", sec + "rollout_log_probs=false"], "rollout_rs"],
+        [["rl.stare.surprisal_source=rollout", sec + "rollout_log_probs=false"], "surprisal_source"],
+        [["rl.stare.surprisal_source=rollout", "rl.stare.scope=micro_batch"], "scope = 'batch'"],
     ):
         with pytest.raises(ConfigError, match=msg):
             load_config(None, bad)
+    # the run keeps the sampler's log-probs by default and hands the section to the step
+    from stare_jax.training.setup import train_step_config
+
+    run = load_config(None, ["rl.stare.surprisal_source=rollout"])
+    step_cfg = train_step_config(run)
+    assert step_cfg.rollout_correction is run.rl.rollout_correction and step_cfg.rollout_correction.rollout_log_probs
+    assert step_cfg.stare.surprisal_source == "rollout"

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from stare_jax.sampling.params import SamplingParams
-from stare_jax.training.collect import RewardFn, generate_rollouts, left_pad, reward_fn_for
+from stare_jax.training.collect import (
+    RewardFn,
+    Rollouts,
+    generate_rollouts,
+    left_pad,
+    reward_fn_for,
+    train_batch_from_rollouts,
+)
 
 
 def test_reward_fn_scores_toy_tasks_in_process_and_math_in_the_pool():
@@ -57,11 +64,11 @@ def toy_setup(tmp_path_factory):
     model = models.from_pretrained(assets.model_dir, mesh=mesh)
     rows = [json.loads(line) for line in assets.train_path.read_text().splitlines()[:10]]
     prompts = [tok.encode(r["problem"]) for r in rows]
-    return Sampler(model, mesh=mesh, pad_id=tok.pad_id), tok, prompts, [r["answer"] for r in rows]
+    return Sampler(model, mesh=mesh, pad_id=tok.pad_id), tok, prompts, [r["answer"] for r in rows], model
 
 
 def _roll(toy_setup, **kw):
-    sampler, tok, prompts, answers = toy_setup
+    sampler, tok, prompts, answers, _ = toy_setup
     return generate_rollouts(
         sampler,
         prompts,
@@ -80,7 +87,7 @@ def _roll(toy_setup, **kw):
 def test_rollouts_shapes_and_scores(toy_setup):
     from stare_jax.tasks import TASKS
 
-    _, _, prompts, answers = toy_setup
+    _, _, prompts, answers, _ = toy_setup
     r, texts, stats = _roll(toy_setup)
     assert r.tokens_PxGxN.shape == (10, 3, 8) and r.lengths_PxG.shape == (10, 3) and r.prompt_ids_PxT.shape == (10, 16)
     assert len(texts) == 30 and stats == {}
@@ -101,3 +108,29 @@ def test_chunked_calls_give_the_same_samples(toy_setup):
         for f in ("prompt_ids_PxT", "prompt_mask_PxT", "tokens_PxGxN", "lengths_PxG", "correct_PxG"):
             np.testing.assert_array_equal(getattr(parts, f), getattr(whole, f), err_msg=f"{f}, chunk {chunk}")
         assert parts_texts == texts
+
+
+def test_the_samplers_log_probs_reach_the_train_batch_aligned_with_the_ids(toy_setup):
+    """rollout_logprobs_BxT (rl.rollout_correction's input): the sampler's log-prob of input_ids[b, t] where it
+    sampled that token, 0 elsewhere; equal, to fp32 rounding, to the trainer's teacher-forced recomputation."""
+    from stare_jax.rl.step import policy_forward, shift_batch, split_model
+
+    model = toy_setup[4]
+    r, _, _ = _roll(toy_setup)
+    assert r.logprobs_PxGxN is not None and r.logprobs_PxGxN.shape == r.tokens_PxGxN.shape
+    batch = train_batch_from_rollouts(r, np.zeros(r.correct_PxG.shape, np.float32))
+    roll, resp = batch["rollout_logprobs_BxT"], batch["response_mask_BxT"]
+    assert roll.shape == resp.shape and roll.dtype == np.float32
+    assert (roll[resp == 0] == 0).all() and (roll[resp > 0] < 0).all()
+    ids, attn, tgt, lm, _ = shift_batch(batch)
+    graphdef, params, rest = split_model(model)
+    trainer, _ = policy_forward(graphdef, params, rest, ids, attn, tgt, lm, chunk_size=8)
+    np.testing.assert_allclose(roll[:, 1:], np.asarray(trainer) * np.asarray(lm), atol=2e-4)
+    # a tool row: observation tokens carry NaN log-probs and model_mask 0; they stay out (0) of the batch
+    mm = np.ones_like(r.tokens_PxGxN)
+    mm[:, :, 1:3] = 0
+    lp = np.where(mm > 0, r.logprobs_PxGxN, np.nan).astype(np.float32)
+    tool = Rollouts(**{**r.__dict__, "model_mask_PxGxN": mm, "logprobs_PxGxN": lp})
+    tb = train_batch_from_rollouts(tool, np.zeros(r.correct_PxG.shape, np.float32))
+    assert np.isfinite(tb["rollout_logprobs_BxT"]).all()
+    assert (tb["rollout_logprobs_BxT"][tb["response_mask_BxT"] == 0] == 0).all()
