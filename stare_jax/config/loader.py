@@ -98,6 +98,11 @@ class SamplingConfig:
     top_p: float = option(1.0, lo=0.0, hi=1.0, lo_open=True)
     top_k: int = option(0, lo=0, doc="0 = off")
     kv_cache_dtype: DType = option("bfloat16")
+    dtype: DType | None = option(
+        None,
+        doc="the sampler's compute dtype (weights cast, activations and matmuls in it); null = model.dtype. "
+        "bfloat16 under a float32 trainer: the sampler/trainer mismatch rl.rollout_correction measures",
+    )
     max_prompts_per_call: int = option(
         0, lo=0, doc="prompts per sampler call (bounds the KV cache); 0 = the whole generation batch in one call"
     )

@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from stare_jax import distributed
 from stare_jax.models import sharding as model_sharding
+from stare_jax.models.transformer import abstract_model
 from stare_jax.sampling import selection, sharding as sampling_sharding
 from stare_jax.sampling.params import SamplingParams, check_counts
 
@@ -127,6 +128,18 @@ def model_config(model) -> Any:
         if cfg is not None:
             return cfg
     raise ValueError(f"model {type(model).__name__} has no `config`/`cfg` attribute (ModelConfig)")
+
+
+def sampling_graph(model, compute_dtype=None) -> tuple[Any, nnx.GraphDef, Any]:
+    """(config, graphdef, state) to sample `model` with: its own graph, or with `compute_dtype` (e.g. bfloat16 under
+    a float32 trainer: sampling.dtype) the same architecture's graph built with that compute dtype (activations and
+    matmuls in it; reshard_for_sampling casts the weights). The state is the model's, untouched."""
+    cfg = model_config(model)
+    graphdef, state = nnx.split(model)
+    if compute_dtype is None or jnp.dtype(compute_dtype) == jnp.dtype(getattr(cfg, "dtype", "float32")):
+        return cfg, graphdef, state
+    cfg = dataclasses.replace(cfg, dtype=jnp.dtype(compute_dtype).name)
+    return cfg, nnx.graphdef(abstract_model(cfg)), state
 
 
 def _constrain(tree, sharding: NamedSharding | None, batch: int):
@@ -285,6 +298,7 @@ class Sampler:
     phase at least min_phase_tokens long), so early steps attend over fewer slots; worth it for long
     generations on accelerators, ~3% on CPU at 128 tokens, and each phase is compiled separately (default 1).
     pad_id: token written after a sequence's end (default: config pad_token_id, else 0).
+    compute_dtype: the sampler's compute dtype (sampling.dtype; None: the model's own; sampling_graph).
     """
 
     def __init__(
@@ -299,8 +313,9 @@ class Sampler:
         decode_phases: int = 1,
         min_phase_tokens: int = 32,
         pad_id: int | None = None,
+        compute_dtype=None,
     ):
-        self.config = model_config(model)
+        self.config, self.graphdef, state = sampling_graph(model, compute_dtype)
         self.mesh = mesh
         self.cache_dtype = jnp.dtype(cache_dtype).name
         self.min_prompt_bucket = min_prompt_bucket
@@ -311,7 +326,6 @@ class Sampler:
         cfg_pad = getattr(self.config, "pad_token_id", None)
         self.pad_id = int(pad_id if pad_id is not None else (cfg_pad if cfg_pad is not None else 0))
         self.compute_dtype = jnp.dtype(getattr(self.config, "dtype", "float32")).name
-        self.graphdef, state = nnx.split(model)
         self.state = None
         self._batch_sharding = model_sharding.batch_sharding(mesh) if mesh is not None else None
         self.update_params(state)

@@ -383,7 +383,7 @@ def sampler_key(cfg, topology: str, model_cfg=None) -> str:
 def _compile_static_sampler(cfg, model, mesh, programs: dict, log) -> int:
     """Compile the static sampler's program at the run's buckets into programs["sampler"] (FLOPs per generation
     batch); returns the sampler weight copy's bytes per device."""
-    sampler = Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype)
+    sampler = Sampler(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, compute_dtype=cfg.sampling.dtype)
     call_prompts = sampler_call_prompts(cfg)
     prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)
     log(
@@ -406,7 +406,9 @@ def _compile_engine(cfg, engine_cfg, model, mesh, programs: dict, log, *, prefil
     page table of the longest request, the pool the run allocates: Engine.trace_programs) into programs["sampler"]
     (decode) and programs["sampler_prefill"]; their FLOPs per generation batch are the worst case (every response
     at max_new_tokens, one prefill per prompt). Returns the (abstract) engine."""
-    engine = Engine(model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, config=engine_cfg)
+    engine = Engine(
+        model, mesh=mesh, cache_dtype=cfg.sampling.kv_cache_dtype, config=engine_cfg, compute_dtype=cfg.sampling.dtype
+    )
     prompt_bucket = next_bucket(cfg.data.max_prompt_len, 16)
     longest = prompt_bucket + cfg.sampling.max_new_tokens
     log(

@@ -261,6 +261,7 @@ def make_sampler(
             cache_dtype=cfg.sampling.kv_cache_dtype,
             pad_id=pad_id,
             resolve=resolve_slots,
+            compute_dtype=cfg.sampling.dtype,
         )
     except ValueError as e:
         raise TrainingError(str(e)) from None

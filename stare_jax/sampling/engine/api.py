@@ -30,14 +30,20 @@ from stare_jax.sampling import paged_kv
 from stare_jax.sampling.engine.programs import Device
 from stare_jax.sampling.engine.scheduler import Conversation, Scheduler, assign_shards
 from stare_jax.sampling.params import SamplingParams, check_counts
-from stare_jax.sampling.sampler import SampleArrays, SampleOutput, Sampler, _check_prompts, model_config
+from stare_jax.sampling.sampler import (
+    SampleArrays,
+    SampleOutput,
+    Sampler,
+    _check_prompts,
+    sampling_graph,
+)
 
 
 class Engine:
     """Continuous-batching rollout engine over a paged KV cache (see stare_jax.sampling.engine).
 
-    Same constructor arguments as Sampler (mesh, cache_dtype, pad_id) plus `config` (EngineConfig). With a
-    mesh, parameters are kept in the sampler layout (replicated over the data axes, "tensor" kept) and the page
+    Same constructor arguments as Sampler (mesh, cache_dtype, pad_id, compute_dtype) plus `config` (EngineConfig).
+    With a mesh, parameters are kept in the sampler layout (replicated over the data axes, "tensor" kept) and the page
     pool's kv heads are split over the tensor axis. A mesh that splits the batch over D data shards (its data /
     fsdp axes) gives each shard its own ceil(max_slots / D) slots and its own pool of ceil(num_pages / D) pages
     (arrays with a leading shard axis split over those axes), each scheduled by its own host sub-scheduler;
@@ -53,8 +59,9 @@ class Engine:
         mesh: Mesh | None = None,
         cache_dtype=jnp.float32,
         pad_id: int | None = None,
+        compute_dtype=None,
     ):
-        self.config = model_config(model)
+        self.config, graphdef, state = sampling_graph(model, compute_dtype)
         self.engine_config = config if config is not None else EngineConfig()
         if self.engine_config.max_slots == "auto":
             raise ValueError(
@@ -65,7 +72,6 @@ class Engine:
         self.cache_dtype = jnp.dtype(cache_dtype).name
         cfg_pad = getattr(self.config, "pad_token_id", None)
         self.pad_id = int(pad_id if pad_id is not None else (cfg_pad if cfg_pad is not None else 0))
-        graphdef, state = nnx.split(model)
         self.device = Device(
             self.config,
             graphdef,
@@ -401,6 +407,7 @@ def make_generator(
     cache_dtype=jnp.float32,
     pad_id: int | None = None,
     resolve: Callable[[EngineConfig], EngineConfig] | None = None,
+    compute_dtype=None,
 ) -> Engine | Sampler:
     """The generator for `config.enabled`: the engine (true), the static sampler (false), or (auto) the engine
     wherever it runs (any mesh, in one process or several: over data shards each has its own slots and page pool)
@@ -412,12 +419,13 @@ def make_generator(
     if config.enabled is True and reason:
         raise ValueError(f"sampling.engine.enabled=true: {reason}; set it to auto or false")
     if config.enabled is False or reason or (config.enabled == "auto" and max_new_tokens < config.auto_min_new_tokens):
-        return Sampler(model, mesh=mesh, cache_dtype=cache_dtype, pad_id=pad_id)
+        return Sampler(model, mesh=mesh, cache_dtype=cache_dtype, pad_id=pad_id, compute_dtype=compute_dtype)
     return Engine(
         model,
         mesh=mesh,
         cache_dtype=cache_dtype,
         pad_id=pad_id,
+        compute_dtype=compute_dtype,
         config=resolve(config) if resolve is not None else config,
     )
 

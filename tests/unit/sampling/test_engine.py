@@ -144,6 +144,17 @@ def test_array_api_matches_sampler(model):
     assert np.all(np.asarray(out.lengths_B)[2:4] == 0)
 
 
+def test_compute_dtype_bf16_engine_matches_the_bf16_static_sampler(model):
+    """sampling.dtype reaches the engine as it reaches the static sampler: the same bf16 graph, the same draws."""
+    kw = dict(max_new_tokens=8, num_samples=2, sampling=SamplingParams(temperature=1.0, eos_ids=EOS, seed=3))
+    engine = Engine(model, config=SMALL, compute_dtype="bfloat16")
+    assert engine.config.dtype == "bfloat16" and model.config.dtype == "float32"
+    ref = Sampler(model, compute_dtype="bfloat16").generate(PROMPTS[:2], **kw)
+    out = engine.generate(PROMPTS[:2], **kw)
+    assert out.tokens == ref.tokens
+    np.testing.assert_allclose(np.concatenate(out.logprobs), np.concatenate(ref.logprobs), atol=2e-2)
+
+
 def test_no_recompilation_across_steps(model):
     """Programs are keyed by power-of-two buckets (rows, page-table width, prefill width): after a warm-up step
     that walks the buckets, later steps with new weights and other length mixes compile nothing."""

@@ -401,6 +401,23 @@ def test_sampler_weights_in_compute_dtype_same_tokens(model):
     np.testing.assert_allclose(np.concatenate(a.logprobs), np.concatenate(b.logprobs), atol=1e-6)
 
 
+def test_compute_dtype_samples_a_float32_model_as_a_bf16_one(model):
+    """sampling.dtype: a float32 model sampled with compute_dtype bfloat16 runs the bf16 graph on bf16 weights - the
+    same program as sampling a bf16-compute model - while the model itself stays float32 (the trainer's)."""
+    kw = dict(max_new_tokens=12, num_samples=2, sampling=SamplingParams(temperature=1.0, eos_ids=[], seed=5))
+    sampler = Sampler(model, compute_dtype="bfloat16")
+    assert sampler.compute_dtype == "bfloat16" and sampler.config.dtype == "bfloat16"
+    assert model.config.dtype == "float32"
+    assert {x.dtype for x in jax.tree.leaves(sampler.state)} == {jnp.dtype(jnp.bfloat16)}
+    want = Sampler(init_model(model.config.replace(dtype="bfloat16"), seed=0)).generate([CONTEXT, [1, 2]], **kw)
+    got = sampler.generate([CONTEXT, [1, 2]], **kw)
+    assert got.tokens == want.tokens
+    np.testing.assert_array_equal(np.concatenate(got.logprobs), np.concatenate(want.logprobs))
+    fp32 = Sampler(model, compute_dtype="float32").generate([CONTEXT, [1, 2]], **kw)
+    gap = np.abs(np.concatenate(fp32.logprobs)[:4] - np.concatenate(got.logprobs)[:4])
+    assert 0 < gap.max() < 0.1  # the bf16 sampler's log-probs differ from the fp32 ones by rounding
+
+
 def test_release_drops_the_weight_copy(model):
     sampler = Sampler(model)
     sampler.release()
