@@ -102,7 +102,8 @@ def measure(folder, texts, *, prompts, group, max_new, top_p, dtype) -> dict:
     opts = dict(variant="C2", w=2.0, m=0.5, top_p=top_p, gate_on=True)
     high = np.asarray(token_weights(trainer, adv, lm, **opts)) != 1.0
     high_rollout = np.asarray(token_weights(rollout, adv, lm, **opts)) != 1.0
-    m = {k: float(v) for k, v in offpolicy_metrics(trainer, rollout, lm, {"high_surprisal": high, "rest": ~high}).items()}
+    diagnostics = offpolicy_metrics(trainer, rollout, lm, {"high_surprisal": high, "rest": ~high})
+    m = {k: float(v) for k, v in diagnostics.items()}
     m["selection_differs"] = float((high ^ high_rollout).sum() / max(high.sum(), 1))
     m["tokens"] = int(lm.sum())
     m["sample_s"] = sample_s
@@ -124,7 +125,7 @@ def main(argv=None):
         for dtype in ("float32", "bfloat16"):
             m = measure(folder, texts, top_p=args.top_p, dtype=dtype, **size)
             rows.append({"model": name, "sampler": dtype, "trainer": "float32", **m})
-            print(f"{name}: {dtype} sampler, {m['tokens']} response tokens, sampled in {m['sample_s']:.1f}s", flush=True)
+            print(f"{name}: {dtype} sampler, {m['tokens']} response tokens, {m['sample_s']:.1f}s to sample", flush=True)
     header = "| model | sampler/trainer | set | k1 KL | k3 KL | chi2 token | chi2 seq | max abs log-ratio |"
     print("\n" + header + "\n|" + "---|" * 8)
     for row in rows:
