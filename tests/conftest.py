@@ -12,12 +12,26 @@ helpers without fixtures live in tests/support/ (imported as `support.x`: pyproj
 import gc
 import json
 import os
+import signal
+import sys
 
 # Must happen before jax is imported anywhere: 8 host devices so mesh tests can build a (2, 4) mesh.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    _flags = (_flags + " --xla_force_host_platform_device_count=8").strip()
+# The default tiers are dominated by XLA:CPU compiles of tiny programs: LLVM at -O0 compiles them ~1.5x faster and
+# computes the same IEEE results (fast math stays off), so the suite's references and tolerances are unchanged. Not
+# for the system tier (it compiles TPU programs whose memory and cost figures it checks) nor when the flag is set.
+_system = "--system" in sys.argv or os.environ.get("STARE_JAX_RUN_SYSTEM") == "1"
+if not _system and "xla_backend_optimization_level" not in _flags:
+    _flags += " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags
+# A suite started in the background of a non-interactive shell (or under nohup) inherits SIGINT ignored, and so do
+# its subprocesses: the Ctrl-C tests would then test that state. Python's own Ctrl-C handling for the session (a
+# handled signal is reset to the default in every child at exec, so the CLI subprocesses get theirs too).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pathlib
 

@@ -214,7 +214,10 @@ def test_collect_with_the_rollout_engine_draws_the_same_samples(run):
         finally:
             run.sampler = static_sampler
         for k in static.batch:
-            np.testing.assert_array_equal(paged.batch[k], static.batch[k], err_msg=f"{k} (mesh {mesh})")
+            if k == "rollout_logprobs_BxT":  # the two programs' log-probs of the same tokens: equal to rounding
+                np.testing.assert_allclose(paged.batch[k], static.batch[k], atol=1e-5, err_msg=f"{k} (mesh {mesh})")
+            else:
+                np.testing.assert_array_equal(paged.batch[k], static.batch[k], err_msg=f"{k} (mesh {mesh})")
 
 
 def test_auto_max_slots_on_this_host_is_one_slot_per_response(run):
@@ -250,6 +253,9 @@ def test_kl_reference_is_the_starting_policy_also_after_resume(toy_cache, tmp_pa
         *TINY,
         "rl.kl.reference=initial",
         "rl.kl.coef=0.01",
+        # an entropy bonus moves the policy in the first update even where every advantage of the tiny batch is 0
+        # (without it the update was rounding noise: kl at step 2 was ~1e-9, and exactly 0 under other numerics)
+        "rl.entropy_coeff=0.01",
         "checkpoint.every_steps=1",
         "total_steps=2",
         "logging.eval_every_steps=0",
@@ -258,7 +264,7 @@ def test_kl_reference_is_the_starting_policy_also_after_resume(toy_cache, tmp_pa
     summary = run_training(cfg, tmp_path / "run", inputs_for=toy.run_inputs, log=lambda *_: None)
     assert summary["new_compiles_per_step"][1:] == [0]  # the step with the reference: no recompile after warm-up
     recs = read_metrics(tmp_path / "run")
-    assert recs[0]["kl"] == 0.0 and recs[1]["kl"] > 0  # the reference is the policy before the first update
+    assert recs[0]["kl"] == 0.0 and recs[1]["kl"] > 1e-6  # the reference is the policy before the first update
     r = open_run(cfg, tmp_path / "run", resume=True, inputs_for=toy.run_inputs, log=lambda *_: None)
     try:
         assert r.start_step == 2
