@@ -12,7 +12,7 @@ Arms are trained one after another in this process (stare_jax.experiments.demo.t
 continues
 where it stopped, finished arms are reused), with JAX's persistent compilation cache on (.cache/jax unless one is
 set), so the sampler and evaluation programs every arm shares are compiled once. Budget: the default list with one
-seed is meant to take <= 15 minutes on 2 CPU cores (README: the measured time).
+seed is meant to take <= 15 minutes on 2 CPU cores (docs/compare.md: the measured time).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ that ceiling, and GRPO-ds must still fall below 0.7 x it.
 
 Both STARE arms use the paper's adaptive weights (W += alpha sgn(H_tgt - H) each step, clipped to [1, W_max]; M
 mirrored), sized for the toy in their configs: an integral controller, so the band holds wherever a machine's
-numerics put the critical weight, not only where a fixed W was tuned (README: "Why a fixed W lost the band").
+numerics put the critical weight, not only where a fixed W was tuned (docs/demo.md: "Why a fixed W lost the band").
 benchmarks/demo_seeds.py measures the checks over seeds and perturbed numerics; tests/system/test_demo_claims.py runs
 both scenarios end to end and asserts every check.
 """

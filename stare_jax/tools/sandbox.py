@@ -8,7 +8,7 @@ gone when the call returns. Model output is never evaluated in the trainer's pro
 file and run by a separate interpreter launched through `_sandbox_init.py` (which does the privileged set-up in
 its own process, so the trainer never forks).
 
-Isolation (`sandbox_capabilities()` says which applies on this machine; the README's "Sandbox" section too):
+Isolation (`sandbox_capabilities()` says which applies on this machine; docs/tools.md, "Sandbox", too):
 - namespaces (where the kernel allows unshare; the default here and in CI, which run as root; without root
   inside a new user namespace too, where the kernel allows unprivileged ones): new mount, pid, network, IPC and
   UTS namespaces; a fresh root filesystem holding only the interpreter's directories (read-only bind mounts), a
@@ -22,7 +22,7 @@ Isolation (`sandbox_capabilities()` says which applies on this machine; the READ
 - rlimits (the fallback where namespaces are refused): the same limits, scrubbed environment, stdin at /dev/null
   and a fresh temp dir as cwd; as root also the uid drop (when that uid can run the interpreter) and a kill of every
   process of that uid after the call. It does NOT block the network, nor reads of world-readable files, nor
-  writes to world-writable places (/tmp, /dev/shm) - see the README.
+  writes to world-writable places (/tmp, /dev/shm) - see docs/tools.md.
 
 Every failure of the code (exception, timeout, memory, output flood, crash, killed) and of the sandbox itself
 (could not start) is an ExecResult, never an exception: it is the model's failed tool call, not the trainer's.
