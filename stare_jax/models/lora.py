@@ -19,12 +19,15 @@ Export: write_peft_adapter(model, out_dir, base_model_name_or_path) (PEFT folder
 adapter_model.safetensors), hf_io.save_pretrained(model, dir, merged=True) (HF folder, W + scale * A B), or
 merge_lora(model) (a LoRA-free copy of the model with merged kernels). This module imports models.hf_io, which
 sampling/rewards/tasks may not: they find LoRAParam and BASE_PARAMS in stare_jax.models.transformer.
+Import: read_peft_adapter(model, folder), the inverse of the export (a PEFT folder's adapters into the model, e.g. an
+SFT adapter a run starts from; PeftAdapterError names the file, tensor or setting that does not fit).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+from struct import error as struct_error
 from typing import Iterator
 
 import jax
@@ -46,6 +49,10 @@ __all__ = [
     "init_lora_state",
     "peft_adapter_state_dict",
     "write_peft_adapter",
+    "PeftAdapterError",
+    "read_adapter_config",
+    "check_adapter_config",
+    "read_peft_adapter",
     "merge_lora",
 ]
 
@@ -150,6 +157,185 @@ def write_peft_adapter(model: Transformer, out_dir, base_model_name_or_path: str
     conf = adapter_config(cfg, base_model_name_or_path)
     (folder / ADAPTER_CONFIG).write_text(json.dumps(conf, indent=2))
     return folder
+
+
+class PeftAdapterError(ValueError):
+    """A PEFT adapter folder that does not fit the model (a missing file or tensor, an unexpected tensor, a shape,
+    rank, alpha or target that differs, a PEFT feature we do not implement); the message is one line."""
+
+
+# adapter_config.json settings we do not implement, with the value that means "off" (absent keys count as off)
+_UNSUPPORTED = {
+    "use_dora": False,
+    "use_rslora": False,
+    "fan_in_fan_out": False,
+    "bias": "none",
+    "lora_bias": False,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layers_to_transform": None,
+    "layer_replication": None,
+    "modules_to_save": None,
+    "target_parameters": None,
+}
+
+
+def read_adapter_config(folder) -> dict:
+    """adapter_config.json of a PEFT folder (PeftAdapterError when the folder or the file is missing, or it is not
+    a LoRA adapter)."""
+    folder = pathlib.Path(folder)
+    path = folder / ADAPTER_CONFIG
+    if not path.is_file():
+        what = "no such folder" if not folder.is_dir() else f"no {ADAPTER_CONFIG} there"
+        raise PeftAdapterError(f"{folder} is not a PEFT adapter folder ({what})")
+    try:
+        conf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PeftAdapterError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(conf, dict) or conf.get("peft_type", "LORA") != "LORA":
+        kind = conf.get("peft_type") if isinstance(conf, dict) else type(conf).__name__
+        raise PeftAdapterError(f"{path}: peft_type {kind!r} is not a LoRA adapter (peft_type 'LORA')")
+    return conf
+
+
+def check_adapter_config(conf: dict, cfg: ModelConfig, where: str = "adapter_config.json", names=None) -> None:
+    """PeftAdapterError unless the PEFT config `conf` has cfg's rank, alpha and target modules and no setting we do
+    not implement (DoRA, rsLoRA, per-module ranks, ...). `names`: the setting each of (lora_rank, lora_alpha,
+    lora_targets) comes from, for the message (default ModelConfig's field names)."""
+    rank_key, alpha_key, targets_key = names or (
+        "ModelConfig.lora_rank",
+        "ModelConfig.lora_alpha",
+        "ModelConfig.lora_targets",
+    )
+    targets = conf.get("target_modules")
+    if isinstance(targets, str):
+        raise PeftAdapterError(
+            f"{where}: target_modules is the pattern {targets!r}; only a list of module names is read "
+            f"(any of {', '.join(LORA_TARGETS)})"
+        )
+    if conf.get("r") != cfg.lora_rank:
+        raise PeftAdapterError(
+            f"{where} has r = {conf.get('r')!r} but {rank_key} = {cfg.lora_rank}: set {rank_key}={conf.get('r')}"
+        )
+    alpha = conf.get("lora_alpha")
+    if not isinstance(alpha, (int, float)) or float(alpha) != float(cfg.lora_alpha):
+        raise PeftAdapterError(
+            f"{where} has lora_alpha = {alpha!r} but {alpha_key} = {cfg.lora_alpha:g}: set {alpha_key}={alpha}"
+        )
+    if not isinstance(targets, (list, tuple)) or set(targets) != set(cfg.lora_targets):
+
+        def names_of(ts) -> str:
+            ts = list(ts) if isinstance(ts, (list, tuple)) else []
+            return "[" + ",".join(sorted(map(str, ts), key=lambda t: (LORA_TARGETS + (t,)).index(t))) + "]"
+
+        theirs = names_of(targets) if isinstance(targets, (list, tuple)) else repr(targets)
+        raise PeftAdapterError(
+            f"{where} has target_modules = {theirs} but {targets_key} = {names_of(cfg.lora_targets)}: "
+            f"set {targets_key}={theirs}"
+        )
+    for key, off in _UNSUPPORTED.items():
+        value = conf.get(key, off)
+        if value != off and not (off is None and value in ([], {})):
+            raise PeftAdapterError(
+                f"{where} sets {key} = {json.dumps(value)}, which stare_jax's LoRA does not implement"
+            )
+
+
+def _peft_key(i: int, name: str, kind: str) -> str:
+    return (
+        f"base_model.model.model.layers.{i}.{_MODULE_GROUP[name]}.{name}.lora_{'A' if kind == 'lora_a' else 'B'}.weight"
+    )
+
+
+def _peft_shape(kind: str, shape: tuple, r: int) -> tuple[int, int]:
+    """PEFT's shape of one layer's adapter of our `shape`: A [in..., r] -> [r, in], B [r, out...] -> [out, r]."""
+    return (r, int(np.prod(shape[:-1]))) if kind == "lora_a" else (int(np.prod(shape[1:])), r)
+
+
+def read_peft_adapter(model: Transformer, folder, names=None) -> Transformer:
+    """Put the adapters of a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors, as
+    peft's save_pretrained or write_peft_adapter writes it) into `model`, in place, and return it: the inverse of
+    peft_adapter_state_dict (float32, each adapter in its current sharding; stacked under scan_layers).
+    PeftAdapterError (one line) for a missing file or tensor, an unexpected tensor, a tensor of another shape (an
+    adapter of another base model) or an adapter_config.json that differs from the model's LoRA settings (`names`:
+    see check_adapter_config). Every process reads the whole file."""
+    cfg = model.config
+    if cfg.lora_rank == 0:
+        raise ValueError("read_peft_adapter: the model has no LoRA adapters (ModelConfig.lora_rank=0)")
+    folder = pathlib.Path(folder)
+    conf = read_adapter_config(folder)
+    check_adapter_config(conf, cfg, str(folder / ADAPTER_CONFIG), names)
+    weights = folder / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        old = (
+            " (adapter_model.bin is not read: save it with safe_serialization=True)"
+            if (folder / "adapter_model.bin").is_file()
+            else ""
+        )
+        raise PeftAdapterError(f"no {ADAPTER_WEIGHTS} in {folder}{old}")
+    try:
+        st = hf_io._SafetensorsFile(weights)
+    except (OSError, ValueError, struct_error) as e:
+        raise PeftAdapterError(f"{weights} is not a readable safetensors file: {e}") from None
+    r = cfg.lora_rank
+    flat = list(nnx.to_flat_state(nnx.state(model, LoRAParam)))
+    wanted: dict[str, tuple[int, int]] = {}
+    for path, var in flat:
+        kind, name = str(path[-1]), str(path[-2])
+        shape = tuple(var.get_value().shape)
+        layers = range(cfg.num_layers) if cfg.scan_layers else [int(str(path[1]))]
+        for i in layers:
+            wanted[_peft_key(i, name, kind)] = _peft_shape(kind, shape[1:] if cfg.scan_layers else shape, r)
+    have = set(st.names())
+    for key in sorted(have & set(wanted), key=_layer_order):
+        if st.shape(key) != wanted[key]:
+            raise PeftAdapterError(
+                f"{weights}: tensor {key} has shape {list(st.shape(key))} but the model's adapter needs "
+                f"{list(wanted[key])} (an adapter of another base model?)"
+            )
+    for what, keys, tail in (
+        ("lacks", set(wanted) - have, "the model's adapters need"),
+        ("has unexpected", have - set(wanted), "no adapter of the model takes"),
+    ):
+        if keys:
+            first = sorted(keys, key=_layer_order)
+            more = f" (and {len(first) - 1} more)" if len(first) > 1 else ""
+            raise PeftAdapterError(f"{weights} {what} tensor {first[0]}{more}, which {tail}")
+
+    def ours(i: int, name: str, kind: str, shape: tuple) -> np.ndarray:
+        t = np.asarray(st.array(_peft_key(i, name, kind)), np.float32)
+        return t.T.reshape(shape)
+
+    new = []
+    for path, var in flat:
+        kind, name = str(path[-1]), str(path[-2])
+        value = var.get_value()
+        if cfg.scan_layers:
+            host = np.stack([ours(i, name, kind, value.shape[1:]) for i in range(cfg.num_layers)])
+        else:
+            host = ours(int(str(path[1])), name, kind, value.shape)
+        host = host.astype(value.dtype)
+        new.append((path, var.replace(_put_like(host, value))))
+    nnx.update(model, nnx.from_flat_state(new))
+    return model
+
+
+def _put_like(host: np.ndarray, like) -> jax.Array:
+    """`host` (the same full array on every process) as a jax.Array in the sharding of `like`."""
+    sharding = getattr(like, "sharding", None)
+    if sharding is None:
+        return jnp.asarray(host)
+
+    def block(idx):
+        return host[idx]
+
+    return jax.make_array_from_callback(host.shape, sharding, block)
+
+
+def _layer_order(key: str):
+    """Sort PEFT keys by layer number, then name (layer 2 before layer 10)."""
+    parts = key.split(".")
+    return tuple(int(p) if p.isdigit() else 0 for p in parts), key
 
 
 def _merge_one(w, a, b, scale: float, stacked: bool):

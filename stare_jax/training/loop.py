@@ -52,6 +52,7 @@ from stare_jax.training.setup import (
     TrainingError,
     abstract_like,
     encode_rows,
+    init_adapters,
     init_distributed,
     init_run_state,
     make_sampler,
@@ -432,6 +433,7 @@ def open_run(
     mesh = mesh_for_config(cfg.mesh)
     tokenizer = load_tokenizer(inputs.tokenizer_path)
     model = models.from_pretrained(inputs.model_path, mesh=mesh, **cfg.model.architecture_overrides())
+    model = init_adapters(model, cfg, inputs.model_path, resume=resume, log=log)  # model.lora.init_from
     stream, prompt_of = _prompt_stream(cfg, rows, tokenizer, inputs, log)
     eval_sets = load_eval_sets(cfg, eval_rows, tokenizer)
     prompt_len = next_bucket(

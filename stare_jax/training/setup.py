@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from stare_jax import models
 from stare_jax.config.loader import Config
 from stare_jax.data.prompts import PromptRow, format_prompt
+from stare_jax.models import lora
 from stare_jax.models.sharding import batch_shards
 from stare_jax.planning.estimate import auto_max_slots, live_accelerator
 from stare_jax.rl.stare import StareState, init_stare_state
@@ -91,6 +92,42 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, Run
         raise TrainingError(f"model.path {cfg.model.path} has no config.json (not a Hugging Face checkpoint folder)")
     tok_path = local(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else model_path
     return cfg, RunInputs(model_path, tok_path, cfg.data.train_path, dict(cfg.data.eval_paths))
+
+
+def init_adapters(model, cfg: Config, model_path=None, *, resume: bool = False, log: Callable[[str], None] = print):
+    """model.lora.init_from: the PEFT adapter folder's adapters put into the freshly loaded `model` (in place; it
+    is returned), so the run starts from them (and rl.kl.reference 'initial' is base + these adapters). Called
+    where the training model is created, before init_run_state. On resume the checkpoint's adapters are restored
+    over them: they are read then only when rl.kl.reference is 'initial' (the reference is re-derived from the
+    starting weights). TrainingError (one line) naming model.lora.init_from for a folder that does not fit; a
+    base_model_name_or_path naming another existing local folder than the run's model (`model_path`, default
+    model.path) is only reported (folders move)."""
+    src = cfg.model.lora.init_from
+    if not src or not getattr(model.config, "lora_rank", 0) or (resume and cfg.rl.kl.reference != "initial"):
+        return model
+    folder = local_copy(src, log=log) if is_remote(src) else pathlib.Path(src)
+    names = ("model.lora.rank", "model.lora.alpha", "model.lora.target_modules")
+    try:
+        base = lora.read_adapter_config(folder).get("base_model_name_or_path")
+        lora.read_peft_adapter(model, folder, names=names)
+    except lora.PeftAdapterError as e:
+        msg = str(e).replace(f"{folder}{os.sep}", "")  # the files' names, the folder is named once
+        raise TrainingError(f"model.lora.init_from = {src!r}: {msg}") from None
+    ours = [pathlib.Path(p).resolve() for p in (model_path, cfg.model.path) if p and not is_remote(str(p))]
+    if (
+        isinstance(base, str)
+        and base
+        and pathlib.Path(base).is_dir()
+        and ours
+        and pathlib.Path(base).resolve() not in ours
+    ):
+        log(f"model.lora.init_from: {src}'s adapters were trained on {base}, not on this run's model {ours[0]}")
+    log(
+        f"model.lora.init_from: the KL reference's adapters are {src}'s (the checkpoint's are restored)"
+        if resume
+        else f"model.lora.init_from: the adapters start from {src}"
+    )
+    return model
 
 
 def encode_rows(rows: Sequence[PromptRow], tokenizer, cfg: Config) -> tuple[list[list[int]], list[int]]:

@@ -1,7 +1,8 @@
 """A LoRA run end to end as users run it (`stare-jax train` with model.lora.enabled on the embedded toy, in a
 subprocess): it trains, the checkpointed adapters resume to the same metrics, `stare-jax export` writes a PEFT
 folder (plus the toy's base as an HF folder) that transformers + peft load to our policy's logits, and --merged
-writes an HF folder with the same logits."""
+writes an HF folder with the same logits; a run started with model.lora.init_from=<that PEFT folder> starts from its
+adapters (and a folder of another rank is a one-line error)."""
 
 import os
 import pathlib
@@ -25,7 +26,7 @@ LORA = [
 ]
 
 
-def _run(*args, timeout=900):
+def _run(*args, timeout=900, rc=0):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"
@@ -37,7 +38,7 @@ def _run(*args, timeout=900):
         text=True,
         timeout=timeout,
     )
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.returncode == rc, p.stdout[-2000:] + p.stderr[-3000:]
     return p
 
 
@@ -134,3 +135,40 @@ def test_export_peft_folder_and_merged_match_our_policy(lora_run):
         ).max()
         > 1e-4
     )  # the adapters matter
+
+
+def test_init_from_a_peft_folder_starts_the_run_from_its_adapters(lora_run):
+    from stare_jax.models import hf_io, lora
+    from stare_jax.toy.assets import run_inputs
+    from stare_jax.training.policy import load_policy
+
+    root, run = lora_run
+    adapter = root / "init_adapter"
+    _run("export", str(run), str(adapter))
+    st = hf_io._SafetensorsFile(adapter / lora.ADAPTER_WEIGHTS)
+    want = {k: np.array(st.array(k)) for k in st.names()}
+    assert np.abs(want["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]).max() > 0
+    common = ["--config", str(REPO / "configs/tiny_cpu_stare.yaml"), f"toy.cache_dir={root / 'toy'}", *TINY, *LORA]
+    new = root / "from_adapter"
+    # a learning rate too small to move float32 adapters: after a step they are still the folder's
+    p = _run(
+        "train",
+        "--run-dir",
+        str(new),
+        *common,
+        f"model.lora.init_from={adapter}",
+        "optimizer.lr=1e-30",
+        "total_steps=1",
+    )
+    assert f"model.lora.init_from: the adapters start from {adapter}" in p.stdout + p.stderr
+    assert abs(read_metrics(new)[0]["kl"]) < 1e-6  # the reference 'initial' is the base + these adapters
+    got = lora.peft_adapter_state_dict(load_policy(new, inputs_for=run_inputs, log=lambda *_: None).model)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-12)
+    # a folder of another rank than model.lora.rank: one line, exit status 2
+    p = _run(
+        "train", "--run-dir", str(root / "bad"), *common, f"model.lora.init_from={adapter}", "model.lora.rank=2", rc=2
+    )
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "has r = 4 but model.lora.rank = 2: set model.lora.rank=4" in p.stderr, p.stderr

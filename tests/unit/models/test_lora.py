@@ -358,3 +358,208 @@ def test_bf16_base_fp32_adapters_and_adapter_only_grads(ckpts):
     _, a2, b2, rest = lora.split_lora(m16)
     assert len(nnx.to_flat_state(a2)) == len(flat) and not nnx.to_flat_state(rest)
     assert len(nnx.to_flat_state(b2)) == len(nnx.to_flat_state(base))
+
+
+# ----------------------------------------------------------------------------- (h) PEFT import (model.lora.init_from)
+def _peft_saved(family, folder, targets, seed=0):
+    """A PEFT LoRA folder saved by peft itself: rank RANK, alpha ALPHA, random non-zero A and B (seeded)."""
+    import peft
+    import torch
+
+    model = peft.get_peft_model(
+        make_hf_model(family),
+        peft.LoraConfig(r=RANK, lora_alpha=int(ALPHA), target_modules=list(targets), init_lora_weights=False),
+    )
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    "family,targets,scan",
+    [("qwen2", ("q_proj", "v_proj", "o_proj", "down_proj"), False), ("llama", LORA_TARGETS, True)],
+)
+def test_read_peft_adapter_gives_the_peft_models_logits(ckpts, family, targets, scan, tmp_path):
+    peft_model = _peft_saved(family, tmp_path / "adapter", targets, seed=20)
+    model = from_pretrained(ckpts[family], scan_layers=scan, lora_rank=RANK, lora_alpha=ALPHA, lora_targets=targets)
+    assert lora.read_peft_adapter(model, tmp_path / "adapter") is model
+    ids, mask, pos = padded_batch(LENGTHS, T, left=True, seed=21)
+    real = mask.astype(bool)
+    ref = hf_logits(peft_model, ids, mask, pos)
+    assert np.abs(ref[real] - hf_logits(make_hf_model(family), ids, mask, pos)[real]).max() > 0.1  # adapters matter
+    diff = np.abs(np.asarray(_fwd(model, ids, mask))[real] - ref[real]).max()
+    print(f"PEFT import {family} scan={scan}: max |logits - peft logits| = {diff:.2e}")
+    assert diff <= 1e-4
+    # and our export of the imported adapters is peft's own state dict
+    import peft
+
+    theirs = {k: v.detach().numpy() for k, v in peft.get_peft_model_state_dict(peft_model).items()}
+    ours = lora.peft_adapter_state_dict(model)
+    assert sorted(ours) == sorted(theirs)
+    for k in ours:
+        np.testing.assert_array_equal(ours[k], theirs[k])
+
+
+def test_export_then_import_is_exact(ckpts, tmp_path):
+    src = _randomize(from_pretrained(ckpts["qwen3"], **LORA), seed=22)
+    lora.write_peft_adapter(src, tmp_path / "adapter")
+    want = lora.peft_adapter_state_dict(src)
+    for scan in (False, True):  # into the python-loop and the stacked (scan_layers) layout
+        dst = from_pretrained(ckpts["qwen3"], scan_layers=scan, lora_seed=3, **LORA)
+        got = lora.peft_adapter_state_dict(lora.read_peft_adapter(dst, tmp_path / "adapter"))
+        assert sorted(got) == sorted(want)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+        for _, v in nnx.to_flat_state(nnx.state(dst, LoRAParam)):
+            assert v.get_value().dtype == jnp.float32
+    jax.tree.map(
+        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
+        nnx.state(src, LoRAParam),
+        nnx.state(lora.read_peft_adapter(from_pretrained(ckpts["qwen3"], **LORA), tmp_path / "adapter"), LoRAParam),
+    )
+    if jax.device_count() >= 8:  # into a mesh-sharded model: each adapter keeps its sharding
+        mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+        sharded = from_pretrained(ckpts["qwen3"], mesh=mesh, lora_seed=3, **LORA)
+        specs = [v.get_value().sharding for _, v in nnx.to_flat_state(nnx.state(sharded, LoRAParam))]
+        got = lora.peft_adapter_state_dict(lora.read_peft_adapter(sharded, tmp_path / "adapter"))
+        assert [v.get_value().sharding for _, v in nnx.to_flat_state(nnx.state(sharded, LoRAParam))] == specs
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
+
+
+def _rewrite(folder, drop=(), add=None, **conf):
+    """Edit a PEFT folder in place: drop tensors, add tensors, set adapter_config.json keys."""
+    st = hf_io._SafetensorsFile(folder / lora.ADAPTER_WEIGHTS)
+    tensors = {n: np.array(st.array(n)) for n in st.names() if n not in drop}
+    tensors.update(add or {})
+    del st
+    hf_io._write_safetensors(folder / lora.ADAPTER_WEIGHTS, tensors)
+    c = json.loads((folder / lora.ADAPTER_CONFIG).read_text())
+    (folder / lora.ADAPTER_CONFIG).write_text(json.dumps({**c, **conf}))
+
+
+def test_read_peft_adapter_bad_folders_are_one_line_errors(ckpts, tmp_path):
+    model = from_pretrained(ckpts["qwen2"], **LORA)
+    before = lora.peft_adapter_state_dict(model)
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    # an adapter of another base (hidden size 32, not 64): the tensor key and both shapes
+    other = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    lora.write_peft_adapter(Transformer(other.replace(**LORA), rngs=nnx.Rngs(0)), tmp_path / "other")
+    errors = {}
+    with pytest.raises(lora.PeftAdapterError, match=r"tensor base_model\.model\.model\.layers\.0\.\S+ has shape "):
+        lora.read_peft_adapter(model, tmp_path / "other")
+    with pytest.raises(lora.PeftAdapterError) as e:
+        lora.read_peft_adapter(model, tmp_path / "other")
+    errors["other base"] = str(e.value)
+    assert "has shape [" in str(e.value) and "the model's adapter needs [" in str(e.value)
+    good = tmp_path / "good"
+    lora.write_peft_adapter(_randomize(from_pretrained(ckpts["qwen2"], **LORA), seed=23), good)
+    cases = {  # name: (edit of a copy of `good`, regex)
+        "missing tensor": (dict(drop=[q_a]), r"lacks tensor base_model\.model\.model\.layers\.0\.self_attn\.q_proj"),
+        "unexpected tensor": (
+            dict(add={"base_model.model.lm_head.lora_A.weight": np.zeros((RANK, 64), np.float32)}),
+            r"has unexpected tensor base_model\.model\.lm_head\.lora_A\.weight",
+        ),
+        "rank": (dict(r=8), r"has r = 8 but ModelConfig\.lora_rank = 4"),
+        "alpha": (dict(lora_alpha=16), r"has lora_alpha = 16 but ModelConfig\.lora_alpha = 8"),
+        "targets": (dict(target_modules=["q_proj"]), r"has target_modules = \[q_proj\] but ModelConfig\.lora_targets"),
+        "pattern": (dict(target_modules=".*proj"), r"target_modules is the pattern"),
+        "dora": (dict(use_dora=True), r"sets use_dora = true, which stare_jax's LoRA does not implement"),
+        "not lora": (dict(peft_type="IA3"), r"peft_type 'IA3' is not a LoRA adapter"),
+    }
+    import shutil
+
+    for name, (edit, pattern) in cases.items():
+        folder = tmp_path / name.replace(" ", "_")
+        shutil.copytree(good, folder)
+        _rewrite(folder, **edit)
+        with pytest.raises(lora.PeftAdapterError, match=pattern) as e:
+            lora.read_peft_adapter(model, folder)
+        errors[name] = str(e.value)
+    (tmp_path / "no_weights").mkdir()
+    shutil.copy(good / lora.ADAPTER_CONFIG, tmp_path / "no_weights")
+    with pytest.raises(lora.PeftAdapterError, match=r"no adapter_model\.safetensors in .*no_weights") as e:
+        lora.read_peft_adapter(model, tmp_path / "no_weights")
+    errors["no safetensors"] = str(e.value)
+    with pytest.raises(lora.PeftAdapterError, match=r"is not a PEFT adapter folder \(no such folder\)") as e:
+        lora.read_peft_adapter(model, tmp_path / "nowhere")
+    errors["no folder"] = str(e.value)
+    for name, msg in errors.items():
+        print(f"{name}: {msg}")
+        assert "\n" not in msg
+    # a failed import leaves the model's adapters as they were
+    after = lora.peft_adapter_state_dict(model)
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        lora.read_peft_adapter(from_pretrained(ckpts["qwen2"]), good)
+
+
+def test_init_from_in_the_run_setup_and_config(ckpts, tmp_path):
+    from stare_jax.config.loader import load_config
+    from stare_jax.config.options import ConfigError
+    from stare_jax.training.setup import TrainingError, init_adapters
+
+    def run_cfg(*extra):
+        base = [f"model.path={ckpts['qwen2']}", "model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8"]
+        return load_config(None, [*base, *extra])
+
+    adapter = tmp_path / "adapter"
+    src = _randomize(from_pretrained(ckpts["qwen2"], **LORA), seed=24)
+    lora.write_peft_adapter(src, adapter, base_model_name_or_path=str(ckpts["qwen2"]))
+    want = lora.peft_adapter_state_dict(src)
+
+    def same(model, ref):
+        got = lora.peft_adapter_state_dict(model)
+        return all(np.array_equal(got[k], ref[k]) for k in ref)
+
+    def fresh(cfg):
+        return from_pretrained(ckpts["qwen2"], **cfg.model.architecture_overrides())
+
+    lines: list[str] = []
+    cfg = run_cfg(f"model.lora.init_from={adapter}")
+    assert same(init_adapters(fresh(cfg), cfg, log=lines.append), want) and len(lines) == 1
+    # resume: the checkpoint's adapters win; they are read only for the KL reference 'initial'
+    m = fresh(cfg)
+    init = lora.peft_adapter_state_dict(m)
+    assert same(init_adapters(m, cfg, resume=True, log=lines.append), init)
+    ref_cfg = run_cfg(f"model.lora.init_from={adapter}", "rl.kl.reference=initial")
+    assert same(init_adapters(fresh(ref_cfg), ref_cfg, resume=True, log=lines.append), want)
+    # without init_from: untouched
+    plain = run_cfg()
+    m = fresh(plain)
+    assert same(init_adapters(m, plain), lora.peft_adapter_state_dict(m))
+    # another existing local base: reported, not refused
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    _rewrite(adapter, base_model_name_or_path=str(other))
+    lines.clear()
+    assert same(init_adapters(fresh(cfg), cfg, log=lines.append), want)
+    assert any(f"trained on {other}, not on this run's model" in x for x in lines), lines
+    # the folder's settings must be the section's: errors name the key to change, both values
+    bad = {
+        "model.lora.rank=2": r"has r = 4 but model\.lora\.rank = 2: set model\.lora\.rank=4",
+        "model.lora.alpha=16": r"has lora_alpha = 8\.0 but model\.lora\.alpha = 16: set model\.lora\.alpha=8\.0",
+        "model.lora.target_modules=[q_proj,v_proj]": r"target_modules = \[q_proj,k_proj,v_proj,o_proj,gate_proj,"
+        r"up_proj,down_proj\] but model\.lora\.target_modules = \[q_proj,v_proj\]",
+    }
+    for override, pattern in bad.items():
+        c = run_cfg(f"model.lora.init_from={adapter}", override)
+        with pytest.raises(TrainingError, match=rf"^model\.lora\.init_from = '{adapter}': .*{pattern}") as e:
+            init_adapters(fresh(c), c)
+        print(e.value)
+    # config-time checks: the key named, with enabled off or an empty / non-string value
+    with pytest.raises(ConfigError, match=r"model\.lora\.init_from = '/x' needs model\.lora\.enabled=true"):
+        load_config(None, ["model.lora.init_from=/x"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.init_from is empty"):
+        load_config(None, ["model.lora.enabled=true", "model.lora.init_from="])
+    with pytest.raises(ConfigError, match=r"'model\.lora\.init_from' = 3 has the wrong type"):
+        load_config(None, ["model.lora.enabled=true", "model.lora.init_from=3"])
+    with pytest.raises(ConfigError, match=r"unknown key 'model\.lora\.init_form'"):
+        load_config(None, ["model.lora.enabled=true", "model.lora.init_form=/x"])
+    assert load_config(None, ["model.lora.init_from=/x", "model.lora.enabled=true"]).model.lora.init_from == "/x"
+    assert "init_from" not in str(run_cfg(f"model.lora.init_from={adapter}").model.architecture_overrides())
