@@ -545,6 +545,10 @@ def download(spec: Dataset) -> list[pathlib.Path]:
             "downloading from the Hugging Face hub needs huggingface_hub: pip install 'stare-jax[data]' "
             "(or convert a local copy with --from-local)"
         ) from None
+    # the hub client's own retry and request warnings would bury the one line that says what failed
+    from huggingface_hub.utils import logging as hub_logging
+
+    hub_logging.set_verbosity_error()
     try:
         listing = _hub.list_repo_files(spec.repo, repo_type="dataset")
         found = _matching(spec.files, listing)

@@ -89,7 +89,14 @@ def resolve_inputs(cfg: Config, log: Callable[[str], None]) -> tuple[Config, Run
 
     model_path = local(cfg.model.path)
     if not (model_path / "config.json").is_file():
-        raise TrainingError(f"model.path {cfg.model.path} has no config.json (not a Hugging Face checkpoint folder)")
+        raise TrainingError(
+            f"model.path {cfg.model.path} has no config.json (not a Hugging Face checkpoint folder): "
+            + (
+                f"make it with `stare-jax smollm2 {cfg.model.path}`"
+                if "smollm2" in str(cfg.model.path).lower()
+                else "download one with `hf download REPO_ID --local-dir DIR` and set model.path=DIR"
+            )
+        )
     tok_path = local(cfg.model.tokenizer_path) if cfg.model.tokenizer_path else model_path
     return cfg, RunInputs(model_path, tok_path, cfg.data.train_path, dict(cfg.data.eval_paths))
 
