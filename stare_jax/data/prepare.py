@@ -55,6 +55,7 @@ import pyarrow.parquet as pq
 try:  # the optional 'data' extra: only download() needs it (a lazy-loading package, ~30 ms to import)
     import huggingface_hub as _hub
     from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.utils import logging as _hub_logging
 
     # what a failed hub call raises: OSError (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled) and
     # the HTTP client's base error that HfHubHTTPError extends (a refused connection while listing the files)
@@ -64,6 +65,7 @@ try:  # the optional 'data' extra: only download() needs it (a lazy-loading pack
     )
 except ImportError:
     _hub = None  # type: ignore[assignment]
+    _hub_logging = None  # type: ignore[assignment]
     _HUB_ERRORS = (OSError,)
 
 __all__ = [
@@ -546,9 +548,7 @@ def download(spec: Dataset) -> list[pathlib.Path]:
             "(or convert a local copy with --from-local)"
         ) from None
     # the hub client's own retry and request warnings would bury the one line that says what failed
-    from huggingface_hub.utils import logging as hub_logging
-
-    hub_logging.set_verbosity_error()
+    _hub_logging.set_verbosity_error()
     try:
         listing = _hub.list_repo_files(spec.repo, repo_type="dataset")
         found = _matching(spec.files, listing)
