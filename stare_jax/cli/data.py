@@ -7,6 +7,7 @@ DAPO-Math-17k) written as the project's jsonl files, under the names `stare-jax 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from stare_jax.cli.common import UsageError
 from stare_jax.data.prepare import DATASETS, PrepareError, prepare, resolve_names
@@ -46,6 +47,8 @@ def run(args) -> int:
         if args.from_local is not None and len(names) > 1:
             raise UsageError(f"--from-local converts one dataset's file: name one dataset, not {' '.join(names)}")
         for name in names:
+            if args.from_local is None:  # the hub client retries quietly for ~20 s before a network error
+                print(f"stare-jax data: {name}: downloading {DATASETS[name].repo} ...", file=sys.stderr, flush=True)
             print(prepare(name, args.out, from_local=args.from_local).summary(), flush=True)
     except PrepareError as e:
         raise UsageError(str(e)) from None
