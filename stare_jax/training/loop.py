@@ -51,6 +51,7 @@ from stare_jax.training.setup import (
     RunInputs,
     TrainingError,
     abstract_like,
+    checkpoint_tree,
     encode_rows,
     init_adapters,
     init_distributed,
@@ -59,6 +60,7 @@ from stare_jax.training.setup import (
     make_tool_pool,
     reference_params,
     resolve_inputs,
+    restored_train_state,
     train_step_config,
 )
 
@@ -222,7 +224,7 @@ class Run:
         """A checkpoint (when due, or forced) of the train and controller state and the data iterator."""
         self.ckpt.save(
             step,
-            {"train_state": self.train_state, "stare_state": self.stare_state},
+            checkpoint_tree(self.cfg, self.train_state, self.stare_state),
             {"data": self.stream.state(), "step": step, "seed": self.cfg.seed},
             force=force,
         )
@@ -455,10 +457,11 @@ def open_run(
     start_step = 0
     if resume:
         restored = ckpt.restore(
-            abstract_state=abstract_like({"train_state": train_state, "stare_state": stare_state}),
+            abstract_state=abstract_like(checkpoint_tree(cfg, train_state, stare_state)),
             fallback_to_intact=True,
         )
-        train_state, stare_state = restored.state["train_state"], restored.state["stare_state"]
+        train_state = restored_train_state(cfg, restored.state["train_state"], train_state)
+        stare_state = restored.state["stare_state"]
         stream.restore(restored.extra["data"])
         start_step = int(restored.extra["step"])
         log(f"resumed from {rd.checkpoints} at step {start_step}")

@@ -16,7 +16,14 @@ from stare_jax.config.loader import Config, config_from_dict
 from stare_jax.models.lora import write_peft_adapter
 from stare_jax.training.checkpoint import Checkpointer
 from stare_jax.training.run_dir import is_remote, local_copy
-from stare_jax.training.setup import InputsFn, abstract_like, init_run_state, resolve_inputs, train_step_config
+from stare_jax.training.setup import (
+    InputsFn,
+    abstract_like,
+    checkpoint_tree,
+    init_run_state,
+    resolve_inputs,
+    train_step_config,
+)
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -71,7 +78,7 @@ def load_policy(
     )
     tcfg = train_step_config(cfg)  # only the state's tree and shapes matter here, not the run's batch layout
     _, train_state, stare_state = init_run_state(model, tcfg, mesh)
-    abstract = abstract_like({"train_state": train_state, "stare_state": stare_state})
+    abstract = abstract_like(checkpoint_tree(cfg, train_state, stare_state))
     ckpt = Checkpointer(
         path / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0, async_save=False, must_exist=True
     )

@@ -224,6 +224,21 @@ def train_step_config(cfg: Config, mesh=None) -> TrainStepConfig:
         raise TrainingError(str(e)) from None
 
 
+def checkpoint_tree(cfg: Config, train_state: TrainState, stare_state: StareState) -> dict:
+    """What a checkpoint holds of the run state: the train state and the controller state. A LoRA run leaves out
+    the frozen base (TrainState.rest: the weights of model.path, which never change), so each save writes the
+    adapters, their optimizer state and the step, not the whole model again; `restored_train_state` puts the base
+    back on restore."""
+    if cfg.model.lora.enabled:
+        train_state = dataclasses.replace(train_state, rest=None)
+    return {"train_state": train_state, "stare_state": stare_state}
+
+
+def restored_train_state(cfg: Config, restored: TrainState, current: TrainState) -> TrainState:
+    """The restored train state, with a LoRA run's frozen base taken from `current` (loaded from model.path)."""
+    return dataclasses.replace(restored, rest=current.rest) if cfg.model.lora.enabled else restored
+
+
 def init_run_state(model, tcfg: TrainStepConfig, mesh=None) -> tuple[nnx.GraphDef, TrainState, StareState]:
     """(graphdef, train state, controller state) of a new run, committed to their devices as the step's outputs
     are (so the second step does not recompile): the train state on its shardings, the controller replicated."""
