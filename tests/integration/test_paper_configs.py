@@ -24,6 +24,8 @@ PAPER = ROOT / "configs" / "paper"
 MODELS = ["qwen2.5-math-7b", "qwen2.5-14b-instruct", "qwen2.5-32b", "r1-distill-qwen-1.5b", "qwen3-8b-base"]
 ARMS = ["grpo_ds", "stare_o1", "stare_c2"]
 KL_ARM = "grpo_kl"  # the paper's "GRPO": verl's GRPO recipe (KL loss), beside GRPO-ds and STARE
+# LoRA arms (model -> its slice): STARE-O1 as rank-32 adapters on every linear layer, on a smaller slice
+LORA = {"qwen2.5-math-7b": "v5p-8", "qwen2.5-32b": "v5p-64"}
 # Fallback context table (the public config.json values); presets in stare_jax.models win when they exist.
 MAX_POSITIONS = {
     "qwen2.5-math-7b": 4096,
@@ -62,8 +64,34 @@ def test_exactly_the_run_files():
         [f"{m}_{a}.yaml" for m in MODELS for a in ARMS + [KL_ARM]]
         + [f"{TOOL}_{a}.yaml" for a in ARMS]
         + [f"{TOOL}_sft.yaml"]
+        + [f"{m}_lora_stare_o1.yaml" for m in LORA]
     )
     assert [n for n in names if is_sft_config_file(n)] == [f"{TOOL}_sft.yaml"]
+
+
+@pytest.mark.parametrize("model", sorted(LORA))
+def test_lora_arm_is_the_stare_arm_as_adapters_on_a_smaller_slice(cfgs, model):
+    """The LoRA arm differs from STARE-O1 only in model.lora (rank 32, alpha 64, all seven projections), its learning
+    rate and its slice; it fits that slice with the 10% headroom, not the next smaller one (the smallest it fits), and
+    needs less memory per chip there than the full-weight arm."""
+    lora_cfg = load_config(PAPER / f"{model}_lora_stare_o1.yaml")
+    full, lo = to_dict(cfgs[(model, "stare_o1")]), to_dict(lora_cfg)
+    assert lo["model"].pop("lora") == {
+        "enabled": True,
+        "rank": 32,
+        "alpha": 64.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "init_from": None,
+    }
+    full["model"].pop("lora")
+    assert lo["launch"].pop("accelerator") == LORA[model] and lo["optimizer"].pop("lr") == 1e-5
+    full["launch"].pop("accelerator"), full["optimizer"].pop("lr")
+    assert lo == full
+    est = estimate(lora_cfg)
+    assert est["fits"] and est["peak_bytes_per_device"] <= 0.9 * est["hbm_bytes_per_device"]
+    smaller = {"v5p-64": "v5p-32"}.get(LORA[model])  # v5p-8 is the smallest v5p slice
+    assert smaller is None or not estimate(lora_cfg, smaller)["fits"]
+    assert est["peak_bytes_per_device"] < estimate(cfgs[(model, "stare_o1")], LORA[model])["peak_bytes_per_device"]
 
 
 @pytest.mark.parametrize("model", MODELS)
