@@ -432,4 +432,7 @@ def test_train_cli_preemption_of_one_process_stops_both_at_the_same_step(train_r
     steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert steps[-1] == stopped
     logs = [p.read_text(errors="replace") for p in launch.logs]
-    assert all(f"saved checkpoint at step {stopped}" in t for t in logs)
+    # each process's last line: why it stopped and the checkpoint it saved (stare_jax.cli.train)
+    assert all(f"saved checkpoint {run / 'checkpoints'}/{stopped}; continue" in t for t in logs), launch._tails()
+    assert "preemption signal (SIGTERM): saved checkpoint" in logs[1]
+    assert "stop signal on another process: saved checkpoint" in logs[0]
