@@ -52,6 +52,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import pyarrow.parquet as pq
 
+from stare_jax.data.boxed import last_boxed
+
 try:  # the optional 'data' extra: only download() needs it (a lazy-loading package, ~30 ms to import)
     import huggingface_hub as _hub
     from huggingface_hub.errors import HfHubHTTPError
@@ -78,7 +80,6 @@ __all__ = [
     "dataset",
     "download",
     "gsm8k_answer",
-    "last_boxed",
     "local_files",
     "prepare",
     "prepare_command",
@@ -100,48 +101,6 @@ class SkipRow(Exception):
 # ----------------------------------------------------------------------------------------------------------
 # Answer extraction
 # ----------------------------------------------------------------------------------------------------------
-def _braced_end(text: str, open_pos: int) -> int:
-    """Index just past the '}' matching the '{' at open_pos, or -1 when unbalanced (\\x escapes skipped)."""
-    depth = 0
-    i = open_pos
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return -1
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} / \\fbox{...} of text with balanced braces (\\boxed{\\frac{1}{2}} ->
-    \\frac{1}{2}), or of a bare `\\boxed 5`; None when there is none (or the last one is unbalanced or empty)."""
-    commands = list(re.finditer(r"\\(?:boxed|fbox)(?![A-Za-z])", text))
-    if not commands:
-        return None
-    start = commands[-1].end()
-    i = start
-    while i < len(text) and text[i] in " \t":
-        i += 1
-    if i < len(text) and text[i] == "{":
-        end = _braced_end(text, i)
-        content = text[i + 1 : end - 1] if end > 0 else ""
-    elif i > start:  # `\boxed 5`: the token up to a space or '$'
-        j = i
-        while j < len(text) and not text[j].isspace() and text[j] != "$":
-            j += 1
-        content = text[i:j]
-    else:
-        content = ""
-    return content.strip() or None
-
-
 def gsm8k_answer(text: str) -> str | None:
     """GSM8K's final answer: the text after the last '####' of the solution, commas removed (None without one)."""
     if "####" not in text:

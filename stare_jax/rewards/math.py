@@ -43,6 +43,7 @@ import re
 from collections.abc import Sequence
 from fractions import Fraction
 
+from stare_jax.data.boxed import last_boxed, scan_braced
 from stare_jax.rewards import _sympy_budget
 from stare_jax.rewards._deadline import DeadlineExceeded, call_with_timeout
 from stare_jax.rewards.shaping import overlong_penalty, reward_from_correct  # re-exported: their old home
@@ -64,8 +65,6 @@ __all__ = [
 MAX_ANSWER_CHARS = 1000
 # Default wall-clock limit (s) of score / is_equivalent's symbolic check (the slowest labelled case takes 0.3 s).
 DEFAULT_TIMEOUT_S = 5.0
-# How many earlier \boxed candidates to try when the last one is malformed (each try is a linear scan).
-_MAX_BOX_TRIES = 3
 
 _log = logging.getLogger(__name__)
 logging.getLogger("math_verify").setLevel(logging.ERROR)
@@ -75,68 +74,6 @@ logging.getLogger("latex2sympy2_extended").setLevel(logging.ERROR)
 # ----------------------------------------------------------------------------------------------------------
 # Extraction
 # ----------------------------------------------------------------------------------------------------------
-def _scan_braced(text: str, open_pos: int) -> int:
-    """Index just past the '}' matching the '{' at open_pos, or -1 if unbalanced.  Linear; skips \\x escapes."""
-    depth = 0
-    i = open_pos
-    n = len(text)
-    while i < n:
-        ch = text[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return -1
-
-
-def _box_content(text: str, cmd_end: int) -> str | None:
-    """Argument of a \\boxed / \\fbox whose name ends at cmd_end: `{...}` (nested) or a bare `\\boxed 5` token."""
-    n = len(text)
-    if cmd_end < n and text[cmd_end].isalpha():
-        return None  # a different control word, e.g. \boxedfoo
-    i = cmd_end
-    while i < n and text[i] in " \t":
-        i += 1
-    if i >= n:
-        return None
-    if text[i] == "{":
-        end = _scan_braced(text, i)
-        if end < 0:
-            return None
-        return text[i + 1 : end - 1]
-    if i == cmd_end and not text[i].isdigit():
-        return None  # `\boxed` followed directly by punctuation: not an argument
-    j = i
-    while j < n and not text[j].isspace() and text[j] != "$":
-        j += 1
-    return text[i:j] if j > i else None
-
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last well-formed \\boxed{...} / \\fbox{...} / \\boxed x in text, else None."""
-    tries = 0
-    hi = len(text)
-    while tries < _MAX_BOX_TRIES:
-        pos_b = text.rfind("\\boxed", 0, hi)
-        pos_f = text.rfind("\\fbox", 0, hi)
-        pos = max(pos_b, pos_f)
-        if pos < 0:
-            return None
-        cmd_len = len("\\boxed") if pos == pos_b else len("\\fbox")
-        content = _box_content(text, pos + cmd_len)
-        if content is not None and content.strip():
-            return content.strip()
-        hi = pos
-        tries += 1
-    return None
-
-
 _FINAL_PHRASES = ("final answer", "the answer is")
 _HOPE = "i hope it is correct"
 
@@ -161,7 +98,7 @@ def _after_final_phrase(text: str) -> str | None:
         i += 1
     nl = text.find("\n", i)
     line = text[i:] if nl < 0 else text[i:nl]
-    inner = _last_boxed(line)
+    inner = last_boxed(line)
     if inner is not None:
         return inner
     line = line.rstrip(" \t\r.")
@@ -183,7 +120,7 @@ def extract_answer(text: str) -> str | None:
         raise ValueError(f"extract_answer: text must be str, got {type(text).__name__}")
     think_end = text.rfind("</think>")
     region = text[think_end + len("</think>") :] if think_end >= 0 else text
-    boxed = _last_boxed(region)
+    boxed = last_boxed(region)
     if boxed is not None:
         return boxed
     final = _after_final_phrase(region)
@@ -248,7 +185,7 @@ def _unwrap_text_cmds(s: str, drop_trailing_unit: bool) -> str:
             cmd = next((c for c in _TEXT_CMDS if s.startswith(c + "{", i) or s.startswith(c + " {", i)), None)
             if cmd is not None:
                 open_pos = s.index("{", i)
-                end = _scan_braced(s, open_pos)
+                end = scan_braced(s, open_pos)
                 if end < 0:
                     balanced = False
                 else:

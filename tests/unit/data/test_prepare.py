@@ -18,7 +18,6 @@ from stare_jax.data.prepare import (
     dapo_problem,
     dataset,
     gsm8k_answer,
-    last_boxed,
     prepare,
     prepare_command,
     resolve_names,
@@ -301,19 +300,6 @@ def test_nothing_converted_is_an_error_and_writes_nothing(tmp_path):
     with pytest.raises(PrepareError, match=r"gsm8k: no row of .* could be converted \(skipped 1 rows"):
         prepare("gsm8k", tmp_path / "out", from_local=bad)
     assert not (tmp_path / "out" / "gsm8k_test.jsonl").exists()
-
-
-def test_last_boxed():
-    assert last_boxed("first \\boxed{1} then \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
-    assert last_boxed("\\boxed{\\frac{\\sqrt{2}}{2}}") == "\\frac{\\sqrt{2}}{2}"
-    assert last_boxed("$\\boxed{\\{1, 2\\}}$") == "\\{1, 2\\}"  # escaped braces do not count
-    assert last_boxed("\\fbox{x+1}") == "x+1"
-    assert last_boxed("so $\\boxed 5$.") == "5"
-    assert last_boxed("\\boxed{ 12 }") == "12"
-    assert last_boxed("no box") is None
-    assert last_boxed("\\boxed{\\frac{1}{2}") is None  # unbalanced
-    assert last_boxed("\\boxed{}") is None
-    assert last_boxed("\\boxedfoo{3}") is None
 
 
 def test_gsm8k_answer_and_dapo_problem():
