@@ -2,6 +2,21 @@
 
 import numpy as np
 
+from stare_jax.models import ModelConfig
+
+# the train-step tests' model: one layer, 96 tokens, large init so the log-probs and entropies vary
+TINY_STEP_MODEL = ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    tie_word_embeddings=True,
+    initializer_range=0.3,
+    max_position_embeddings=64,
+)
+
 
 def random_train_batch(vocab_size: int, B: int, L: int, seed: int = 0) -> dict:
     """A left-padded prompt+response batch with GRPO-normalised advantages over groups of 4 (each group has at

@@ -76,24 +76,14 @@ def main(argv=None):
     from jax.experimental import multihost_utils
 
     from stare_jax.distributed import global_batch_from_process_local, process_batch_rows
-    from stare_jax.models import ModelConfig, init_model
+    from stare_jax.models import init_model
     from stare_jax.models.sharding import make_mesh
     from stare_jax.rl.stare import StareConfig, init_stare_state
     from stare_jax.rl.step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step, place_train_state
     from stare_jax.training.checkpoint import Checkpointer
-    from support.rl import random_train_batch
+    from support.rl import TINY_STEP_MODEL, random_train_batch
 
-    model_cfg = ModelConfig(
-        vocab_size=96,
-        hidden_size=32,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=64,
-        tie_word_embeddings=True,
-        initializer_range=0.3,
-        max_position_embeddings=64,
-    )
+    model_cfg = TINY_STEP_MODEL
     B, L = 16, 20
     # ln(96) ~ 4.56 < 10: the batch gate is on from step 1; W = 1.5 reweights the selected tokens
     stare_cfg = StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=10.0)

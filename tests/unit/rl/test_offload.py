@@ -11,23 +11,13 @@ import numpy as np
 import pytest
 
 from stare_jax.config.offload import OffloadConfig
-from stare_jax.models import ModelConfig, init_model
+from stare_jax.models import init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.rl.stare import StareConfig, init_stare_state
 from stare_jax.rl.step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step, place_train_state
-from support.rl import random_train_batch
+from support.rl import TINY_STEP_MODEL, random_train_batch
 
-MODEL = ModelConfig(
-    vocab_size=96,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    tie_word_embeddings=True,
-    initializer_range=0.3,
-    max_position_embeddings=64,
-)
+MODEL = TINY_STEP_MODEL
 CFG = TrainStepConfig(
     optimizer=OptimizerConfig(lr=1e-3),
     stare=StareConfig(enabled=True, target_entropy=50.0),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stare_jax import models
-from stare_jax.models import ModelConfig, init_model
+from stare_jax.models import init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.rl.losses import policy_loss
 from stare_jax.rl.stare import StareConfig, init_stare_state, token_weights
@@ -22,19 +22,9 @@ from stare_jax.rl.step import (
     place_train_state,
     shift_batch,
 )
-from support.rl import random_train_batch
+from support.rl import TINY_STEP_MODEL, random_train_batch
 
-MODEL = ModelConfig(
-    vocab_size=96,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    tie_word_embeddings=True,
-    initializer_range=0.3,
-    max_position_embeddings=64,
-)
+MODEL = TINY_STEP_MODEL
 B, L = 16, 20
 STARE_ON = StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=50.0)  # H_bar < 50: the batch gate is on
 BASE = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), stare=STARE_ON, logprob_chunk_size=8, debug_outputs=True)

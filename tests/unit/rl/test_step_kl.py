@@ -16,7 +16,7 @@ from stare_jax import models
 from stare_jax.config.advantage import AdvantageConfig
 from stare_jax.config.kl import KLConfig
 from stare_jax.config.loader import load_config
-from stare_jax.models import ModelConfig, init_model
+from stare_jax.models import init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.rl.stare import init_stare_state
 from stare_jax.rl.step import (
@@ -29,19 +29,9 @@ from stare_jax.rl.step import (
     split_model,
 )
 from stare_jax.training.setup import TrainingError, reference_params
-from support.rl import np_agg, random_train_batch
+from support.rl import TINY_STEP_MODEL, np_agg, random_train_batch
 
-MODEL = ModelConfig(
-    vocab_size=96,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    tie_word_embeddings=True,
-    initializer_range=0.3,
-    max_position_embeddings=64,
-)
+MODEL = TINY_STEP_MODEL
 B, L, G = 16, 20, 4
 BASE = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), logprob_chunk_size=8, debug_outputs=True, group_size=G)
 KL_LOSS = KLConfig(coef=0.05, reference="initial")

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from stare_jax.config.policy_loss import PolicyLossConfig, TokenFilterConfig
-from stare_jax.models import ModelConfig, init_model
+from stare_jax.models import init_model
 from stare_jax.models.sharding import make_mesh
 from stare_jax.rl.loss_terms import entropy_bonus, high_entropy_mask
 from stare_jax.rl.losses import compute_policy_loss
@@ -23,19 +23,9 @@ from stare_jax.rl.step import (
     place_train_state,
     shift_batch,
 )
-from support.rl import random_train_batch
+from support.rl import TINY_STEP_MODEL, random_train_batch
 
-MODEL = ModelConfig(
-    vocab_size=96,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    tie_word_embeddings=True,
-    initializer_range=0.3,
-    max_position_embeddings=64,
-)
+MODEL = TINY_STEP_MODEL
 B, L = 16, 20
 STARE_ON = StareConfig(enabled=True, variant="O1", w=1.5, target_entropy=50.0)
 BASE = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), logprob_chunk_size=8, debug_outputs=True)

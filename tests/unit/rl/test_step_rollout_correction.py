@@ -10,7 +10,7 @@ import pytest
 
 from stare_jax.config.packing import PackingConfig
 from stare_jax.config.rollout_correction import RolloutCorrectionConfig
-from stare_jax.models import ModelConfig, init_model
+from stare_jax.models import init_model
 from stare_jax.rl.losses import compute_policy_loss
 from stare_jax.rl.packing import host_layout
 from stare_jax.rl.rollout_correction import is_weights, offpolicy_metrics, rejection_mask
@@ -23,19 +23,9 @@ from stare_jax.rl.step import (
     init_train_state,
     make_train_step,
 )
-from support.rl import random_train_batch
+from support.rl import TINY_STEP_MODEL, random_train_batch
 
-MODEL = ModelConfig(
-    vocab_size=96,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    tie_word_embeddings=True,
-    initializer_range=0.3,
-    max_position_embeddings=64,
-)
+MODEL = TINY_STEP_MODEL
 B, L = 16, 20
 STARE_ON = StareConfig(enabled=True, variant="C2", w=1.5, m=0.5, top_p=0.2, target_entropy=50.0)
 BASE = TrainStepConfig(optimizer=OptimizerConfig(lr=1e-3), logprob_chunk_size=8, debug_outputs=True, stare=STARE_ON)
