@@ -25,7 +25,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 from etils import epath
 
-from stare_jax.data.prompts import DataError, iter_jsonl_values
+from stare_jax.data.jsonl import DataError, iter_jsonl_values
 
 __all__ = [
     "ROLES",

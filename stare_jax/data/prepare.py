@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import pyarrow.parquet as pq
 
 from stare_jax.data.boxed import last_boxed
+from stare_jax.data.jsonl import DataError, iter_jsonl_objects
 
 try:  # the optional 'data' extra: only download() needs it (a lazy-loading package, ~30 ms to import)
     import huggingface_hub as _hub
@@ -386,18 +387,10 @@ def read_hub_rows(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
             raise PrepareError(f"{path}: not a readable parquet file ({e})") from None
     elif path.suffix in (".jsonl", ".json"):
-        # not data.prompts' reader: that module imports this one (for its file-not-found hint), and grain
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise PrepareError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(row, dict):
-                    raise PrepareError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-                yield row
+        try:
+            yield from (row for _, row in iter_jsonl_objects(path))
+        except DataError as e:  # the same message, as this command's error
+            raise PrepareError(str(e)) from None
     else:
         raise PrepareError(f"{path}: unsupported file type {path.suffix!r} (the hub's .parquet or .jsonl)")
 

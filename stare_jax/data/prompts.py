@@ -16,22 +16,18 @@ processes, and the iterator state identical on every process: a checkpoint writt
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import grain
 import numpy as np
 import pyarrow.parquet as pq
 from etils import epath
 
+from stare_jax.data.jsonl import DataError, iter_jsonl_objects
 from stare_jax.data.prepare import prepare_command
 
 PAPER_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-
-
-class DataError(ValueError):
-    """A data file is missing, unreadable or has a malformed row (the message names file and line)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,30 +38,6 @@ class PromptRow:
     problem: str
     answer: str
     where: str
-
-
-def iter_jsonl_values(path: str | pathlib.Path) -> Iterator[tuple[int, Any]]:
-    """(1-based line number, value) for every non-blank line of a JSON-lines file; DataError naming the file and
-    line for invalid JSON. The one jsonl reader of the project. Local paths and object-store URLs (gs://..., via
-    etils.epath) both work."""
-    file = epath.Path(path)
-    with file.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{file}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            yield lineno, value
-
-
-def iter_jsonl_objects(path: str | pathlib.Path) -> Iterator[tuple[int, dict]]:
-    """iter_jsonl_values where every line must be a JSON object (DataError naming the file and line otherwise)."""
-    for lineno, obj in iter_jsonl_values(path):
-        if not isinstance(obj, dict):
-            raise DataError(f"{epath.Path(path)}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-        yield lineno, obj
 
 
 def _row_from_mapping(obj, where: str, prompt_field: str, answer_field: str, index: int) -> PromptRow:

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from stare_jax.data.jsonl import iter_jsonl_objects
 from stare_jax.data.prepare import prepare_command
-from stare_jax.data.prompts import iter_jsonl_objects
 from stare_jax.rewards.math import reference_alternatives
 
 __all__ = [
