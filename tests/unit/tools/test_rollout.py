@@ -811,7 +811,7 @@ def test_eval_cli_runs_multi_turn_with_the_tool(tokenizer, tmp_path):
     assert "| all (tool use) | 1.0000 |" in (out / "eval.md").read_text()
 
 
-def test_eval_tool_section_and_bad_input(tmp_path, capsys):
+def test_eval_tool_section_and_bad_input(tmp_path, capsys, shared_data_dir):
     """--tool auto takes the tool section of --config (else of a run folder's config.yaml, else the defaults),
     tool.KEY=VALUE overrides on top; other overrides and --tool on without the engine are one-line errors."""
     from stare_jax import cli
@@ -840,7 +840,7 @@ def test_eval_tool_section_and_bad_input(tmp_path, capsys):
                 "--benchmarks",
                 "math500",
                 "--data-dir",
-                str(REPO.parent / "shared/data/math"),
+                str(shared_data_dir / "math"),
                 "rl.lr=1",
             ]
         )
@@ -856,7 +856,7 @@ def test_eval_tool_section_and_bad_input(tmp_path, capsys):
                 "--benchmarks",
                 "math500",
                 "--data-dir",
-                str(REPO.parent / "shared/data/math"),
+                str(shared_data_dir / "math"),
                 "--tool",
                 "on",
                 "--engine",
