@@ -561,14 +561,18 @@ def compile_run(
             sampler_weights_b = _compile_static_sampler(cfg, model, mesh, programs, log)
 
     params_b = tree_bytes_per_device(train_state.params)
+    # the rest of the model state stays resident through sampling too: a LoRA run's frozen base (7.2 GiB per chip
+    # for the 7B arm on v5p-8, which the sampling phase once left out), else nothing
+    frozen_b = tree_bytes_per_device(train_state.rest)
     opt_b = tree_bytes_per_device(train_state.opt_state)
     ref_b = params_b if tcfg.kl.enabled else 0  # the reference: the policy's shapes and shardings, no optimizer state
     opt_dev_b = 0 if tcfg.offload.optimizer else opt_b  # rl.offload.optimizer: the moments wait in host memory
-    resident_train = params_b + opt_dev_b + ref_b
+    resident_train = params_b + frozen_b + opt_dev_b + ref_b
     t, r = programs["train_step"], programs["weight_reshard"]
     sampler_peak = max(programs[k].peak_bytes for k in ("sampler", "sampler_prefill") if k in programs)
     phases = {
         "sampling": {
+            # the reshard reads the whole model state (params and rest) as its arguments
             "peak_bytes": max(sampler_peak + resident_train, r.peak_bytes + opt_dev_b + ref_b),
             "program_peak_bytes": sampler_peak,
             "resident_bytes": resident_train,
@@ -594,6 +598,7 @@ def compile_run(
         "compiled": {k: dataclasses.asdict(v) for k, v in programs.items()},
         "state_bytes_per_device": {
             "params": params_b,
+            "frozen_params": frozen_b,
             "optimizer": opt_b,
             "reference_params": ref_b,
             "sampler_weights": sampler_weights_b,

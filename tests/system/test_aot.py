@@ -71,6 +71,22 @@ def test_tiny_config_state_is_sharded(tiny_report):
     assert s["sampler_weights"] * 2 >= s["params"]  # bf16 copy, replicated over the 4 data shards
     assert tiny_report["phases"]["sampling"]["resident_bytes"] == s["params"] + s["optimizer"]
     assert s["reference_params"] == 0  # no rl.kl: no reference policy
+    assert s["frozen_params"] == 0  # full weights: every parameter is trained
+
+
+def test_lora_run_keeps_its_frozen_base_resident_while_sampling(tiny_report):
+    """A LoRA run trains the adapters (TrainState.params) and keeps the frozen base (TrainState.rest) on the chips
+    through the sampling phase: the phase counts both, the moments are the adapters' alone, and the train step
+    takes the base as an argument."""
+    if tiny_report["topology"] != "v5p:2x2x1":
+        pytest.skip("one topology is enough")
+    r = aot.compile_run(load_config("configs/tiny_cpu_stare_lora.yaml", TINY), topology="v5p:2x2x1", log=lambda _: None)
+    s = r["state_bytes_per_device"]
+    assert s["params"] > 0 and s["frozen_params"] > 0
+    assert s["optimizer"] - 2 * s["params"] == 8  # AdamW moments of the adapters alone (+ two int32 counts)
+    assert r["phases"]["sampling"]["resident_bytes"] == s["params"] + s["frozen_params"] + s["optimizer"]
+    assert r["compiled"]["train_step"]["argument_bytes"] >= s["frozen_params"] + s["params"] + s["optimizer"]
+    assert r["fits"] is True
 
 
 def test_another_arm_reuses_the_sampler_programs(tiny_report):
