@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -26,6 +28,7 @@ def _positive(x):
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow  # the whole device suite, tiny, in a subprocess
 def test_device_suite_tiny_runs_on_cpu_and_reports_every_figure(tmp_path):
     out = tmp_path / "suite.json"
     load = os.getloadavg()[0]

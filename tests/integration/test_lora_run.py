@@ -60,6 +60,7 @@ def lora_run(tmp_path_factory):
     return root, run
 
 
+@pytest.mark.slow  # two more CLI runs (2 steps, resumed to 3); the default suite keeps the fixture's run (export)
 def test_lora_run_trains_and_resumes_identically(lora_run):
     root, run = lora_run
     recs = read_metrics(run)
@@ -142,6 +143,7 @@ def test_export_peft_folder_and_merged_match_our_policy(lora_run):
     )  # the adapters matter
 
 
+@pytest.mark.slow  # an export and another CLI run, from the exported adapters
 def test_init_from_a_peft_folder_starts_the_run_from_its_adapters(lora_run):
     from stare_jax.models import hf_io, lora
     from stare_jax.toy.assets import run_inputs

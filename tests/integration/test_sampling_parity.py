@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from stare_jax.models import from_pretrained  # noqa: E402
 from stare_jax.models.sharding import make_mesh  # noqa: E402
 from stare_jax.sampling import Sampler, SamplingParams  # noqa: E402
+from support.params import representative  # noqa: E402
 
 NEW_TOKENS = 32
 TIE_MARGIN = 1e-4
@@ -116,22 +117,21 @@ def _compare(tag, ours, ref, ref_logits):
 MESHES = {"single": None, "data8": {"data": 8}, "data2_fsdp4": {"data": 2, "fsdp": 4}}
 
 
-# Each architecture runs on one device and on one of the two 8-device meshes by default; the other two
-# (architecture, mesh) pairs run with --runslow (CPU budget of the default suite).
-SLOW_PAIRS = {("qwen2", "data2_fsdp4"), ("llama", "data8")}
+# (architecture, mesh) pairs: the default suite runs Qwen2 on one device and Llama on the data 2 x fsdp 4 mesh; the
+# other four pairs run with --runslow (CPU budget of the default suite).
+GREEDY_PAIRS = [
+    ("qwen2", "single"),
+    ("llama", "data2_fsdp4"),
+    ("qwen2", "data8"),
+    ("qwen2", "data2_fsdp4"),
+    ("llama", "single"),
+    ("llama", "data8"),
+]
 
 
-def _runslow(config) -> bool:
-    import os
-
-    return config.getoption("--runslow") or os.environ.get("STARE_JAX_RUN_SLOW") == "1"
-
-
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_greedy_matches_transformers(checkpoint, mesh_name, request):
+@pytest.mark.parametrize("checkpoint,mesh_name", representative(GREEDY_PAIRS, keep=2), indirect=["checkpoint"])
+def test_greedy_matches_transformers(checkpoint, mesh_name):
     arch, path, hf = checkpoint
-    if (arch, mesh_name) in SLOW_PAIRS and not _runslow(request.config):
-        pytest.skip("slow pair: run with --runslow or STARE_JAX_RUN_SLOW=1")
     mesh = None if MESHES[mesh_name] is None else make_mesh(MESHES[mesh_name])
     model = from_pretrained(path, mesh=mesh)
     ref, ref_logits = _hf_greedy(hf, PROMPTS)
@@ -166,7 +166,11 @@ def test_greedy_eos_matches_transformers(checkpoint):
         assert eos not in toks[:-1]
 
 
-@pytest.mark.parametrize("mesh_name", ["data2_fsdp4"])
+@pytest.mark.parametrize(
+    "checkpoint,mesh_name",
+    representative([("llama", "data2_fsdp4"), ("qwen2", "data2_fsdp4")]),
+    indirect=["checkpoint"],
+)
 def test_sampled_logprobs_equal_teacher_forced(checkpoint, mesh_name):
     """Log-probs returned while sampling == log_softmax of a full forward over prompt + sample (fp32, 1e-5)."""
     arch, path, _ = checkpoint

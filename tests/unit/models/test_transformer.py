@@ -9,6 +9,7 @@ from flax import nnx
 from stare_jax.models import ModelConfig, from_pretrained, init_model
 from stare_jax.models.transformer import rope_inv_freq
 from support.models import FAMILIES, hf_logits, padded_batch
+from support.params import representative
 
 LENGTHS = [5, 12, 1, 9]
 T = 12
@@ -99,7 +100,7 @@ def _loss_and_grads(model, ids, mask):
     return jax.jit(jax.value_and_grad(loss_fn))(state)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots_saveable"])
+@pytest.mark.parametrize("policy", representative(["full", "dots_saveable"]))
 def test_remat_same_loss_and_grads(hf_checkpoints, policy):
     folder, _ = hf_checkpoints["qwen3"]
     ids, mask, _ = padded_batch([6, 8], 8, left=True, seed=5)

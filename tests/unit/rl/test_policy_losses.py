@@ -19,6 +19,7 @@ from stare_jax.rl.losses import (
     kl_cov_mask,
     policy_loss_normalizer,
 )
+from support.params import representative
 from support.rl import np_agg
 
 B, T = 8, 12
@@ -338,8 +339,8 @@ def test_rollout_is_weights_match_verl_torch(name, mode):
         _call(name, lp, old, adv, mask, mode, omega, rollout_is_weights=w[:, :-1])
 
 
-@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("name", representative(["clip_cov", "kl_cov"]))
+@pytest.mark.parametrize("mode", representative(["token-mean", "seq-mean-token-mean"]))
 def test_micro_batch_scope_is_verl_per_micro_batch(name, mode):
     """scope micro_batch: each group of micro_batch_size sequences is what verl computes on one GPU micro-batch
     (its own means, counts and choice), aggregated with the global denominator (verl's global_batch_info)."""

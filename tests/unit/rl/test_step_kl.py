@@ -29,6 +29,7 @@ from stare_jax.rl.step import (
     split_model,
 )
 from stare_jax.training.setup import TrainingError, reference_params
+from support.params import representative
 from support.rl import TINY_STEP_MODEL, np_agg, random_train_batch
 
 MODEL = TINY_STEP_MODEL
@@ -153,7 +154,9 @@ def test_reference_is_never_updated_kl_is_zero_at_the_start_and_nothing_recompil
         step(state, batch, ss)
 
 
-@pytest.mark.parametrize("kl", [KL_LOSS, KLConfig(coef=0.1, use_as="reward", estimator="k3", reference="initial")])
+@pytest.mark.parametrize(
+    "kl", representative([KL_LOSS, KLConfig(coef=0.1, use_as="reward", estimator="k3", reference="initial")])
+)
 def test_sharded_equals_single_device(setup, kl):
     batch, graphdef, ts, ref = setup
     cfg = dataclasses.replace(BASE, kl=kl, num_micro_batches=2)

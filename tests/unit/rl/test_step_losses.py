@@ -23,6 +23,7 @@ from stare_jax.rl.step import (
     place_train_state,
     shift_batch,
 )
+from support.params import representative
 from support.rl import TINY_STEP_MODEL, random_train_batch
 
 MODEL = TINY_STEP_MODEL
@@ -49,7 +50,7 @@ def _naive_lp_ent(graphdef, ts, batch):
     return lp.astype(np.float32), ent.astype(np.float32), lm, np.asarray(adv)
 
 
-@pytest.mark.parametrize("name", ["cispo", "gspo"])
+@pytest.mark.parametrize("name", representative(["cispo", "gspo"]))
 def test_step_loss_is_compute_policy_loss_plus_entropy_bonus_with_stare_and_filter(setup, name):
     batch, graphdef, ts = setup
     cfg = dataclasses.replace(

@@ -23,6 +23,7 @@ from stare_jax.rl.step import (
     init_train_state,
     make_train_step,
 )
+from support.params import representative
 from support.rl import TINY_STEP_MODEL, random_train_batch
 
 MODEL = TINY_STEP_MODEL
@@ -81,7 +82,7 @@ def test_identical_log_probs_change_nothing(setup):
     assert float(met["response_tokens"]) == float(base["response_tokens"])
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", representative(["token", "sequence"]))
 def test_is_weights_and_rejection_act_as_the_pure_functions_say(setup, level):
     batch, graphdef, ts, base = setup
     old, lm = np.asarray(base["debug/old_logprobs"]), np.asarray(base["debug/loss_mask"])

@@ -44,7 +44,7 @@ def _on_mesh(model, shape):
     return Engine(init_model(model.config, seed=0, mesh=mesh), mesh=mesh, config=CONFIG)
 
 
-@pytest.mark.slow  # ~1 min per mesh on 2 CPU cores; the default suite compares tokens in the multi-turn test
+@pytest.mark.slow  # ~1 min per mesh on 2 CPU cores; the default suite runs the data-split mesh in the tests below
 @pytest.mark.parametrize("shape", MESHES.values(), ids=MESHES.keys())
 def test_data_split_mesh_matches_single_device_and_sampler(model, shape):
     engine = _on_mesh(model, shape)
@@ -81,6 +81,7 @@ def test_data_split_mesh_matches_single_device_and_sampler(model, shape):
     assert kv_bytes(engine) == kv_bytes(single)  # the same pages in all
 
 
+@pytest.mark.slow  # a mesh engine and a single-device one, two turns each
 def test_multi_turn_extend_on_a_data_split_mesh(model):
     """start / extend / close (tools/rollout.py's calls) on data=2 x tensor=4: the same turns as one device, each
     conversation's pages in its shard's pool."""

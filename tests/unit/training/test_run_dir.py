@@ -59,6 +59,7 @@ def test_push_pull_and_reset(tmp_path):
     assert (rd.local / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+@pytest.mark.slow  # two in-process training runs (fresh, then resumed); the sync tests above run by default
 def test_training_in_a_remote_run_dir_resumes_with_its_history(tmp_path, monkeypatch):
     """run_training against the stand-in object store: fresh run (2 steps), then --resume to 3 steps from an
     EMPTY local mirror (another machine): the remote ends with the whole history and the checkpoints."""

@@ -18,6 +18,7 @@ from stare_jax.rl.stare import (
     update_controller,
     validate_stare_options,
 )
+from support.params import representative
 
 SETS = ("pos_high", "pos_low", "neg_high", "neg_low")
 # The variant table of docs/stare.md, written out independently: variant -> {set: "W" | "M"}
@@ -282,7 +283,7 @@ def test_config_defaults_and_accepted_edges():
     assert hash(StareConfig(w=2)) == hash(StareConfig(w=2.0))  # static config of the jitted step
 
 
-@pytest.mark.parametrize("rule", ["quantile", "exact_top_k"])
+@pytest.mark.parametrize("rule", representative(["quantile", "exact_top_k"]))
 def test_bisection_selection_equals_sort_reference(rule):
     from stare_jax.rl.stare.select import _select_flat, candidates
     from support.stare_reference import select_flat_sort
