@@ -3,7 +3,6 @@ task, the local sandbox), the evaluations with and without the tool, the tool ch
 panels; and the scenario's bad input."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from stare_jax import cli
 from stare_jax.config.loader import load_config
 from stare_jax.experiments.demo import CONFIGS, SCENARIOS, run_demo
 from stare_jax.training.setup import TrainingError
+from support.cli import cli_env
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -64,8 +64,7 @@ def test_tool_demo_end_to_end(tmp_path):
         f"toy.cache_dir={tmp_path / 'toy'}",
         *TINY,
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = cli_env()
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     assert (out / "curves.png").stat().st_size > 0

@@ -12,16 +12,13 @@ import time
 
 import pytest
 
+from support.cli import cli_env
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device: the suite is a single-chip benchmark
-    env["JAX_PLATFORMS"] = "cpu"
-    env["JAX_COMPILATION_CACHE_DIR"] = str(REPO / ".cache" / "jax")
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
-    return env
+    return cli_env(compile_cache=True)  # one CPU device: the suite is a single-chip benchmark
 
 
 def _positive(x):

@@ -4,7 +4,6 @@ folder (plus the toy's base as an HF folder) that transformers + peft load to ou
 writes an HF folder with the same logits; a run started with model.lora.init_from=<that PEFT folder> starts from its
 adapters (and a folder of another rank is a one-line error)."""
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from stare_jax.training.metrics import read_metrics
+from support.cli import cli_env
 from support.toy_runs import TINY
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -27,9 +27,7 @@ LORA = [
 
 
 def _run(*args, timeout=900, rc=0):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
+    env = cli_env(compile_cache=True)
     p = subprocess.run(
         [sys.executable, "-m", "stare_jax.cli", *args],
         cwd=REPO,

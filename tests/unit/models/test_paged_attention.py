@@ -155,7 +155,9 @@ def _decode_case(num_heads: int, num_kv_heads: int, seed: int = 0, head_dim: int
     return q, kp, vp, jnp.asarray(table), jnp.asarray(lengths[:, None] - 1, jnp.int32)
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (6, 2), (2, 2)], ids=["gqa2x", "gqa3x", "mha"])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads", representative([(4, 2), (6, 2), (2, 2)]), ids=["gqa2x", "gqa3x", "mha"]
+)
 def test_pallas_decode_matches_gather(num_heads, num_kv_heads):
     """The TPU kernel (Pallas interpret mode on CPU) gives the gather path's decode attention to float tolerance:
     GQA with 2x and 3x as many q heads as kv heads, and MHA; ragged lengths over scattered pages."""

@@ -42,7 +42,7 @@ def _full_logprobs(model, seqs) -> list[np.ndarray]:
     "family, config",
     [
         ("qwen2", SMALL),
-        ("qwen2", EngineConfig(max_slots=16, page_size=16, decode_chunk=16)),
+        pytest.param("qwen2", EngineConfig(max_slots=16, page_size=16, decode_chunk=16), marks=pytest.mark.slow),
         pytest.param("qwen3", SMALL, marks=pytest.mark.slow),
     ],
     ids=["qwen2-slots4-page4-K4", "qwen2-slots16-page16-K16", "qwen3-slots4-page4-K4"],
@@ -269,7 +269,8 @@ def test_attention_config_resolves_per_platform(model):
     assert Engine(model, config=dataclasses.replace(SMALL, attention="pallas")).attention == "pallas"
 
 
-@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)], ids=["greedy", "t1"])
+@pytest.mark.slow  # the kernel itself against the gather path: tests/unit/models/test_paged_attention.py
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
 def test_pallas_decode_gives_the_gather_tokens(model, temperature):
     """attention=pallas (the TPU kernel, Pallas interpret mode on CPU: ~20 s) decodes the gather path's tokens with
     a bfloat16 pool (the kernel reads pages as bfloat16); log-probs to float tolerance."""
@@ -473,6 +474,7 @@ def test_running_batch_refuses_blocking_calls_and_close_cancels_it(model):
     engine.generate(PROMPTS[:1], max_new_tokens=4)  # the engine is usable again
 
 
+@pytest.mark.slow  # multi-turn generation with parked rows runs by default in tests/unit/tools/test_rollout.py
 def test_rows_parked_between_turns_give_their_pages_to_decoding_rows(model):
     """More kept conversations than the pool holds: rows parked between turns (start with keep=True) are evicted
     for the rows still decoding and recomputed on their next turn (the whole conversation prefilled again); the

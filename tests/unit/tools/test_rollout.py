@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import shutil
 import subprocess
@@ -57,6 +56,7 @@ from stare_jax.tools.sandbox import ExecResult
 from stare_jax.training.collect import Rollouts, collect_batch, train_batch_from_rollouts
 from stare_jax.training.metrics import read_metrics
 from stare_jax.training.setup import TrainingError, encode_rows, make_tool_pool
+from support.cli import cli_env
 from support.rl import random_train_batch
 from support.tools import CALL, TEMPLATE, _bigram_model, _make_tokenizer
 
@@ -685,8 +685,7 @@ def test_rl_loop_collects_tool_rollouts_and_records_tool_metrics(tmp_path):
         "tool.enabled=true",
         "tool.max_turns=2",
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = cli_env()
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     recs = read_metrics(run, drop_timing=False)
@@ -716,8 +715,7 @@ def test_smollm2_gsm8k_tool_rollouts_two_steps(tmp_path):
     if not (model_dir / "config.json").is_file() or not data.is_file():
         pytest.skip(f"needs {model_dir} (stare-jax smollm2 {model_dir}) and {data}")
     run = tmp_path / "smol"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = cli_env()
     p = subprocess.run(
         [
             sys.executable,
@@ -797,8 +795,7 @@ def test_eval_cli_runs_multi_turn_with_the_tool(tokenizer, tmp_path):
         "tool.timeout_s=5",
         "tool.max_turns=2",
     ]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = cli_env()
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "multi-turn with the code interpreter (hermes, up to 2 calls, local sandbox)" in p.stderr

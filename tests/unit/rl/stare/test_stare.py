@@ -323,7 +323,7 @@ def _impl_cases():
     yield "one", lp, adv, one
 
 
-@pytest.mark.parametrize("scope", ["batch", "micro_batch"])
+@pytest.mark.parametrize("scope", representative(["batch", "micro_batch"]))
 def test_jnp_quantile_equals_bisect(scope):
     """select_impl jnp_quantile (jnp.nanquantile, linear) selects exactly the sets of the bisection, and both are
     numpy's linear quantile rule. (exact_top_k bisects whatever select_impl: checked on the mesh below.)"""
