@@ -131,6 +131,13 @@ def main() -> None:
     ap.add_argument("--seed-list", type=int, nargs="+", default=None, help="run these seeds instead")
     ap.add_argument("--perturb", action="store_true", help="also seed 0 under each perturbation (see the docstring)")
     ap.add_argument("--only-perturb", action="store_true", help="only the perturbations of seed 0")
+    ap.add_argument(
+        "--perturbations",
+        nargs="+",
+        choices=sorted(PERTURBATIONS),
+        default=sorted(PERTURBATIONS),
+        help="which perturbations --perturb / --only-perturb run (default: all)",
+    )
     ap.add_argument("--out", default="runs/demo_seeds")
     ap.add_argument("--scenario", default="default", choices=sorted(SCENARIOS))
     ap.add_argument("overrides", nargs="*", help="KEY=VALUE overrides for both arms")
@@ -139,7 +146,7 @@ def main() -> None:
     out = pathlib.Path(args.out)
     rows: dict[str, dict] = {}
     runs = [(f"seed{seed}", seed, None) for seed in ([] if args.only_perturb else seeds)]
-    runs += [(f"seed0-{p}", 0, p) for p in (PERTURBATIONS if args.perturb or args.only_perturb else ())]
+    runs += [(f"seed0-{p}", 0, p) for p in (args.perturbations if args.perturb or args.only_perturb else ())]
     if not runs:
         ap.error("nothing to run: give --seeds N >= 1, --seed-list or --only-perturb")
     for name, seed, perturbation in runs:

@@ -23,6 +23,9 @@ LORA = [
     "optimizer.lr=1e-2",
     "rl.kl.reference=initial",
     "rl.kl.coef=0.01",
+    # the tiny toy rarely earns a reward in 3 steps (then every advantage is 0): the entropy bonus moves the adapters
+    # whatever the samples, so the checks below do not hang on the sampled numerics (-O0 vs -O2 drew all-zero rewards)
+    "rl.entropy_coeff=0.01",
 ]
 
 
