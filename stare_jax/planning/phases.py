@@ -154,7 +154,7 @@ def train_memory(cfg, model_cfg, num_params: int, mesh: dict, shape: StepShape) 
     cast_layers = L if mesh["fsdp"] == 1 and pb != cb else 2
     # LoRA (model.lora): the frozen base in param dtype plus float32 adapters; gradients, moments and a KL
     # reference ('initial') cover the adapters alone
-    lora = model_cfg.num_lora_params() if getattr(model_cfg, "lora_rank", 0) else 0
+    lora = model_cfg.num_lora_params() if model_cfg.lora_rank else 0
     trained_bytes = lora * 4 if lora else P * pb
     mem = {
         "params": ((P - lora) * pb + lora * 4) / shard,
