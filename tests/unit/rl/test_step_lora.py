@@ -11,22 +11,12 @@ import pytest
 from flax import nnx
 
 from stare_jax.config.kl import KLConfig
-from stare_jax.models import ModelConfig, init_model
+from stare_jax.models import init_model
 from stare_jax.rl.stare import StareConfig, init_stare_state
 from stare_jax.rl.step import OptimizerConfig, TrainStepConfig, init_train_state, make_train_step, trainable
-from support.rl import random_train_batch
+from support.rl import TINY_STEP_MODEL, random_train_batch
 
-MODEL = ModelConfig(
-    vocab_size=96,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    tie_word_embeddings=True,
-    initializer_range=0.3,
-    max_position_embeddings=64,
-)
+MODEL = dataclasses.replace(TINY_STEP_MODEL, num_layers=2)
 LORA = dataclasses.replace(
     MODEL,
     lora_rank=4,

@@ -31,7 +31,7 @@ from flax import nnx
 
 from stare_jax.config.loader import Config, ConfigError, RLConfig, SamplingConfig, load_config
 from stare_jax.data.prompts import PAPER_INSTRUCTION, PromptRow
-from stare_jax.models import ModelConfig, init_model, save_pretrained
+from stare_jax.models import init_model, save_pretrained
 from stare_jax.rewards.reward_fn import RewardFn
 from stare_jax.rl.losses import policy_loss
 from stare_jax.rl.stare import StareConfig, init_stare_state
@@ -57,7 +57,7 @@ from stare_jax.training.collect import Rollouts, collect_batch, train_batch_from
 from stare_jax.training.metrics import read_metrics
 from stare_jax.training.setup import TrainingError, encode_rows, make_tool_pool
 from support.cli import cli_env
-from support.rl import random_train_batch
+from support.rl import TINY_STEP_MODEL, random_train_batch
 from support.tools import CALL, TEMPLATE, _bigram_model, _make_tokenizer
 
 
@@ -548,17 +548,7 @@ def test_collect_stage_lays_out_observations_with_loss_mask_0(engine, tokenizer,
     np.testing.assert_allclose(got.kept.reward_bonus_PxG, 0.0)  # a bonus only for correct answers
 
 
-MODEL = ModelConfig(
-    vocab_size=96,
-    hidden_size=32,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=64,
-    tie_word_embeddings=True,
-    initializer_range=0.3,
-    max_position_embeddings=64,
-)
+MODEL = TINY_STEP_MODEL
 STEP = TrainStepConfig(
     optimizer=OptimizerConfig(lr=1e-3),
     logprob_chunk_size=8,
